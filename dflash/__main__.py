@@ -1,0 +1,3 @@
+from dflash.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""The ``dflash`` console command: ``dflash train``, ``dflash eval``, ``dflash patches ...``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Modules under dflash.commands, in the order their subcommands are listed in --help.
+_COMMANDS = ("train", "evaluate", "patches")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash",
+        description="Train and evaluate DFlash speculative-decoding drafters on thread-safe torch.compile.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMANDS:
+        importlib.import_module(f"dflash.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args) or 0)

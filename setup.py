@@ -1,0 +1,69 @@
+"""Packaging for dflash, including the startup hook that patches torch at import.
+
+The hook is a ``.pth`` file (plus a PEP 829 ``.start`` file for Python 3.15+)
+placed at the root of site-packages. ``build_py`` below puts it where both a
+regular and an editable (PEP 660) wheel pick it up; see
+``../shared/packaging_notes.md`` for why neither ``data_files`` nor copying it
+into ``build_lib`` alone works for ``pip install -e .``.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).parent
+STARTUP_FILES = ("dflash-patches.pth", "dflash-patches.start")
+
+
+class BuildPyWithStartupHook(build_py):
+    """Ship the startup files at the wheel root, for regular and editable wheels.
+
+    In editable mode setuptools points the ``install`` command's ``install_lib``
+    at the folder it zips into the editable wheel (stable from setuptools 64 to
+    84; ``tests/test_packaging.py`` checks the file lands after ``pip install -e .``).
+    """
+
+    def run(self):
+        super().run()
+        if self.editable_mode:
+            target = Path(self.get_finalized_command("install").install_lib)
+        else:
+            target = Path(self.build_lib)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in STARTUP_FILES:
+            self.copy_file(str(HERE / "dflash" / "patching" / name), str(target / name))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [
+            str(Path(self.build_lib) / name) for name in STARTUP_FILES
+        ]
+
+
+setup(
+    name="dflash",
+    version="0.1.0",
+    description="DFlash drafter trainer on thread-safe torch.compile (patch series, trainer, stress suite)",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8") if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dflash", "dflash.*"]) + ["dflash.patch_series"],
+    # patches/ is the single source of truth for the series; shipping it as a
+    # package lets the engine, the wheel builder and the PR kit read it alike.
+    package_dir={"dflash.patch_series": "patches"},
+    package_data={"dflash.patch_series": ["series", "*.patch"], "dflash.patching": STARTUP_FILES},
+    install_requires=[
+        "torch>=2.5",
+        "transformers>=4.56",
+        "safetensors>=0.4",
+        "tqdm>=4.66",
+        "tensorboard>=2.15",
+        "unidiff>=0.7.5",
+        "wheel>=0.43",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100"],
+    },
+    entry_points={"console_scripts": ["dflash = dflash.cli:main"]},
+    cmdclass={"build_py": BuildPyWithStartupHook},
+)
