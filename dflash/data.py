@@ -1,0 +1,389 @@
+"""Chat data for drafter training: JSONL reading, chat-template rendering with an
+assistant-only loss mask, fixed-shape batches and a resumable, rank-sharded sampler.
+
+Input: one JSON object per line, either OpenAI style ``{"messages": [{"role", "content"}]}``
+or ShareGPT style ``{"conversations": [{"from", "value"}]}`` (roles ``human``/``gpt`` map to
+``user``/``assistant``). Each conversation is rendered once with the target tokenizer's chat
+template; the loss mask marks the tokens of assistant turns (content plus the end-of-turn
+marker, so the drafter learns to stop). The spans are found by rendering the conversation
+prefix up to each assistant turn (with and without the generation prompt) and matching it
+against the full rendering, then mapping characters to tokens through the tokenizer's offset
+mapping; templates that rewrite earlier turns (Qwen3 drops old reasoning) fall back to
+locating the turn's content text. ``{% generation %}`` markers are not needed.
+
+Length policy (``overflow``): ``"truncate"`` keeps the first ``seq_len`` tokens, ``"drop"``
+skips longer conversations. Conversations left with fewer than two supervised tokens (no
+possible anchor, see ``dflash_reference.md``: an anchor needs ``loss_mask[a]`` and
+``loss_mask[a + 1]``) are skipped; the counts are logged.
+
+Batches are right-padded to a fixed ``seq_len`` (one conversation per row) so compiled code
+sees one shape. Conversations are not packed several to a row: the target forward would
+then attend across conversations, which it never does when serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Role spellings seen in public chat corpora, mapped to the chat-template roles.
+_ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+}
+OVERFLOW_POLICIES = ("truncate", "drop")
+
+
+class DatasetError(ValueError):
+    """A data file that cannot be used, with the file, line and what was expected."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized conversation.
+
+    Args:
+        input_ids (list[int]): token ids of the rendered conversation, length <= seq_len.
+        loss_mask (list[int]): 1 on assistant tokens (trained on), 0 elsewhere; same length.
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class Batch:
+    """A fixed-shape training batch, right-padded.
+
+    Args:
+        input_ids (torch.Tensor): ``[B, S]`` int64, padding = ``pad_token_id``.
+        loss_mask (torch.Tensor): ``[B, S]`` bool, True on supervised (assistant) tokens.
+        lengths (torch.Tensor): ``[B]`` int64, number of real tokens per row.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    lengths: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            loss_mask=self.loss_mask.to(device, non_blocking=True),
+            lengths=self.lengths.to(device, non_blocking=True),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens in the batch."""
+        return int(self.lengths.sum())
+
+
+# ---------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------
+
+
+def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
+    """Read a JSONL chat file into conversations of ``{"role", "content"}`` messages.
+
+    Blank lines are skipped. Roles are normalised (``human`` -> ``user``, ``gpt`` ->
+    ``assistant``, see ``_ROLE_ALIASES``).
+
+    Raises:
+        DatasetError: missing or empty file, bytes that are not UTF-8, a line that is not a
+            JSON object, no ``messages``/``conversations`` list, a message without its role or
+            text key, a non-string content, or an unknown role. The message names the file and
+            the 1-based line number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such data file; pass --data with a JSONL chat file")
+    conversations = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(
+                    f"{where}: not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                    "re-encode the file as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); "
+                                   "expected one JSON object per line") from None
+            conversations.append(_parse_record(record, where))
+    if not conversations:
+        raise DatasetError(f"{path}: file is empty; expected one JSON chat record per line")
+    return conversations
+
+
+def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages, role_key, text_key = record["messages"], "role", "content"
+    elif "conversations" in record:
+        messages, role_key, text_key = record["conversations"], "from", "value"
+    else:
+        raise DatasetError(
+            f"{where}: missing key: expected 'messages' (OpenAI: role/content) or "
+            f"'conversations' (ShareGPT: from/value), found keys {sorted(record)}"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: expected a non-empty list of messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or role_key not in message or text_key not in message:
+            raise DatasetError(f"{where}: message {i} must be an object with keys "
+                               f"'{role_key}' and '{text_key}', got {message!r:.80}")
+        role, content = message[role_key], message[text_key]
+        if role not in _ROLE_ALIASES:
+            raise DatasetError(f"{where}: message {i} has unknown role {role!r}; expected one of "
+                               f"{sorted(_ROLE_ALIASES)}")
+        if not isinstance(content, str):
+            raise DatasetError(f"{where}: message {i} '{text_key}' must be a string, "
+                               f"got {type(content).__name__}")
+        parsed.append({"role": _ROLE_ALIASES[role], "content": content})
+    return parsed
+
+
+def prompt_messages(conversation: Sequence[dict[str, str]]) -> list[dict[str, str]] | None:
+    """The messages before the first assistant turn (an evaluation prompt); None if the
+    conversation has no assistant turn or nothing before it."""
+    for i, message in enumerate(conversation):
+        if message["role"] == "assistant":
+            return list(conversation[:i]) or None
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizing with an assistant-only loss mask
+# ---------------------------------------------------------------------------------------
+
+
+def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """Render ``conversation`` and return ``(text, spans)``: the character spans
+    ``[start, end)`` of each assistant turn inside ``text``.
+
+    A turn starts where the rendering of the prefix with the generation prompt ends and
+    stops where the rendering of the prefix including the turn ends (so the end-of-turn
+    marker is included). When the template is not prefix-stable, the turn's content is
+    located by text search instead.
+
+    Raises:
+        DatasetError: the template is not prefix-stable and the content cannot be found.
+    """
+    text = _render(tokenizer, conversation, add_generation_prompt=False)
+    spans, cursor = [], 0
+    for i, message in enumerate(conversation):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, conversation[:i], add_generation_prompt=True)
+        through = _render(tokenizer, conversation[: i + 1], add_generation_prompt=False)
+        if text.startswith(before) and text.startswith(through) and len(through) > len(before):
+            start, end = len(before), len(through)
+        else:
+            start = text.find(message["content"], cursor)
+            if start < 0:
+                raise DatasetError(
+                    f"assistant turn {i} not found in the rendered chat template; the tokenizer's "
+                    "template rewrites message content, so the loss mask cannot be derived"
+                )
+            end = start + len(message["content"])
+        spans.append((start, end))
+        cursor = end
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, conversation: Sequence[dict[str, str]]) -> Example:
+    """Tokenize a conversation with the target's chat template and mark assistant tokens.
+
+    A token is supervised when its first character lies in an assistant span. Needs a fast
+    tokenizer (offset mapping).
+
+    Raises:
+        DatasetError: see :func:`assistant_char_spans`; the tokenizer has no offsets.
+    """
+    text, spans = assistant_char_spans(tokenizer, conversation)
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as e:
+        raise DatasetError("the target tokenizer has no offset mapping; use a fast tokenizer "
+                           "(tokenizer.json)") from e
+    mask = [0] * len(encoded["input_ids"])
+    span_iter = iter(spans)
+    span = next(span_iter, None)
+    for t, (start, end) in enumerate(encoded["offset_mapping"]):
+        while span is not None and start >= span[1]:
+            span = next(span_iter, None)
+        if span is not None and span[0] <= start < span[1] and end > start:
+            mask[t] = 1
+    return Example(input_ids=list(encoded["input_ids"]), loss_mask=mask)
+
+
+def build_examples(tokenizer, conversations, *, seq_len: int, overflow: str = "truncate",
+                   source: str = "data") -> list[Example]:
+    """Tokenize conversations and apply the length policy (module docstring).
+
+    Raises:
+        ValueError: unknown ``overflow``.
+        DatasetError: no usable conversation is left (names ``source``).
+    """
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+    examples, too_long, unsupervised = [], 0, 0
+    for conversation in conversations:
+        example = tokenize_conversation(tokenizer, conversation)
+        if len(example.input_ids) > seq_len:
+            too_long += 1
+            if overflow == "drop":
+                continue
+            example = Example(example.input_ids[:seq_len], example.loss_mask[:seq_len])
+        if not _has_anchor(example.loss_mask):
+            unsupervised += 1
+            continue
+        examples.append(example)
+    logger.info("%s: %d conversations, %d longer than seq_len=%d (%s), %d skipped without two "
+                "consecutive assistant tokens, %d kept", source, len(conversations), too_long,
+                seq_len, "truncated" if overflow == "truncate" else "dropped", unsupervised, len(examples))
+    if not examples:
+        raise DatasetError(f"{source}: no usable conversation (need an assistant turn of at least two "
+                           f"tokens within seq_len={seq_len}); raise --seq-len or check the roles")
+    return examples
+
+
+def _has_anchor(mask: Sequence[int]) -> bool:
+    return any(a and b for a, b in zip(mask, mask[1:]))
+
+
+def collate(examples: Sequence[Example], *, seq_len: int, pad_token_id: int) -> Batch:
+    """Right-pad examples to ``[len(examples), seq_len]``; padding has loss mask 0."""
+    ids = torch.full((len(examples), seq_len), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), seq_len), dtype=torch.bool)
+    lengths = torch.empty(len(examples), dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        ids[row, :n] = torch.tensor(example.input_ids, dtype=torch.long)
+        mask[row, :n] = torch.tensor(example.loss_mask, dtype=torch.bool)
+        lengths[row] = n
+    return Batch(input_ids=ids, loss_mask=mask, lengths=lengths)
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------
+
+
+class ShardedSampler:
+    """Deterministic, resumable index sampler, sharded across ranks.
+
+    Each epoch draws a permutation of ``range(num_examples)`` from ``seed + epoch``
+    (identical on every rank), trims it to a multiple of ``world_size * batch_size`` and
+    gives rank ``r`` the batches ``r, r + world_size, ...``, so ranks never share an example
+    and all ranks run the same number of steps. The state is ``{"epoch", "position"}``
+    (position = batches already yielded in the epoch); restoring it continues exactly.
+
+    Raises:
+        ValueError: bad rank/world_size/batch_size, or fewer examples than one global batch.
+    """
+
+    def __init__(self, num_examples: int, *, batch_size: int, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_examples < batch_size * world_size:
+            raise ValueError(f"{num_examples} examples are fewer than one global batch "
+                             f"(batch_size={batch_size} x world_size={world_size}); add data or "
+                             "lower --batch-size")
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.shuffle, self.rank, self.world_size = shuffle, rank, world_size
+        self.epoch, self.position = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_examples // (self.batch_size * self.world_size)
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_examples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_examples))
+        b, n = self.batch_size, self.batches_per_epoch * self.world_size
+        batches = [order[i * b:(i + 1) * b] for i in range(n)]
+        return batches[self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield index batches forever, epoch after epoch, from the current state."""
+        while True:
+            batches = self._epoch_batches(self.epoch)
+            while self.position < len(batches):
+                self.position += 1
+                yield batches[self.position - 1]
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class BatchLoader:
+    """Fixed-shape batches of tokenized examples in sampler order (an infinite iterator).
+
+    ``state_dict()`` is the sampler state after the last batch returned, so a checkpoint
+    taken between steps resumes with the next unseen batch.
+    """
+
+    def __init__(self, examples: Sequence[Example], sampler: ShardedSampler, *, seq_len: int,
+                 pad_token_id: int):
+        self.examples, self.sampler = examples, sampler
+        self.seq_len, self.pad_token_id = seq_len, pad_token_id
+        self._indices = None
+
+    def __iter__(self) -> "BatchLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._indices is None:
+            self._indices = iter(self.sampler)
+        chosen = [self.examples[i] for i in next(self._indices)]
+        return collate(chosen, seq_len=self.seq_len, pad_token_id=self.pad_token_id)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+        self._indices = None  # restart the generator from the restored position

@@ -1,0 +1,124 @@
+"""dflash.data: reading, assistant-only loss mask, length policy, batches, sampler."""
+
+import json
+from itertools import islice
+
+import pytest
+
+from dflash.data import (BatchLoader, DatasetError, ShardedSampler, build_examples, prompt_messages,
+                         read_conversations, tokenize_conversation)
+from tiny import CONVERSATIONS, make_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_reads_openai_and_sharegpt_alike(tmp_path):
+    openai = write_jsonl(tmp_path / "a.jsonl", [{"messages": CONVERSATIONS[0]}])
+    sharegpt = write_jsonl(tmp_path / "b.jsonl", ["", json.dumps({"conversations": [
+        {"from": "human", "value": "what is two plus two?"},
+        {"from": "gpt", "value": "two plus two is four."}]})])
+    assert read_conversations(openai) == read_conversations(sharegpt) == [CONVERSATIONS[0]]
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"", r"empty\.jsonl: file is empty"),
+    (b'{"messages": [}\n', r"bad\.jsonl:1: malformed JSON"),
+    (b'{"messages": []}\n{"text": "hi"}\n', r"bad\.jsonl:1: expected a non-empty list"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}\n{"text": "hi"}\n',
+     r"bad\.jsonl:2: missing key: expected 'messages'.*found keys \['text'\]"),
+    (b'{"messages": [{"role": "user"}]}\n', r"bad\.jsonl:1: message 0 must be an object with keys 'role' and 'content'"),
+    (b'{"conversations": [{"from": "robot", "value": "x"}]}\n', r"bad\.jsonl:1: message 0 has unknown role 'robot'"),
+    (b'{"messages": [{"role": "user", "content": 3}]}\n', r"'content' must be a string, got int"),
+    (b'[1, 2]\n', r"bad\.jsonl:1: expected a JSON object, got list"),
+    (b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "\xff\xfe"}\n',
+     r"bad\.jsonl:2: not valid UTF-8.*re-encode the file as UTF-8"),
+])
+def test_bad_input_names_file_line_and_expectation(tmp_path, content, match):
+    path = tmp_path / ("empty.jsonl" if not content else "bad.jsonl")
+    path.write_bytes(content)
+    with pytest.raises(DatasetError, match=match):
+        read_conversations(path)
+
+
+def test_missing_file_is_a_value_error_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match=r"nope\.jsonl: no such data file; pass --data"):
+        read_conversations(tmp_path / "nope.jsonl")
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
+    example = tokenize_conversation(tokenizer, CONVERSATIONS[1])
+    supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+    assert supervised == ("the fox sat on the mat and looked at the dog<|im_end|>\n"
+                          "the cat sat on the mat<|im_end|>\n")
+    # Round trip: the full token sequence is the rendered template, nothing lost or added.
+    rendered = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
+    assert tokenizer.decode(example.input_ids) == rendered
+
+
+def test_loss_mask_falls_back_to_content_search_for_rewriting_templates(tokenizer):
+    # Like Qwen3 (which drops the reasoning of earlier turns), this template renders an
+    # assistant turn differently once it is no longer last, so prefix matching fails for the
+    # first turn; its content must still be found and masked (without the end marker).
+    rewriting = tokenizer.chat_template.replace(
+        "{{ m['content'] }}", "{% if loop.last and m['role'] == 'assistant' %}[think]{% endif %}{{ m['content'] }}")
+    original, tokenizer.chat_template = tokenizer.chat_template, rewriting
+    try:
+        example = tokenize_conversation(tokenizer, CONVERSATIONS[1])
+    finally:
+        tokenizer.chat_template = original
+    supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+    assert supervised == "the fox sat on the mat and looked at the dog[think]the cat sat on the mat<|im_end|>\n"
+
+
+def test_length_policy_truncates_or_drops(tokenizer):
+    lengths = [len(tokenize_conversation(tokenizer, c).input_ids) for c in CONVERSATIONS]
+    seq_len = sorted(lengths)[1]
+    truncated = build_examples(tokenizer, CONVERSATIONS, seq_len=seq_len, overflow="truncate")
+    dropped = build_examples(tokenizer, CONVERSATIONS, seq_len=seq_len, overflow="drop")
+    assert all(len(e.input_ids) <= seq_len for e in truncated + dropped)
+    assert len(dropped) == sum(n <= seq_len for n in lengths)
+    assert len(truncated) > len(dropped)
+    with pytest.raises(DatasetError, match="no usable conversation"):
+        build_examples(tokenizer, CONVERSATIONS, seq_len=3, overflow="drop")
+    with pytest.raises(ValueError, match="overflow must be one of"):
+        build_examples(tokenizer, CONVERSATIONS, seq_len=64, overflow="wrap")
+
+
+def test_batches_have_a_fixed_shape_and_masked_padding(tokenizer):
+    examples = build_examples(tokenizer, CONVERSATIONS, seq_len=64)
+    loader = BatchLoader(examples, ShardedSampler(len(examples), batch_size=2, seed=0), seq_len=64,
+                         pad_token_id=tokenizer.pad_token_id)
+    for _ in range(3):
+        batch = next(loader)
+        assert batch.input_ids.shape == batch.loss_mask.shape == (2, 64)
+        for row, n in enumerate(batch.lengths.tolist()):
+            assert (batch.input_ids[row, n:] == tokenizer.pad_token_id).all()
+            assert not batch.loss_mask[row, n:].any()
+
+
+def test_sampler_resumes_exactly_and_shards_disjointly():
+    full = ShardedSampler(10, batch_size=2, seed=3)
+    reference = list(islice(full, 12))  # crosses two epoch boundaries
+    first = ShardedSampler(10, batch_size=2, seed=3)
+    head = list(islice(first, 7))
+    resumed = ShardedSampler(10, batch_size=2, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    assert first.state_dict() == {"epoch": 1, "position": 2}
+    assert head + list(islice(resumed, 5)) == reference
+    assert sorted(sum(reference[:5], [])) == list(range(10))  # one epoch = a permutation
+
+    shards = [ShardedSampler(11, batch_size=2, seed=3, rank=r, world_size=2) for r in range(2)]
+    epoch = [sum(islice(s, s.batches_per_epoch), []) for s in shards]
+    assert not set(epoch[0]) & set(epoch[1]) and len(epoch[0]) == len(epoch[1]) == 4
+    with pytest.raises(ValueError, match="rank must be in"):
+        ShardedSampler(10, batch_size=2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        ShardedSampler(3, batch_size=2, world_size=2)
+
+
+def test_prompt_is_the_conversation_before_the_first_assistant_turn():
+    assert prompt_messages(CONVERSATIONS[1]) == CONVERSATIONS[1][:2]
+    assert prompt_messages([{"role": "assistant", "content": "hi"}]) is None

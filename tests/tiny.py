@@ -1,0 +1,93 @@
+"""Tiny stand-ins for the tests: a byte-level BPE tokenizer with a ChatML template and a
+mask token, random Qwen3 / Llama targets saved as HF directories, and a JSONL writer.
+
+Built in a temp dir in well under a second each; no network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CORPUS = [
+    "the cat sat on the mat and looked at the dog",
+    "what is two plus two? two plus two is four.",
+    "please write a short poem about the sea and the sky",
+    "hello there, how are you today? I am fine, thank you.",
+    "user assistant system tell me a story about a fox",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "what is two plus two?"},
+     {"role": "assistant", "content": "two plus two is four."}],
+    [{"role": "system", "content": "you are helpful"},
+     {"role": "user", "content": "tell me a story"},
+     {"role": "assistant", "content": "the fox sat on the mat and looked at the dog"},
+     {"role": "user", "content": "and then?"},
+     {"role": "assistant", "content": "the cat sat on the mat"}],
+    [{"role": "user", "content": "hello there"},
+     {"role": "assistant", "content": "hello, how are you today? I am fine"}],
+    [{"role": "user", "content": "write a poem about the sea"},
+     {"role": "assistant", "content": "the sea and the sky, the sky and the sea"}],
+]
+
+
+def make_tokenizer(directory: Path):
+    """A fast byte-level BPE tokenizer (vocab ~300) with the ChatML template, saved to
+    ``directory``; returns the loaded ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>", "<|mask|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    directory.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(directory)
+    return fast
+
+
+def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32,
+                seed: int = 0):
+    """Save a random tiny causal LM (``qwen3`` or ``llama``) plus the tiny tokenizer in
+    ``directory`` and return the directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = make_tokenizer(directory)
+    common = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=hidden // 4, max_position_embeddings=512, tie_word_embeddings=False,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(directory)
+    return directory
+
+
+def write_jsonl(path: Path, records) -> Path:
+    """Write records (dicts) one per line; a str record is written verbatim."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(record if isinstance(record, str) else json.dumps(record))
+            f.write("\n")
+    return path
+
+
+def write_chat_data(path: Path, repeat: int = 4) -> Path:
+    """The tiny conversations in OpenAI ``messages`` format, ``repeat`` times."""
+    return write_jsonl(path, [{"messages": c} for c in CONVERSATIONS * repeat])
