@@ -1,0 +1,258 @@
+"""Crash-safe checkpoints: the drafter in the z-lab layout plus the exact training state.
+
+Layout under ``<out>/checkpoints/``::
+
+    step_00000100/
+        config.json           drafter config (architectures ["DFlashDraftModel"], dflash_config,
+                              block_size, num_target_layers; otherwise a Qwen3 config)
+        model.safetensors     drafter weights under the public names (fc.weight, layers.0...)
+        training_state.pt     optimizer, scheduler, step, data position, RNG states, train config
+        manifest.json         size and sha256 of every file above (written last)
+    latest                    text file naming the newest complete step directory
+
+So a step directory doubles as a drafter that vLLM/SGLang/``transformers`` load.
+
+Every write is atomic: files go into ``step_N.tmp/`` and are fsynced, the directory is renamed
+to ``step_N`` (one ``rename``), then ``latest`` is replaced through a temp file + ``os.replace``.
+A kill at any point leaves the previous checkpoint and ``latest`` untouched; a stale
+``step_N.tmp`` is deleted by the next save. Loading checks the manifest, so a truncated or
+edited file is reported by name with the fix instead of failing deep inside torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+STATE_NAME = "training_state.pt"
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or corrupt (the message names file and fix)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Atomic file primitives
+# ---------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory, fsync, ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# RNG state (all of it, for exact resume)
+# ---------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy (if installed), torch CPU and all CUDA generator states."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # Plain Python types so the state loads with torch.load(weights_only=True).
+        state["numpy"] = (kind, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved (CUDA only when this host has the same GPUs)."""
+    random.setstate(_as_tuples(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) != torch.cuda.device_count():
+            logger.warning("checkpoint has %d CUDA RNG states, this host has %d GPUs: CUDA RNG not restored",
+                           len(state["cuda"]), torch.cuda.device_count())
+        else:
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value):
+    # torch.load turns tuples into lists only for some protocols; random.setstate needs tuples.
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# ---------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------
+
+
+def save_checkpoint(out_dir: str | Path, step: int, *, weights: dict[str, torch.Tensor],
+                    drafter_config: dict[str, Any], training_state: dict[str, Any] | None,
+                    keep_last: int = 2) -> Path:
+    """Atomically save a drafter (+ training state) as ``<out_dir>/checkpoints/step_<step>``.
+
+    Args:
+        weights: drafter state dict under the public names, any device/dtype (saved as is,
+            moved to CPU, contiguous).
+        drafter_config: the ``config.json`` content.
+        training_state: what :func:`load_training_state` returns on resume; None for a
+            weights-only export.
+        keep_last: complete checkpoints to keep; older ones are deleted after the save.
+
+    Returns:
+        Path: the new step directory.
+    """
+    from safetensors.torch import save_file
+
+    root = Path(out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("step_*.tmp"):
+        shutil.rmtree(stale)
+    name = f"step_{step:08d}"
+    tmp, final = root / f"{name}.tmp", root / name
+    tmp.mkdir()
+
+    (tmp / CONFIG_NAME).write_text(json.dumps(drafter_config, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_NAME),
+              metadata={"format": "pt"})
+    names = [CONFIG_NAME, WEIGHTS_NAME]
+    if training_state is not None:
+        torch.save(training_state, tmp / STATE_NAME)
+        names.append(STATE_NAME)
+    manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    for n in names + [MANIFEST_NAME]:
+        with open(tmp / n, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+    if final.exists():  # re-saving a step (e.g. the final save right after a periodic one)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    atomic_write_bytes(root / LATEST_NAME, (name + "\n").encode())
+    _prune(root, keep_last)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolve a run directory, its ``checkpoints/`` folder or a step directory to a
+    verified step directory (via ``latest`` where needed).
+
+    Raises:
+        CheckpointError: nothing there, ``latest`` names a missing directory, or a file is
+            missing/truncated/altered (see :func:`verify_checkpoint`).
+    """
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if (path / LATEST_NAME).is_file():
+        latest = (path / LATEST_NAME).read_text().strip()
+        step_dir = path / latest
+        if not step_dir.is_dir():
+            raise CheckpointError(f"{path / LATEST_NAME} names {latest}, which does not exist; point "
+                                  f"--resume/--drafter at an existing step directory in {path}")
+        path = step_dir
+    if not (path / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
+                              "pass a run directory (--out of dflash train) or a step_N directory")
+    verify_checkpoint(path)
+    return path
+
+
+def verify_checkpoint(step_dir: Path) -> None:
+    """Check every file against ``manifest.json`` (size and sha256).
+
+    Raises:
+        CheckpointError: no manifest (incomplete save), or a missing/corrupt file, naming it.
+    """
+    fix = (f"delete {step_dir} and resume from an earlier step directory in {step_dir.parent}, "
+           "or start again without --resume")
+    manifest_path = step_dir / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{manifest_path}: missing or unreadable ({e}); the checkpoint is "
+                              f"incomplete: {fix}") from None
+    for name, expected in manifest.items():
+        file = step_dir / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing from the checkpoint; {fix}")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, expected {expected['bytes']} (truncated or "
+                                  f"incomplete write); {fix}")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file}: content does not match its sha256 in {MANIFEST_NAME} "
+                                  f"(corrupt); {fix}")
+
+
+def load_drafter_files(step_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config.json dict, weights on CPU)`` of a verified step directory."""
+    from safetensors.torch import load_file
+
+    return json.loads((step_dir / CONFIG_NAME).read_text()), load_file(str(step_dir / WEIGHTS_NAME))
+
+
+def load_training_state(step_dir: Path) -> dict[str, Any]:
+    """The training state saved with :func:`save_checkpoint` (CPU tensors).
+
+    Raises:
+        CheckpointError: the directory holds a weights-only export.
+    """
+    path = step_dir / STATE_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no training state (weights-only export); it can be evaluated "
+                              "but not resumed; start a new run without --resume")
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,162 @@
+"""Training configuration for ``dflash train``.
+
+One ``@dataclass(kw_only=True)`` with a string docstring under each field (torchtitan style);
+the CLI flags and their help text are generated from it (``dflash/commands/train.py``).
+The defaults train the embedded default target on a 2-core CPU in a few minutes.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass
+from functools import cache
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    # ---- inputs and outputs -------------------------------------------------------------
+    target: str | None = None
+    """Local Hugging Face causal-LM directory of the target (verifier); empty = the embedded default target."""
+    data: str | None = None
+    """JSONL chat file (OpenAI `messages` or ShareGPT `conversations`); empty = the embedded default train set."""
+    out: str = "runs/dflash"
+    """Output directory: checkpoints/, tensorboard logs, train_config.json."""
+    resume: bool = False
+    """Continue exactly from the latest checkpoint in --out (same data order, RNG and schedule)."""
+
+    # ---- drafter --------------------------------------------------------------------------
+    block_size: int = 8
+    """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel (16 in published drafters)."""
+    num_draft_layers: int = 1
+    """Decoder layers of the drafter (published drafters: 5 for 8B targets)."""
+    target_layer_ids: list[int] | None = None
+    """Target decoder layers whose outputs feed the drafter (id k = output of layer k); empty = the DFlash default spread."""
+    num_target_layers: int = 3
+    """How many target layers to tap when --target-layer-ids is not given (published drafters: 5)."""
+    mask_token_id: int | None = None
+    """Token id of the draft mask slot (an existing row of the target embedding); empty = the tokenizer's mask token."""
+
+    # ---- data -----------------------------------------------------------------------------
+    seq_len: int = 192
+    """Tokens per training row (fixed shape; longer conversations follow --overflow)."""
+    overflow: str = "truncate"
+    """What to do with conversations longer than --seq-len: `truncate` (keep the start) or `drop`."""
+    batch_size: int = 4
+    """Conversations per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (the loss is normalised by the position weights of the whole step)."""
+    max_anchors: int = 64
+    """Draft blocks (anchors) sampled per conversation (512 is common on GPU at seq 4k)."""
+
+    # ---- loss -----------------------------------------------------------------------------
+    gamma: float | None = None
+    """Decay of the position weights w_k = exp(-(k-1)/gamma); empty = 7 for Bs=16, 4 for Bs=8 (paper Sec. 4)."""
+    soft_label_weight: float = 0.0
+    """Weight of the KL to the target's distribution (0 = hard labels only, 1 = soft only)."""
+    dpace: bool = False
+    """D-PACE confidence-weighted positions (arXiv 2605.18810) on top of the decay weights."""
+
+    # ---- schedule -------------------------------------------------------------------------
+    steps: int | None = 300
+    """Optimizer steps (set it empty and use --epochs to train by epochs instead)."""
+    epochs: float | None = None
+    """Epochs over the data; used when --steps is empty."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule as a fraction of --lr."""
+    warmup_steps: int = 20
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this value (0 = off)."""
+
+    # ---- runtime --------------------------------------------------------------------------
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (cuda if visible)."""
+    compile: str = "auto"
+    """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
+    seed: int = 0
+    """Seed for weights, data order and anchor sampling."""
+    save_every: int = 100
+    """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints to keep (older ones are deleted after a successful save)."""
+    log_every: int = 10
+    """Log metrics to the console and tensorboard every this many steps."""
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOP/s of the device for the MFU estimate; empty = detect (H100/H200: 989)."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "num_draft_layers", "num_target_layers", "seq_len", "batch_size",
+                    "grad_accum", "max_anchors", "log_every", "keep_last")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft slot), got {self.block_size}")
+        if self.steps is None and self.epochs is None:
+            raise ValueError("steps: give --steps or --epochs")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.overflow not in ("truncate", "drop"):
+            raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if not 0.0 <= self.soft_label_weight <= 1.0:
+            raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
+        for name in ("lr", "peak_tflops"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name in ("weight_decay", "grad_clip", "warmup_steps", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):
+            raise ValueError(f"target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
+
+    @property
+    def resolved_gamma(self) -> float:
+        """gamma, or the paper's default for the block size (7 for 16, 4 for 8, Bs/2 otherwise)."""
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        """Build from a dict (e.g. a checkpoint's saved config); unknown keys raise ValueError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown training config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+@cache
+def field_docs(cls: type = TrainConfig) -> dict[str, str]:
+    """The string literal under each dataclass field, by field name (used as CLI help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = after.value.value
+    return docs
+

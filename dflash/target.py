@@ -1,0 +1,181 @@
+"""The frozen target (verifier): load a local Hugging Face causal LM and capture the
+hidden states the drafter is conditioned on.
+
+Layer id ``k`` means the OUTPUT of decoder layer ``k``, i.e. ``hidden_states[k + 1]`` of a
+Hugging Face forward with ``output_hidden_states=True`` (index 0 is the embedding output),
+as in z-lab/dflash ``extract_context_feature``. Off by one here trains a drafter that
+reaches good training accuracy and accepts nothing at serving time. NOTE: HF returns the
+final-norm output as ``hidden_states[L]``, so id ``L - 1`` gets the normed state; the
+default ids never pick it (``dflash_reference.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class TargetLoadError(ValueError):
+    """The target directory cannot be loaded as a causal LM."""
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Turn ``"auto"``/None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` into a device that exists.
+
+    ``"auto"`` picks ``cuda`` when a GPU is visible, else ``cpu``.
+
+    Raises:
+        ValueError: unparsable name, CUDA requested on a host without it, or an index past
+            the visible GPUs; the message names the fix.
+    """
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N ({e})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this host (torch "
+                             f"{torch.__version__}, no visible GPU); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this host has {count} CUDA device(s) "
+                             f"(cuda:0..cuda:{count - 1}); pick one of those or set CUDA_VISIBLE_DEVICES")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
+@dataclass
+class TargetStates:
+    """Target hidden states for a batch (no grad).
+
+    Args:
+        context (torch.Tensor): ``[B, S, K*H]`` the tapped layer outputs concatenated on the
+            feature dim in ``layer_ids`` order; bf16 on GPU, fp32 on CPU.
+        last_hidden (torch.Tensor): ``[B, S, H]`` final-norm hidden state (input of the LM
+            head), for soft labels.
+    """
+
+    context: torch.Tensor
+    last_hidden: torch.Tensor
+
+
+class Target:
+    """A frozen HF causal LM plus the layer ids to tap.
+
+    Args:
+        model: a ``PreTrainedModel`` with ``get_decoder()``, ``get_input_embeddings()`` and
+            ``get_output_embeddings()`` (Qwen3, Llama, Mistral, ... all have them).
+        layer_ids (list[int]): decoder layers to tap, each in ``[0, num_layers)``.
+
+    Raises:
+        ValueError: a layer id out of range.
+    """
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config
+        self.layer_ids = list(layer_ids)
+        bad = [k for k in self.layer_ids if not 0 <= k < self.num_layers]
+        if bad or not self.layer_ids:
+            raise ValueError(f"target_layer_ids {self.layer_ids}: each id must be in [0, {self.num_layers}) "
+                             f"for a target with {self.num_layers} decoder layers")
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        """The target's token embedding (frozen; shared with the drafter)."""
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        """The target's LM head (frozen; shared with the drafter)."""
+        return self.model.get_output_embeddings()
+
+    def decoder_forward(self, input_ids: torch.Tensor, *, past_key_values=None, position_ids=None):
+        """One forward of the decoder stack with all hidden states (no LM head: callers
+        project only the positions they need). Returns the HF output."""
+        with torch.no_grad():
+            return self.model.get_decoder()(
+                input_ids=input_ids, past_key_values=past_key_values, position_ids=position_ids,
+                use_cache=past_key_values is not None, output_hidden_states=True,
+            )
+
+    def select(self, hidden_states) -> torch.Tensor:
+        """Concatenate ``hidden_states[k + 1]`` for k in ``layer_ids``: ``[B, S, K*H]``."""
+        return torch.cat([hidden_states[k + 1] for k in self.layer_ids], dim=-1)
+
+    def capture(self, input_ids: torch.Tensor) -> TargetStates:
+        """Target hidden states of a right-padded batch ``[B, S]`` int64.
+
+        No attention mask is passed: with right padding and causal attention the real tokens
+        never see the padding, and the unmasked call keeps SDPA on its causal fast path.
+        """
+        out = self.decoder_forward(input_ids.to(self.device))
+        return TargetStates(context=self.select(out.hidden_states), last_hidden=out.hidden_states[-1])
+
+
+def load_target(path: str | Path, *, layer_ids: list[int] | None = None, num_capture_layers: int = 5,
+                device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Target:
+    """Load a local HF causal-LM directory as a frozen target.
+
+    Args:
+        path: directory with ``config.json`` and weights (``*.safetensors``/``*.bin``).
+        layer_ids: layers to tap; None uses the DFlash default for ``num_capture_layers``.
+        device: where to put it (already resolved, see :func:`resolve_device`).
+        dtype: None picks bf16 on GPU and fp32 on CPU.
+
+    Raises:
+        TargetLoadError: missing directory, no ``config.json``, or a config/weights that
+            ``AutoModelForCausalLM`` cannot load (the message names the path and the fix).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from dflash.model import default_target_layer_ids
+
+    path = Path(path)
+    if not path.is_dir():
+        raise TargetLoadError(f"target {path}: no such directory; pass --target with a local HF model "
+                              "directory (config.json + safetensors)")
+    if not (path / "config.json").is_file():
+        raise TargetLoadError(f"target {path}: no config.json; this is not a Hugging Face model "
+                              "directory (save one with model.save_pretrained)")
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise TargetLoadError(f"target {path}: cannot load as a causal LM ({type(e).__name__}: {e}); "
+                              "check config.json and that the weight files are complete") from e
+    model.to(device)
+    if layer_ids is None:
+        layer_ids = default_target_layer_ids(model.config.num_hidden_layers, num_capture_layers)
+    logger.info("target %s: %s, %d layers, hidden %d, tapping layers %s on %s (%s)", path,
+                type(model).__name__, model.config.num_hidden_layers, model.config.hidden_size,
+                layer_ids, device, dtype)
+    return Target(model, layer_ids)
