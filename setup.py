@@ -51,7 +51,12 @@ setup(
     # patches/ is the single source of truth for the series; shipping it as a
     # package lets the engine, the wheel builder and the PR kit read it alike.
     package_dir={"dflash.patch_series": "patches"},
-    package_data={"dflash.patch_series": ["series", "*.patch"], "dflash.patching": STARTUP_FILES},
+    package_data={
+        "dflash.patch_series": ["series", "*.patch"],
+        "dflash.patching": STARTUP_FILES,
+        # The embedded default target and chat corpus (scripts/make_default_target.py).
+        "dflash.assets": ["*/*.json", "*/*.jinja", "*/*.safetensors", "*/*.jsonl", "*/*.md", "*/*.txt"],
+    },
     install_requires=[
         "torch>=2.5",
         "transformers>=4.56",
