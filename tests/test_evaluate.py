@@ -1,0 +1,93 @@
+"""dflash.evaluate: speculative output == greedy output; acceptance is counted right."""
+
+import pytest
+import torch
+
+from dflash.evaluate import evaluate, greedy_generate, load_prompts, speculative_generate
+from dflash.model import DFlashDraftModel, create_drafter_config
+from dflash.target import load_target
+from tiny import make_target, write_chat_data
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("eval")
+    target_dir = make_target(root / "target", num_layers=5)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = load_target(target_dir, num_capture_layers=2, device="cpu")
+    prompts = load_prompts(tokenizer, write_chat_data(root / "heldout.jsonl", repeat=1), num_prompts=3)
+    return target, tokenizer, prompts
+
+
+def _random_drafter(target, tokenizer, block_size=4, seed=0):
+    torch.manual_seed(seed)
+    config = create_drafter_config(target.config, 1, block_size=block_size, target_layer_ids=target.layer_ids,
+                                   mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"))
+    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+class _ScriptedDrafter:
+    """Proposes the target's greedy continuation for the first `correct` slots, then junk."""
+
+    def __init__(self, real, reference, prompt_len, correct):
+        self.config, self.reference, self.prompt_len, self.correct = real.config, reference, prompt_len, correct
+
+    def draft_block(self, target_hidden, block_embeds, lm_head):
+        start = target_hidden.shape[1] - self.prompt_len + 1  # index of the first drafted token
+        n = self.config.block_size - 1
+        truth = (self.reference + [0] * (start + n))[start:start + n]
+        junk = [(t + 1) % self.config.vocab_size for t in truth]  # differs from the greedy token
+        return torch.tensor([truth[:self.correct] + junk[self.correct:]])
+
+
+def test_speculative_output_equals_greedy_output(setup):
+    target, tokenizer, prompts = setup
+    drafter = _random_drafter(target, tokenizer)
+    for prompt in prompts:
+        plain = greedy_generate(target, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
+        spec = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
+        assert len(plain.tokens) == MAX_NEW
+        assert spec.tokens == plain.tokens
+        assert sum(spec.accept_lengths) >= MAX_NEW - 1  # every token after the first came from a step
+
+
+@pytest.mark.parametrize("correct", [0, 1, 3])
+def test_acceptance_length_counts_accepted_drafts_plus_the_bonus(setup, correct):
+    target, tokenizer, prompts = setup
+    prompt = prompts[0]
+    reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
+    drafter = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompt.shape[1], correct)
+    spec = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
+    assert spec.tokens == reference[:MAX_NEW]
+    assert spec.accept_lengths[:-1] == [correct + 1] * (len(spec.accept_lengths) - 1)
+
+
+def test_generation_stops_at_eos_like_greedy(setup):
+    target, tokenizer, prompts = setup
+    reference = greedy_generate(target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=set()).tokens
+    eos = {reference[5]}
+    plain = greedy_generate(target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos)
+    spec = speculative_generate(target, _random_drafter(target, tokenizer), prompts[1],
+                                max_new_tokens=MAX_NEW, eos_ids=eos)
+    assert spec.tokens == plain.tokens == reference[: reference.index(reference[5]) + 1]
+
+
+def test_evaluate_reports_tau_histogram_and_speedup(setup):
+    target, tokenizer, prompts = setup
+    report = evaluate(target, _random_drafter(target, tokenizer), prompts, max_new_tokens=8, eos_ids=set())
+    assert report.num_prompts == 3 and report.num_tokens == 24
+    assert sum(report.histogram.values()) > 0 and set(report.histogram) <= set(range(1, 5))
+    assert report.tau == pytest.approx(sum(k * v for k, v in report.histogram.items()) / sum(report.histogram.values()))
+    assert report.speedup == pytest.approx(report.target_ms_per_token / report.speculative_ms_per_token)
+
+
+def test_drafter_tapping_other_layers_is_rejected(setup):
+    target, tokenizer, prompts = setup
+    drafter = _random_drafter(target, tokenizer)
+    drafter.config.dflash_config["target_layer_ids"] = [0, 3]
+    with pytest.raises(ValueError, match=r"drafter taps target layers \[0, 3\]"):
+        speculative_generate(target, drafter, prompts[0], max_new_tokens=4, eos_ids=set())
