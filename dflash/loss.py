@@ -1,0 +1,282 @@
+"""DFlash training loss and metrics: chunked LM head, position weights, soft labels, D-PACE, tau_hat.
+
+The drafter's hidden states go through the target's frozen ``lm_head``. With N*Bs draft tokens and
+a 152k vocabulary the full logits (8,192 x 151,936 floats, ~5 GB in fp32) do not fit next to the
+rest of a training step, so :func:`dflash_loss` runs the head + loss over chunks of whole blocks,
+each under ``torch.utils.checkpoint``: neither forward nor backward ever holds more than one chunk
+of logits.
+
+Loss (arXiv 2602.06036, Sec. 3.3): weighted cross-entropy over draft slots k >= 1 with
+``w_k = exp(-(k - 1) / gamma)`` (slot 0, the given anchor token, has weight 0). The function returns
+the weighted *sum* and the weight sum; the trainer divides the sum by the weight sum gathered over
+the whole optimizer step (all micro-batches, all ranks), not per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+#: gamma of the position decay used by the DFlash paper per block size (Sec. 3.3).
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+POSITION_WEIGHTINGS = ("decay", "dpace")
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay constant gamma of the paper for ``block_size`` (7 for 16, 5 for 10, 4 for 8).
+
+    Raises:
+        ValueError: for a block size the paper gives no gamma for; pass gamma explicitly then.
+    """
+    if block_size not in PAPER_GAMMA:
+        raise ValueError(
+            f"no published gamma for block_size={block_size} (known: {sorted(PAPER_GAMMA)}); "
+            "pass gamma explicitly"
+        )
+    return PAPER_GAMMA[block_size]
+
+
+def position_weights(
+    block_size: int, gamma: float | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Per-slot loss weights ``w_0 = 0``, ``w_k = exp(-(k - 1) / gamma)`` for k >= 1.
+
+    Args:
+        block_size (int): Bs.
+        gamma (float, optional): decay constant (> 0); None uses :func:`default_gamma`.
+        device: where to create the tensor.
+
+    Returns:
+        Tensor: float32 ``[Bs]``.
+
+    Raises:
+        ValueError: ``gamma <= 0`` or ``block_size < 2``.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+@dataclass
+class LossOutput:
+    """Sums over one micro-batch; reduce across micro-batches/ranks first, divide last.
+
+    Attributes:
+        loss_sum (Tensor): scalar, sum over supervised slots of ``weight * token_loss``
+            (differentiable w.r.t. the drafter hidden states).
+        weight_sum (Tensor): scalar float32, sum of the weights used (no grad).
+        correct (Tensor): int64 ``[Bs]``, per slot, supervised slots whose argmax equals the label.
+        total (Tensor): int64 ``[Bs]``, per slot, supervised slots.
+    """
+
+    loss_sum: Tensor
+    weight_sum: Tensor
+    correct: Tensor
+    total: Tensor
+
+
+def dflash_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    weights: Tensor,
+    *,
+    chunk_blocks: int = 16,
+    position_weighting: str = "decay",
+    soft_label_weight: float = 0.0,
+    teacher_hidden: Tensor | None = None,
+    anchors: Tensor | None = None,
+) -> LossOutput:
+    """Chunked LM head + weighted loss over draft blocks.
+
+    Per supervised slot (``label_mask``) the token loss is
+    ``(1 - a) * CE(drafter, label) + a * KL(target || drafter)`` with ``a = soft_label_weight``;
+    it is multiplied by the slot's weight and summed. Logits are computed in the dtype of
+    ``hidden`` and upcast to float32 for softmax/CE.
+
+    Position weighting:
+
+    - ``"decay"``: ``weights[k]`` (use :func:`position_weights`).
+    - ``"dpace"``: D-PACE (arXiv 2605.18810, "Dynamic Position-Aware Cross-Entropy"). Its abstract
+      derives per-position weights from a differentiable surrogate of the expected accepted
+      length, matching each position's weight to its log-probability gradient contribution. We
+      implement that idea directly (the paper's exact normalisation/smoothing could not be
+      checked): with ``p_i`` the drafter's probability of the label at slot i of a block and the
+      surrogate ``E = sum_j prod_{i=1..j} p_i``, slot k gets the detached weight
+      ``dE / dlog p_k = sum_{j >= k} prod_{i=1..j} p_i``. ``weights`` is ignored except for its
+      length. Weights shrink as earlier slots fail, so training focuses on the slots that
+      currently limit acceptance.
+
+    Memory: each chunk of ``chunk_blocks`` blocks is run under non-reentrant
+    ``torch.utils.checkpoint``, so forward keeps only the chunk's inputs and backward recomputes
+    one chunk's logits at a time (peak ``chunk_blocks * Bs * V`` floats, x2-3 for softmax and
+    grad). The soft-label teacher logits are recomputed in backward too (frozen matmul, no grad).
+
+    Args:
+        hidden (Tensor): ``[B, N*Bs, H]`` drafter output (after its final norm).
+        lm_head_weight (Tensor): ``[V, H]`` frozen target LM head weight.
+        labels (Tensor): int64 ``[B, N, Bs]`` (:func:`dflash.masks.build_labels`).
+        label_mask (Tensor): bool ``[B, N, Bs]``.
+        weights (Tensor): float ``[Bs]`` per-slot weights (:func:`position_weights`).
+        chunk_blocks (int): blocks per chunk (>= 1); a chunk holds ``chunk_blocks * Bs`` rows.
+        position_weighting (str): ``"decay"`` or ``"dpace"``.
+        soft_label_weight (float): a in [0, 1]; > 0 needs ``teacher_hidden`` and ``anchors``.
+        teacher_hidden (Tensor, optional): ``[B, S, H]`` the verifier's last hidden state (the
+            input of its ``lm_head``, after the final norm). Slot k of the block anchored at a is
+            matched to the target's next-token distribution at position ``a + k - 1``, the
+            distribution the target verifies ``x[a + k]`` with.
+        anchors (Tensor, optional): int64 ``[B, N]``, needed with ``teacher_hidden``.
+
+    Returns:
+        LossOutput
+
+    Raises:
+        ValueError: on inconsistent shapes or options.
+    """
+    batch, q_len, hidden_size = hidden.shape
+    block_size = weights.shape[0]
+    num_blocks = q_len // block_size
+    if labels.shape != (batch, num_blocks, block_size) or label_mask.shape != labels.shape:
+        raise ValueError(
+            f"labels/label_mask must be [B, N, Bs] = {(batch, num_blocks, block_size)}, got "
+            f"{tuple(labels.shape)} and {tuple(label_mask.shape)}"
+        )
+    if q_len != num_blocks * block_size:
+        raise ValueError(f"hidden has {q_len} rows, not a multiple of block size {block_size}")
+    if position_weighting not in POSITION_WEIGHTINGS:
+        raise ValueError(f"position_weighting must be one of {POSITION_WEIGHTINGS}, got {position_weighting!r}")
+    if chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    if not 0.0 <= soft_label_weight <= 1.0:
+        raise ValueError(f"soft_label_weight must be in [0, 1], got {soft_label_weight}")
+    soft = soft_label_weight > 0.0
+    if soft and (teacher_hidden is None or anchors is None):
+        raise ValueError("soft_label_weight > 0 needs teacher_hidden [B, S, H] and anchors [B, N]")
+
+    rows = hidden.reshape(batch * num_blocks, block_size, hidden_size)
+    labels = labels.reshape(batch * num_blocks, block_size)
+    label_mask = label_mask.reshape(batch * num_blocks, block_size)
+    weights = weights.to(device=hidden.device, dtype=torch.float32)
+    teacher_rows = _teacher_rows(teacher_hidden, anchors, block_size) if soft else None
+
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
+    for start in range(0, rows.shape[0], chunk_blocks):
+        part = slice(start, start + chunk_blocks)
+        teacher = teacher_rows[part] if soft else None
+        chunk_loss, chunk_weight, chunk_correct = checkpoint(
+            _chunk_loss,
+            rows[part],
+            lm_head_weight,
+            labels[part],
+            label_mask[part],
+            weights,
+            teacher,
+            soft_label_weight,
+            position_weighting,
+            use_reentrant=False,
+        )
+        loss_sum = loss_sum + chunk_loss
+        weight_sum = weight_sum + chunk_weight
+        correct = correct + chunk_correct
+    total = label_mask.sum(0)
+    return LossOutput(loss_sum, weight_sum, correct, total)
+
+
+def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """Teacher states per draft slot: slot k of anchor a <- position ``a + k - 1`` -> ``[B*N, Bs, H]``."""
+    batch, seq_len, hidden_size = teacher_hidden.shape
+    offsets = torch.arange(block_size, device=anchors.device) - 1
+    positions = (anchors[:, :, None] + offsets).clamp(0, seq_len - 1)  # slot 0 is unsupervised
+    index = positions.reshape(batch, -1, 1).expand(-1, -1, hidden_size)
+    return torch.gather(teacher_hidden.detach(), 1, index).reshape(-1, block_size, hidden_size)
+
+
+def _chunk_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    weights: Tensor,
+    teacher: Tensor | None,
+    soft_label_weight: float,
+    position_weighting: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Loss of one chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, weight sum, correct [Bs])."""
+    logits = (hidden @ lm_head_weight.t()).float()  # [C, Bs, V]
+    log_probs = F.log_softmax(logits, dim=-1)
+    label_log_prob = log_probs.gather(-1, labels[..., None]).squeeze(-1)  # [C, Bs]
+    token_loss = -label_log_prob
+    if teacher is not None:
+        with torch.no_grad():
+            teacher_log_probs = F.log_softmax((teacher @ lm_head_weight.t()).float(), dim=-1)
+        kl = (teacher_log_probs.exp() * (teacher_log_probs - log_probs)).sum(-1)
+        token_loss = (1.0 - soft_label_weight) * token_loss + soft_label_weight * kl
+    if position_weighting == "dpace":
+        slot_weights = _dpace_weights(label_log_prob.detach(), label_mask)
+    else:
+        slot_weights = weights.expand_as(token_loss)
+    slot_weights = torch.where(label_mask, slot_weights, 0.0)
+    correct = ((logits.argmax(-1) == labels) & label_mask).sum(0)
+    return (slot_weights * token_loss).sum(), slot_weights.sum().detach(), correct
+
+
+def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor) -> Tensor:
+    """``w_k = sum_{j >= k} prod_{i=1..j} p_i`` per block row (slot 0 is the given anchor)."""
+    p = torch.where(label_mask, label_log_prob.exp(), 0.0)
+    p[:, 0] = 1.0  # the anchor is always "accepted": the chain starts at slot 1
+    reach = torch.cumprod(p, dim=-1)
+    reach[:, 0] = 0.0
+    return reach.flip(-1).cumsum(-1).flip(-1)
+
+
+def per_position_accuracy(correct: Tensor, total: Tensor) -> Tensor:
+    """acc_k = correct_k / total_k for slots k = 1..Bs-1, from counts aggregated over steps/ranks.
+
+    Args:
+        correct (Tensor): ``[Bs]`` summed :attr:`LossOutput.correct`.
+        total (Tensor): ``[Bs]`` summed :attr:`LossOutput.total`.
+
+    Returns:
+        Tensor: float64 ``[Bs - 1]``; a slot with no supervised tokens gets 0 (so tau_hat never
+        counts a position it has no evidence for).
+    """
+    correct, total = correct[1:].double(), total[1:].double()
+    return torch.where(total > 0, correct / total.clamp(min=1), 0.0)
+
+
+def acceptance_length_estimate(acc: Tensor | Sequence[float]) -> float:
+    """tau_hat = 1 + sum_{k=1}^{Bs-1} prod_{i<=k} acc_i (counts the bonus token, like inference tau).
+
+    Treats each slot as accepted only if all earlier ones were, with per-slot accuracy as the
+    acceptance probability (the greedy verification rule of speculative decoding).
+
+    Args:
+        acc (Tensor | Sequence[float]): per-slot accuracies for slots 1..Bs-1
+            (:func:`per_position_accuracy`), each in [0, 1].
+
+    Returns:
+        float: between 1 and Bs.
+
+    Raises:
+        ValueError: an accuracy outside [0, 1].
+    """
+    acc = torch.as_tensor(acc, dtype=torch.float64).flatten()
+    if acc.numel() and (acc.min() < 0 or acc.max() > 1 or not math.isfinite(acc.sum().item())):
+        raise ValueError(f"accuracies must be in [0, 1], got {acc.tolist()}")
+    return 1.0 + torch.cumprod(acc, dim=0).sum().item()
