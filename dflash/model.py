@@ -388,12 +388,8 @@ class DFlashDraftModel(PreTrainedModel):
     def draft_block(self, target_hidden: Tensor, block_embeds: Tensor, lm_head: nn.Module) -> Tensor:
         """Greedy draft of one block for speculative decoding (``dflash eval``).
 
-        The context is the whole verified prefix: ``target_hidden`` holds positions 0..S-1, i.e.
-        every accepted token except the last one (whose target hidden state the verifier has not
-        computed yet). That last accepted token is slot 0 of the block, at position S (the anchor),
-        followed by Bs-1 mask tokens; all context is visible (``kv < S``), as in training.
-        No KV cache: the context keys/values are recomputed on every call, which costs
-        O(S * layers) per step and is acceptable for small drafters and short prompts.
+        See :meth:`block_hidden` for what the inputs mean; this applies ``lm_head`` to slots
+        1..Bs-1 and takes the argmax.
 
         Args:
             target_hidden (Tensor): ``[B, S, K*H]`` tapped target states of positions 0..S-1.
@@ -403,14 +399,36 @@ class DFlashDraftModel(PreTrainedModel):
         Returns:
             Tensor: int64 ``[B, Bs-1]``, argmax tokens for positions S+1..S+Bs-1.
         """
+        return lm_head(self.block_hidden(target_hidden, block_embeds)[:, 1:]).argmax(dim=-1)
+
+    def block_hidden(self, target_hidden: Tensor, block_embeds: Tensor) -> Tensor:
+        """Drafter hidden states of one block drafted after the whole context (inference form).
+
+        The context is the whole verified prefix: ``target_hidden`` holds positions 0..S-1, i.e.
+        every accepted token except the last one (whose target hidden state the verifier has not
+        computed yet). That last accepted token is slot 0 of the block, at position S (the anchor),
+        followed by Bs-1 mask tokens; all context is visible (``kv < S``). This is exactly what
+        :meth:`forward` computes for a block anchored at S, so training and inference agree
+        (``tests/test_model.py`` checks it). No KV cache: the context keys/values are recomputed
+        on every call, O(S * layers) per step, acceptable for small drafters and short prompts.
+
+        Args:
+            target_hidden (Tensor): ``[B, S, K*H]`` tapped target states of positions 0..S-1.
+            block_embeds (Tensor): ``[B, Bs, H]``, ``embed_tokens([last_token, MASK x (Bs-1)])``.
+
+        Returns:
+            Tensor: ``[B, Bs, H]`` after the final norm.
+
+        Raises:
+            ValueError: the block does not have ``block_size`` slots, or a feature-size mismatch.
+        """
         batch, bs, _ = block_embeds.shape
         if bs != self.config.block_size:
             raise ValueError(f"block_embeds has {bs} slots, the drafter's block_size is {self.config.block_size}")
         context_len = target_hidden.shape[1]
         positions = torch.arange(context_len, context_len + bs, device=block_embeds.device).expand(batch, bs)
         # attention_mask=None: every draft slot sees all context and its block (full attention).
-        hidden = self._run(block_embeds, target_hidden, positions, None, None)
-        return lm_head(hidden[:, 1:]).argmax(dim=-1)
+        return self._run(block_embeds, target_hidden, positions, None, None)
 
     def _run(self, draft_embeds, target_hidden, positions, attention_mask, query_valid) -> Tensor:
         self._attention_backend()
