@@ -527,20 +527,20 @@ def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> Ch
 
 
 def run_checks_subprocess(
-    bug_classes: Iterable[str], *, modes: Iterable[bool] = (False, True), seconds: float, jobs: int | None = None
+    runs: Iterable[tuple[str, bool]], *, seconds: float, jobs: int | None = None
 ) -> dict[tuple[str, bool], CheckResult]:
-    """Run every (class, patched) pair of ``bug_classes`` x ``modes`` in fresh interpreters, ``jobs`` at a time.
+    """Run ``run_check_subprocess`` for each (bug_class, patched) pair of ``runs``, ``jobs`` at a time.
 
-    ``jobs`` defaults to the number of CPUs. Returns results keyed by (class, patched).
+    ``jobs`` defaults to the number of CPUs. Returns the results keyed by the pairs.
     """
-    pairs = [(bug_class, patched) for bug_class in bug_classes for patched in modes]
-    for bug_class, _ in pairs:
+    runs = list(runs)
+    for bug_class, _ in runs:
         _require_class(bug_class)
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         futures = {
-            pair: pool.submit(run_check_subprocess, pair[0], patched=pair[1], seconds=seconds) for pair in pairs
+            run: pool.submit(run_check_subprocess, run[0], patched=run[1], seconds=seconds) for run in runs
         }
-        return {pair: future.result() for pair, future in futures.items()}
+        return {run: future.result() for run, future in futures.items()}
 
 
 def _minor_version(torch_version: str) -> tuple[int, int]:

@@ -1,5 +1,24 @@
-"""Entry point run by ``dflash-patches.pth`` in every interpreter (placeholder)."""
+"""Entry point that ``dflash-patches.pth`` (``.start`` on Python 3.15+) runs in every interpreter.
+
+Reads ``DFLASH_PATCHES`` itself (0/false/no/off disables the hook, like
+setuptools' own ``.pth`` honours its variable) and never imports torch: it only
+puts a ``sys.meta_path`` finder in place (``importhook.install``).
+"""
+
+import os
+
+
+DISABLE_ENV = "DFLASH_PATCHES"
+
+
+def env_disabled() -> bool:
+    """``DFLASH_PATCHES`` set to 0/false/no/off."""
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def install() -> None:
-    pass
+    if env_disabled():
+        return
+    from dflash.patching import importhook
+
+    importhook.install()

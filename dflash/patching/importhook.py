@@ -1,0 +1,185 @@
+"""A ``sys.meta_path`` finder that patches torch modules' source before they execute.
+
+Shaped like wrapt's post-import hooks (``../shared/style_examples.md`` section 5),
+but it rewrites source instead of running callbacks afterwards. The first time
+``torch`` is imported the finder settles the :class:`~dflash.patching.plan.Plan`
+for the installed release (cached on disk, see ``cache``); each module the plan
+targets then loads through :class:`PatchedSourceLoader`, which runs the patched
+text compiled under the module's real file name and puts that text into
+``linecache``, so tracebacks and ``inspect.getsource`` show the patched lines.
+
+Cheap until torch is imported: at interpreter start only this module is loaded,
+and the finder answers every other import with one comparison.
+
+Known gap: ``linecache.clearcache()`` drops the patched text; tracebacks after
+that show the file on disk (the code that runs is still the patched one).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import linecache
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+from dflash.patching import cache
+from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan
+
+_lock = threading.Lock()
+_finder: PatchFinder | None = None
+
+
+class PatchWarning(RuntimeWarning):
+    """The patches could not be applied as planned; the message says why and what to do."""
+
+
+TORCH_FIRST_MESSAGE = (
+    "torch was imported before the dflash thread-safety patch hook ran, so torch.compile/FX in this "
+    "process is NOT thread-safe. Usually the interpreter skipped site-packages' .pth files "
+    "(python -S, pip install --target + PYTHONPATH) or the hook was installed by hand after `import torch`. "
+    "Fix: start Python normally after `pip install -e .` (check with `dflash patches status`), or install "
+    "the rebuilt wheel from `dflash patches build-wheel`."
+)
+
+
+def _series_dir() -> Path:
+    return Path(importlib.util.find_spec("dflash.patch_series").origin).parent
+
+
+def patched_source(module: str, source: str, patch_files: list[str]) -> str:
+    """``source`` with the hunks of ``patch_files`` for ``module`` applied, in order.
+
+    Raises:
+        dflash.patching.hunks.PatchDoesNotFit: a hunk's lines are not in ``source`` exactly.
+    """
+    from dflash.patching.hunks import apply_hunks
+    from dflash.patching.series import load_series, module_name
+
+    by_file = {p.file_name: p for p in load_series()}
+    for file_name in patch_files:
+        for patched_file in by_file[file_name].files:
+            if module_name(patched_file.path) == module:
+                source = apply_hunks(source, patched_file, label=file_name)
+    return source
+
+
+class PatchedSourceLoader(importlib.machinery.SourceFileLoader):
+    """Loads a torch module from its patched source; falls back to the file as-is if a patch does not fit."""
+
+    def __init__(self, fullname: str, path: str, finder: PatchFinder) -> None:
+        super().__init__(fullname, path)
+        self._finder = finder
+        self._failure: str | None = None
+
+    def _load_patched(self, fullname: str):
+        plan = self._finder.plan
+        files = plan.module_patches[fullname]
+        name = cache.key("module", fullname, self._finder.plan_key, files, cache.stat_key(Path(self.path)))
+        hit = cache.read_module(name)
+        if hit is not None:
+            return hit
+        from dflash.patching.hunks import PatchDoesNotFit
+
+        original = super().get_source(fullname)
+        try:
+            source = patched_source(fullname, original, files)
+        except PatchDoesNotFit as error:
+            self._failure = (
+                f"{error}; torch {plan.release} differs from the source this patch was written for. "
+                f"Nothing was applied to {fullname} (patches to one module apply together)."
+            )
+            warnings.warn(self._failure, PatchWarning, stacklevel=2)
+            return None
+        code = compile(source, self.path, "exec", dont_inherit=True)
+        cache.write_module(name, source, code)
+        return source, code
+
+    def get_code(self, fullname: str):
+        loaded = self._load_patched(fullname)
+        if loaded is None:
+            return super().get_code(fullname)
+        source, code = loaded
+        # mtime None: linecache.checkcache() keeps entries it cannot compare with the disk.
+        linecache.cache[self.path] = (len(source), None, source.splitlines(keepends=True), self.path)
+        return code
+
+    def get_source(self, fullname: str) -> str:
+        loaded = self._load_patched(fullname)
+        return super().get_source(fullname) if loaded is None else loaded[0]
+
+    def exec_module(self, module) -> None:
+        super().exec_module(module)
+        self._finder.plan.module_done(module.__name__, failure=self._failure)
+
+
+class PatchFinder:
+    """Meta-path finder: routes the plan's target modules through :class:`PatchedSourceLoader`."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.plan_key: str | None = None
+        self.error: str | None = None
+
+    def _prepare(self) -> None:
+        spec = importlib.machinery.PathFinder.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return
+        torch_dir = Path(next(iter(spec.submodule_search_locations)))
+        allow_unverified = os.environ.get(ALLOW_UNVERIFIED_ENV, "0") == "1"
+        series = _series_dir()
+        self.plan_key = cache.key(
+            "plan", cache.stat_key(torch_dir / "version.py"), cache.stat_key(torch_dir / WHEEL_MARKER),
+            [cache.stat_key(p) for p in sorted(series.iterdir())], allow_unverified,
+        )
+        try:
+            text = cache.read(self.plan_key)
+            if text is not None:
+                self.plan = Plan.from_json(text.decode())
+            else:
+                from dflash.patching.plan import make_plan
+
+                self.plan = make_plan(torch_dir, allow_unverified=allow_unverified)
+                cache.write(self.plan_key, self.plan.to_json().encode())
+        except Exception as error:  # never break `import torch` over a problem of ours
+            self.error = f"dflash patch hook disabled: {error}"
+            warnings.warn(self.error, PatchWarning, stacklevel=2)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if self.plan is None:
+            if fullname == "torch" and self.error is None:
+                self._prepare()
+            return None
+        if fullname not in self.plan.module_patches:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            return spec
+        spec.loader = PatchedSourceLoader(fullname, spec.origin, self)
+        return spec
+
+
+def install() -> PatchFinder | None:
+    """Put the finder first on ``sys.meta_path`` (once). Returns it, or None if torch came first.
+
+    If torch is already imported nothing is patched, and a :class:`PatchWarning`
+    says so and what to do.
+    """
+    global _finder
+    with _lock:
+        if _finder is not None:
+            return _finder
+        if "torch" in sys.modules:
+            warnings.warn(TORCH_FIRST_MESSAGE, PatchWarning, stacklevel=2)
+            return None
+        _finder = PatchFinder()
+        sys.meta_path.insert(0, _finder)
+        return _finder
+
+
+def active_finder() -> PatchFinder | None:
+    """The installed finder, if the hook is active in this interpreter."""
+    return _finder if _finder in sys.meta_path else None

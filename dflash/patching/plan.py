@@ -1,0 +1,153 @@
+"""Which patches apply to the installed torch, and what became of each: the plan.
+
+A :class:`Plan` is plain data (JSON round-trips it), so the import hook can
+cache it and skip reading the series on every ``import torch``. Building one
+(:func:`make_plan`) needs the series parser and ``packaging``; those are
+imported inside it, because this module is imported while ``torch`` itself is
+being imported.
+
+States of a concern:
+
+- ``applied``: every module it edits was imported with its hunks applied;
+- ``pending``: planned, but a module it edits has not been imported yet;
+- ``upstream``: the installed torch already has the fix (``Applied-Upstream:``);
+- ``built-in``: torch is a wheel rebuilt by ``dflash patches build-wheel``;
+- ``not-applicable``: no variant targets this torch release;
+- ``failed``: refused (unverified release, torch imported before the hook) or a
+  hunk did not fit; the reason says which and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+from pathlib import Path
+
+APPLIED, PENDING, UPSTREAM, BUILT_IN = "applied", "pending", "upstream", "built-in"
+NOT_APPLICABLE, FAILED = "not-applicable", "failed"
+ALLOW_UNVERIFIED_ENV = "DFLASH_PATCHES_ALLOW_UNVERIFIED"
+# Written into torch/ by `dflash patches build-wheel`: the fix is in the files already.
+WHEEL_MARKER = "_dflash_patches.json"
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One concern of the series in this interpreter.
+
+    Attributes:
+        name: the concern (``Patch-Name:``).
+        state: one of the states above.
+        reason: why, and what to do if it failed.
+        patch_file: the variant chosen for this torch, if any.
+        modules: dotted names of the torch modules that variant edits.
+    """
+
+    name: str
+    state: str
+    reason: str
+    patch_file: str | None = None
+    modules: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, str]:
+        return {"name": self.name, "state": self.state, "reason": self.reason}
+
+
+class Plan:
+    """The outcomes for one torch release, and the patch files each module needs (in series order)."""
+
+    def __init__(self, release: str, outcomes: list[Outcome]) -> None:
+        self.release = release
+        self.outcomes = {o.name: o for o in outcomes}
+        self.module_patches: dict[str, list[str]] = {}
+        for outcome in outcomes:
+            if outcome.state == PENDING:
+                for module in outcome.modules:
+                    self.module_patches.setdefault(module, []).append(outcome.patch_file)
+        self._waiting = {o.name: set(o.modules) for o in outcomes if o.state == PENDING}
+        self._lock = threading.Lock()
+
+    def to_json(self) -> str:
+        return json.dumps({"release": self.release, "outcomes": [dataclasses.asdict(o) for o in self.outcomes.values()]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        return cls(data["release"], [Outcome(**{**o, "modules": tuple(o["modules"])}) for o in data["outcomes"]])
+
+    def module_done(self, module: str, *, failure: str | None = None) -> None:
+        """Record that ``module`` was imported patched, or (``failure`` given) left unpatched."""
+        with self._lock:
+            for outcome in self.outcomes.values():
+                if module not in self._waiting.get(outcome.name, ()) or outcome.state != PENDING:
+                    continue
+                if failure is not None:
+                    outcome.state, outcome.reason = FAILED, failure
+                    continue
+                self._waiting[outcome.name].discard(module)
+                if not self._waiting[outcome.name]:
+                    outcome.state = APPLIED
+                    outcome.reason = f"{', '.join(outcome.modules)} patched at import ({outcome.patch_file})"
+
+    def refuse_all(self, reason: str) -> None:
+        """Mark every planned concern failed (e.g. torch was imported before the hook)."""
+        with self._lock:
+            for outcome in self.outcomes.values():
+                if outcome.state == PENDING:
+                    outcome.state, outcome.reason = FAILED, reason
+
+
+def torch_release(torch_dir: Path) -> str:
+    """The torch release string (``2.13.0+cpu``) from ``torch/version.py``, without importing torch.
+
+    Raises:
+        ValueError: ``version.py`` has no ``__version__`` line.
+    """
+    text = (torch_dir / "version.py").read_text(encoding="utf-8")
+    match = re.search(r"^__version__\s*(?::\s*str\s*)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    if match is None:
+        raise ValueError(f"cannot read __version__ from {torch_dir / 'version.py'}")
+    return match.group(1)
+
+
+def _choose(name, variants, release, allow_unverified: bool) -> Outcome:
+    upstream = next((p.applied_upstream for p in variants if p.applied_upstream), None)
+    if upstream is not None and release >= upstream:
+        return Outcome(name, UPSTREAM, f"torch {release} has this fix upstream (since {upstream})")
+    fitting = [p for p in variants if p.torch_versions.contains(release, prereleases=True)]
+    if len(fitting) > 1:
+        raise ValueError(f"{name}: variants {[p.file_name for p in fitting]} all claim torch {release}")
+    if not fitting:
+        ranges = "; ".join(f"{p.file_name} is for torch {p.torch_versions}" for p in variants)
+        return Outcome(name, NOT_APPLICABLE, f"nothing to do on torch {release} ({ranges})")
+    patch = fitting[0]
+    if release not in patch.verified_on and not allow_unverified:
+        verified = ", ".join(str(v) for v in patch.verified_on) or "none"
+        return Outcome(
+            name, FAILED,
+            f"torch {release} is not a release {patch.file_name} was verified on ({verified}); refusing to "
+            f"patch. Install a verified torch, or set {ALLOW_UNVERIFIED_ENV}=1 to apply it anyway "
+            "(exact-context application, never fuzzy; then run `dflash patches verify`)",
+            patch.file_name, patch.modules,
+        )
+    return Outcome(name, PENDING, "hook active; module not imported yet", patch.file_name, patch.modules)
+
+
+def make_plan(torch_dir: Path, *, allow_unverified: bool) -> Plan:
+    """Decide, for the torch installed at ``torch_dir``, what each concern of the series does.
+
+    Raises:
+        dflash.patching.series.SeriesError: the series itself is malformed.
+    """
+    from packaging.version import Version
+
+    from dflash.patching.series import concerns
+
+    version = torch_release(torch_dir)
+    marker = torch_dir / WHEEL_MARKER
+    if marker.exists():
+        built_in = json.loads(marker.read_text(encoding="utf-8")).get("patches", [])
+        return Plan(version, [Outcome(n, BUILT_IN, f"torch was rebuilt with this patch ({marker})") for n in built_in])
+    release = Version(Version(version).base_version)
+    return Plan(version, [_choose(n, v, release, allow_unverified) for n, v in concerns().items()])
