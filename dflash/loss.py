@@ -242,7 +242,9 @@ def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor) -> Tensor:
     p[:, 0] = 1.0  # the anchor is always "accepted": the chain starts at slot 1
     reach = torch.cumprod(p, dim=-1)
     reach[:, 0] = 0.0
-    return reach.flip(-1).cumsum(-1).flip(-1)
+    weights = reach.flip(-1).cumsum(-1).flip(-1)
+    weights[:, 0] = 0.0
+    return weights
 
 
 def per_position_accuracy(correct: Tensor, total: Tensor) -> Tensor:

@@ -1,0 +1,161 @@
+"""Chunked loss, position weights, soft labels, D-PACE and tau_hat (dflash/loss.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash import loss as L
+from dflash import masks
+
+B, N, BS, H, V, S = 2, 5, 4, 16, 40, 22
+
+
+def _inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, N * BS, H, generator=gen).requires_grad_(True)
+    weight = torch.randn(V, H, generator=gen)
+    input_ids = torch.randint(0, V, (B, S), generator=gen)
+    loss_mask = torch.rand(B, S, generator=gen) < 0.8
+    anchors, valid = masks.sample_anchors(loss_mask, N, generator=gen)
+    labels, label_mask = masks.build_labels(input_ids, loss_mask, anchors, valid, BS)
+    teacher = torch.randn(B, S, H, generator=gen)
+    return hidden, weight, labels, label_mask, anchors, teacher
+
+
+def _reference(hidden, weight, labels, label_mask, slot_weights, *, soft=0.0, teacher_rows=None, dpace=False):
+    """Unchunked loss written out directly: full logits for every draft slot at once."""
+    logits = (hidden @ weight.t()).float().view(B, N, BS, V)
+    log_probs = logits.log_softmax(-1)
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, N, BS)
+    token = ce
+    if soft:
+        t = (teacher_rows @ weight.t()).float().log_softmax(-1)
+        kl = F.kl_div(log_probs, t, log_target=True, reduction="none").sum(-1)
+        token = (1 - soft) * ce + soft * kl
+    if dpace:
+        p = (-ce).exp().detach() * label_mask
+        w = torch.zeros(B, N, BS)
+        for k in range(1, BS):
+            w[..., k] = sum(torch.prod(p[..., 1 : j + 1], dim=-1) for j in range(k, BS))
+    else:
+        w = slot_weights.expand(B, N, BS)
+    w = w * label_mask
+    correct = ((logits.argmax(-1) == labels) & label_mask).sum((0, 1))
+    return (w * token).sum(), w.sum(), correct
+
+
+def test_position_weights_and_default_gamma():
+    w = L.position_weights(16)
+    assert w[0] == 0 and w[1] == 1
+    torch.testing.assert_close(w[1:], torch.exp(-torch.arange(15.0) / 7.0))
+    torch.testing.assert_close(L.position_weights(8)[1:], torch.exp(-torch.arange(7.0) / 4.0))
+    torch.testing.assert_close(L.position_weights(4, gamma=2.0), torch.tensor([0, 1, math.exp(-0.5), math.exp(-1)]))
+    with pytest.raises(ValueError, match="pass gamma explicitly"):
+        L.position_weights(12)
+    with pytest.raises(ValueError, match="gamma"):
+        L.position_weights(4, gamma=0.0)
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 100])
+@pytest.mark.parametrize("mode", ["decay", "soft", "dpace"])
+def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
+    hidden, weight, labels, label_mask, anchors, teacher = _inputs()
+    slot_weights = L.position_weights(BS, gamma=2.0)
+    soft = 0.3 if mode == "soft" else 0.0
+    out = L.dflash_loss(hidden, weight, labels, label_mask, slot_weights, chunk_blocks=chunk_blocks,
+                        position_weighting="dpace" if mode == "dpace" else "decay",
+                        soft_label_weight=soft, teacher_hidden=teacher, anchors=anchors)
+    (grad,) = torch.autograd.grad(out.loss_sum, hidden)
+
+    # Teacher for slot k of anchor a: the target's state at a + k - 1 (it predicts x[a + k]).
+    pos = (anchors[:, :, None] + torch.arange(BS) - 1).clamp(0, S - 1)
+    teacher_rows = teacher[torch.arange(B)[:, None, None], pos]
+    ref_loss, ref_weight, ref_correct = _reference(hidden, weight, labels, label_mask, slot_weights, soft=soft,
+                                                   teacher_rows=teacher_rows, dpace=mode == "dpace")
+    (ref_grad,) = torch.autograd.grad(ref_loss, hidden)
+    torch.testing.assert_close(out.loss_sum, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.weight_sum, ref_weight, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.correct, ref_correct)
+    assert torch.equal(out.total, label_mask.sum((0, 1)))
+    assert out.total[0] == 0 and out.correct[0] == 0  # slot 0 is never supervised
+
+
+def test_soft_labels_against_an_exact_teacher_give_zero_kl():
+    hidden, weight, _, _, _, _ = _inputs()
+    # Blocks BS apart, so no two supervised slots share a teacher position a + k - 1.
+    anchors = (torch.arange(N) * BS).expand(B, N).contiguous()
+    valid = torch.ones(B, N, dtype=torch.bool)
+    input_ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(5))
+    labels, label_mask = masks.build_labels(input_ids, torch.ones(B, S, dtype=torch.bool), anchors, valid, BS)
+    # Teacher = the drafter's own hidden state at each slot: KL(p || p) = 0 wherever supervised.
+    teacher = torch.zeros(B, S, H)
+    for b in range(B):
+        for n in range(N):
+            for k in range(1, BS):
+                if label_mask[b, n, k]:
+                    teacher[b, int(anchors[b, n]) + k - 1] = hidden[b, n * BS + k].detach()
+    out = L.dflash_loss(hidden, weight, labels, label_mask, L.position_weights(BS, 2.0),
+                        soft_label_weight=1.0, teacher_hidden=teacher, anchors=anchors)
+    assert out.weight_sum > 0 and abs(out.loss_sum.item()) < 1e-4
+
+
+def test_chunks_never_save_full_logits_for_backward():
+    """Only one chunk's logits may exist: nothing of size >= (chunk rows) x V is kept for backward."""
+    hidden, weight, labels, label_mask, _, _ = _inputs()
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = L.dflash_loss(hidden, weight, labels, label_mask, L.position_weights(BS, 2.0), chunk_blocks=1)
+    out.loss_sum.backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+    assert saved, "the hook saw nothing: the test would not detect saved logits"
+    logits_like = [shape for shape in saved if shape[-1] == V]
+    assert not logits_like, f"tensors with a vocabulary axis were kept for backward: {logits_like}"
+
+
+def test_dpace_weights_follow_the_acceptance_chain():
+    # One block of 4 slots with label probabilities p1, p2, p3 at slots 1..3.
+    probs = torch.tensor([[0.9, 0.5, 0.2, 0.4]])
+    mask = torch.tensor([[False, True, True, True]])
+    w = L._dpace_weights(probs.log(), mask)
+    p1, p2, p3 = 0.5, 0.2, 0.4
+    expected = [0.0, p1 + p1 * p2 + p1 * p2 * p3, p1 * p2 + p1 * p2 * p3, p1 * p2 * p3]
+    torch.testing.assert_close(w, torch.tensor([expected]))
+
+
+def test_acceptance_length_estimate_known_values():
+    assert L.acceptance_length_estimate([1.0, 1.0, 1.0]) == 4.0
+    assert L.acceptance_length_estimate([0.5, 0.5]) == pytest.approx(1.75)
+    assert L.acceptance_length_estimate([0.0, 1.0, 1.0]) == 1.0
+    assert L.acceptance_length_estimate([0.9, 0.8, 0.5]) == pytest.approx(1 + 0.9 + 0.72 + 0.36)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        L.acceptance_length_estimate([1.2])
+
+
+def test_per_position_accuracy_divides_aggregated_counts():
+    # Two micro-batches: slot 1 has 1/1 then 0/3 correct -> 1/4 overall, not the mean 1/2.
+    correct = torch.tensor([0, 1, 2]) + torch.tensor([0, 0, 1])
+    total = torch.tensor([0, 1, 2]) + torch.tensor([0, 3, 2])
+    acc = L.per_position_accuracy(correct, total)
+    torch.testing.assert_close(acc, torch.tensor([0.25, 0.75], dtype=torch.float64))
+    assert L.per_position_accuracy(torch.tensor([0, 0]), torch.tensor([0, 0])).tolist() == [0.0]
+
+
+def test_bad_options_raise():
+    hidden, weight, labels, label_mask, anchors, teacher = _inputs()
+    w = L.position_weights(BS, 2.0)
+    with pytest.raises(ValueError, match="teacher_hidden"):
+        L.dflash_loss(hidden, weight, labels, label_mask, w, soft_label_weight=0.5)
+    with pytest.raises(ValueError, match="position_weighting"):
+        L.dflash_loss(hidden, weight, labels, label_mask, w, position_weighting="linear")
+    with pytest.raises(ValueError, match="labels/label_mask"):
+        L.dflash_loss(hidden, weight, labels[:, :-1], label_mask[:, :-1], w)
