@@ -1,6 +1,63 @@
-"""`dflash patches` (placeholder)."""
+"""``dflash patches status|verify``: is the thread-safety patch series active, and does it work?"""
+
+from __future__ import annotations
+
+import json
+
+
+def _status(args) -> int:
+    from dflash.patching.status import collect
+
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"torch {report['torch_version']}; startup hook {'active' if report['hook_active'] else 'NOT active'}")
+        width = max(len(p["name"]) for p in report["patches"])
+        for patch in report["patches"]:
+            print(f"  {patch['name']:<{width}}  {patch['state']:<14}  {patch['reason']}")
+    return 1 if any(p["state"] == "failed" for p in report["patches"]) else 0
+
+
+def _verify(args) -> int:
+    import torch
+
+    from dflash.patching import races
+
+    classes = args.classes or list(races.BUG_CLASSES)
+    runs = [(c, patched) for c in classes for patched in (False, True)]
+    print(f"torch {torch.__version__}: {len(classes)} bug classes x (plain, patched), "
+          f"{args.seconds:g} s each, fresh interpreters, {args.jobs} at a time")
+    results = races.run_checks_subprocess(runs, seconds=args.seconds, jobs=args.jobs)
+    print(f"{'class':<6}{'calls plain':>12}{'fail plain':>12}{'calls patched':>15}{'fail patched':>14}  verdict")
+    ok = True
+    for c in classes:
+        plain, patched = results[(c, False)], results[(c, True)]
+        present = races.applies_to(c, torch.__version__)
+        if patched.failures:
+            verdict, ok = "FAILS PATCHED: " + (patched.example_error or "")[:80], False
+        elif present is not True:
+            verdict = f"not present in this torch ({present})"
+        elif plain.failures:
+            verdict = "fixed"
+        else:
+            verdict = "not reproduced on plain torch this run (try --seconds 10)"
+        print(f"{c:<6}{plain.calls:>12}{plain.failures:>12}{patched.calls:>15}{patched.failures:>14}  {verdict}")
+    return 0 if ok else 1
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("patches", help="(not yet implemented)")
-    parser.set_defaults(func=lambda args: 1)
+    parser = subparsers.add_parser("patches", help="inspect and check the torch thread-safety patch series")
+    commands = parser.add_subparsers(dest="patches_command", required=True, metavar="COMMAND")
+
+    status = commands.add_parser("status", help="torch version, hook state, and each patch's state")
+    status.add_argument("--json", action="store_true", help="print JSON: torch_version, hook_active, patches")
+    status.set_defaults(func=_status)
+
+    verify = commands.add_parser(
+        "verify", help="two-thread check of each bug class, with and without the patches, in fresh interpreters"
+    )
+    verify.add_argument("classes", nargs="*", metavar="CLASS", help="bug classes to check (default: all, A-H)")
+    verify.add_argument("--seconds", type=float, default=1.5, help="race duration per check (default 1.5)")
+    verify.add_argument("--jobs", type=int, default=2, help="checks run at once (default 2)")
+    verify.set_defaults(func=_verify)

@@ -1,0 +1,43 @@
+"""What ``dflash patches status`` reports: the torch release, whether the hook is active, and each concern's state."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from dflash.patching import importhook
+from dflash.patching.plan import FAILED, PENDING, Plan, make_plan
+from dflash.patching.startup import DISABLE_ENV, env_disabled
+
+DISABLED = "disabled"
+
+
+def _settled_plan() -> Plan:
+    """The hook's plan after importing every module it targets, so no concern stays ``pending``."""
+    finder = importhook.active_finder()
+    import torch  # noqa: F401  (the finder builds its plan when torch is imported)
+
+    if finder is not None and finder.plan is not None:
+        for module in list(finder.plan.module_patches):
+            importlib.import_module(module)
+        return finder.plan
+    plan = make_plan(Path(sys.modules["torch"].__file__).parent, allow_unverified=False)
+    if env_disabled():
+        for outcome in plan.outcomes.values():
+            if outcome.state in (PENDING, FAILED):
+                outcome.state, outcome.reason = DISABLED, f"{DISABLE_ENV}=0 is set in the environment"
+    else:
+        plan.refuse_all("the startup hook is not active in this interpreter. " + importhook.TORCH_FIRST_MESSAGE)
+    return plan
+
+
+def collect() -> dict:
+    """``{"torch_version": str, "hook_active": bool, "patches": [{"name", "state", "reason"}]}``."""
+    hook_active = importhook.active_finder() is not None
+    plan = _settled_plan()
+    return {
+        "torch_version": plan.release,
+        "hook_active": hook_active,
+        "patches": [o.as_dict() for o in plan.outcomes.values()],
+    }
