@@ -53,7 +53,7 @@ class TrainConfig:
 
     # ---- loss -----------------------------------------------------------------------------
     gamma: float | None = None
-    """Decay of the position weights w_k = exp(-(k-1)/gamma); empty = 7 for Bs=16, 4 for Bs=8 (paper Sec. 4)."""
+    """Decay of the position weights w_k = exp(-(k-1)/gamma); empty = the paper's value (7 for Bs=16, 5 for 10, 4 for 8)."""
     soft_label_weight: float = 0.0
     """Weight of the KL to the target's distribution (0 = hard labels only, 1 = soft only)."""
     dpace: bool = False
@@ -113,6 +113,11 @@ class TrainConfig:
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        from dflash.loss import PAPER_GAMMA
+
+        if self.gamma is None and self.block_size not in PAPER_GAMMA:
+            raise ValueError(f"gamma: the paper gives no decay for block_size={self.block_size} (only for "
+                             f"{sorted(PAPER_GAMMA)}); pass --gamma (about block_size / 2)")
         if not 0.0 <= self.soft_label_weight <= 1.0:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
         for name in ("lr", "peak_tflops"):
@@ -126,13 +131,6 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):
             raise ValueError(f"target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
-
-    @property
-    def resolved_gamma(self) -> float:
-        """gamma, or the paper's default for the block size (7 for 16, 4 for 8, Bs/2 otherwise)."""
-        if self.gamma is not None:
-            return self.gamma
-        return {16: 7.0, 8: 4.0}.get(self.block_size, self.block_size / 2)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

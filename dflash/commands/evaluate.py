@@ -1,6 +1,85 @@
-"""`dflash evaluate` (placeholder)."""
+"""`dflash eval`: greedy speculative decoding of a trained drafter against its target.
+
+Prints the acceptance length tau, its histogram and the speedup over target-only greedy
+decoding on held-out prompts (``--json`` for machine-readable output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("eval", help="(not yet implemented)")
-    parser.set_defaults(func=lambda args: 1)
+    parser = subparsers.add_parser(
+        "eval", help="measure a drafter: acceptance length tau, histogram, speedup",
+        description="Greedy (T=0) speculative decoding with a DFlash drafter against its target on held-out "
+                    "conversations (prompt = the conversation up to its first assistant turn).")
+    parser.add_argument("--drafter", required=True,
+                        help="run directory of dflash train (--out), its checkpoints/ or a step_N directory")
+    parser.add_argument("--target", default=None,
+                        help="local HF target directory (default: the embedded default target)")
+    parser.add_argument("--data", default=None,
+                        help="JSONL chat file of held-out conversations (default: the embedded held-out set)")
+    parser.add_argument("--num-prompts", type=int, default=20, help="prompts to decode (default: 20)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        logger.error("--num-prompts and --max-new-tokens must be >= 1")
+        return 2
+    try:
+        report = _evaluate(args)
+    except ValueError as e:  # bad input: the message names the problem and the fix
+        logger.error("%s", e)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    print(f"acceptance length tau: {report.tau:.3f} (block size {report.block_size}, "
+          f"{report.num_prompts} prompts, {report.num_tokens} tokens)")
+    total = sum(report.histogram.values())
+    print("accepted+1 per step:")
+    for length in range(1, report.block_size + 1):
+        count = report.histogram.get(length, 0)
+        print(f"  {length:3d}: {count:6d} {100 * count / max(total, 1):5.1f}% {'#' * round(40 * count / max(total, 1))}")
+    print(f"speedup: {report.speedup:.2f}x (target-only {report.target_ms_per_token:.2f} ms/token, "
+          f"speculative {report.speculative_ms_per_token:.2f} ms/token)")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace):
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash.assets import default_data_dir, default_target_dir
+    from dflash.evaluate import evaluate, load_drafter, load_prompts
+    from dflash.target import load_target, resolve_device
+
+    device = resolve_device(args.device)
+    target_dir = Path(args.target) if args.target else default_target_dir()
+    data = Path(args.data) if args.data else default_data_dir() / "heldout.jsonl"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    drafter = load_drafter(args.drafter, device=device, dtype=dtype)
+    target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
+    if drafter.config.num_target_layers != target.num_layers:
+        raise ValueError(f"--drafter was trained for a {drafter.config.num_target_layers}-layer target, "
+                         f"{target_dir} has {target.num_layers} layers; pass the matching --target")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    prompts = load_prompts(tokenizer, data, num_prompts=args.num_prompts)
+    eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
+    return evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens,
+                    eos_ids={e for e in eos_ids if e is not None}, progress=True)
+
+
+def _as_list(value):
+    return value if isinstance(value, list) else [value]

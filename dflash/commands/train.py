@@ -1,6 +1,76 @@
-"""`dflash train` (placeholder)."""
+"""`dflash train`: train a DFlash drafter for a local Hugging Face target.
+
+Flags are generated from :class:`dflash.config.TrainConfig` (one per field, help = the
+field's docstring). With no flags it trains the embedded default target on its chat corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import types
+import typing
+
+logger = logging.getLogger(__name__)
+
+
+def _optional_int_list(text: str) -> list[int] | None:
+    return None if text == "" else [int(x) for x in text.replace(",", " ").split()]
+
+
+def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dict, docs: dict) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    hint = hints[f.name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
+    help_text = docs.get(f.name, "")
+    if base is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                            help=f"{help_text} (default: {f.default})")
+        return
+    if typing.get_origin(base) is list:
+        convert, metavar = _optional_int_list, "IDS"
+    else:
+        convert, metavar = base, f.name.upper()
+        if optional:  # an empty string means None ("use the default rule")
+            convert = lambda text, base=base: None if text == "" else base(text)  # noqa: E731
+    default = f.default if f.default is not dataclasses.MISSING else None
+    parser.add_argument(flag, type=convert, metavar=metavar, default=argparse.SUPPRESS,
+                        help=f"{help_text} (default: {'empty' if default is None else default})")
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="(not yet implemented)")
-    parser.set_defaults(func=lambda args: 1)
+    from dflash.config import TrainConfig, field_docs
+
+    parser = subparsers.add_parser(
+        "train", help="train a DFlash drafter (no flags: the embedded default target)",
+        description="Train a DFlash drafter against a frozen target. With no flags, trains the embedded "
+                    "default target on its chat corpus on this machine's CPU (or GPU with --device cuda).",
+    )
+    hints = typing.get_type_hints(TrainConfig)
+    docs = field_docs(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        _add_field(parser, f, hints, docs)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.config import TrainConfig
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    if "epochs" in values and "steps" not in values:
+        values["steps"] = None  # --epochs alone means "train by epochs"
+    try:
+        config = TrainConfig(**values)
+        from dflash.trainer import Trainer
+
+        trainer = Trainer(config)
+        metrics = trainer.train()
+    except ValueError as e:  # bad input: the message names the problem and the fix
+        logger.error("%s", e)
+        return 2
+    print(f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}; "
+          f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter {trainer.out})")
+    return 0
