@@ -132,14 +132,16 @@ def drafter_step(step_fn, drafter, target: Target, batch: TargetBatch, *, max_an
 class CompileMonitor:
     """Reports what dynamo did since the last check: compiled frames, graphs, graph breaks and
     frames that failed to compile (which then run eagerly). Every event after the warm-up
-    step is logged as a warning with the reason dynamo gives (``torch._logs`` recompiles and
+    step is logged as a warning with the reason dynamo gives (``torch._logging`` recompiles and
     graph_breaks artifacts are switched on too)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.recompiles = self.graph_breaks = self.failed = 0
         if enabled:
-            torch._logs.set_logs(recompiles=True, graph_breaks=True)
+            import torch._logging
+
+            torch._logging.set_logs(recompiles=True, graph_breaks=True)
         self._last = self._snapshot()
 
     @staticmethod

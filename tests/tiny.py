@@ -49,7 +49,7 @@ def make_tokenizer(directory: Path):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   additional_special_tokens=["<|im_start|>", "<|mask|>"])
+                                   mask_token="<|mask|>", additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHAT_TEMPLATE
     directory.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(directory)

@@ -1,0 +1,163 @@
+"""dflash.trainer and `dflash train`: exact resume, step-level loss normalisation, z-lab
+checkpoints that transformers loads, Llama targets, compile monitoring, config errors."""
+
+import json
+import math
+import logging
+
+import pytest
+import torch
+
+from dflash.checkpoint import CheckpointError, find_checkpoint
+from dflash.cli import main
+from dflash.config import TrainConfig
+from dflash.trainer import CompileMonitor, Trainer
+from tiny import make_target, write_chat_data
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    return {"qwen3": make_target(root / "qwen3", num_layers=5), "llama": make_target(root / "llama", arch="llama", num_layers=5),
+            "data": write_chat_data(root / "train.jsonl", repeat=4)}
+
+
+def _config(assets, out, **overrides):
+    values = dict(target=str(assets["qwen3"]), data=str(assets["data"]), out=str(out), block_size=4, gamma=2.0,
+                  num_target_layers=2, seq_len=48, batch_size=2, max_anchors=6, steps=6, warmup_steps=2,
+                  lr=1e-2, save_every=3, log_every=1, progress=False, seed=7)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+class _Recording(Trainer):
+    """Records each step's loss; `crash_after` raises (like a kill) once that many steps ran."""
+
+    crash_after = None
+
+    def train_step(self):
+        if self.crash_after is not None and self.step > self.crash_after:
+            raise KeyboardInterrupt("simulated kill")
+        metrics = super().train_step()
+        self.losses = getattr(self, "losses", []) + [metrics["loss"]]
+        return metrics
+
+
+def test_resume_continues_exactly(assets, tmp_path):
+    reference = _Recording(_config(assets, tmp_path / "full"))
+    reference.train()
+    assert len(reference.losses) == 6
+
+    first = _Recording(_config(assets, tmp_path / "split"))
+    first.crash_after = 3
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    assert find_checkpoint(tmp_path / "split").name == "step_00000003"
+    resumed = _Recording(_config(assets, tmp_path / "split", resume=True))
+    assert resumed.step == 3
+    resumed.train()
+    assert first.losses + resumed.losses == reference.losses  # bitwise, not approximately
+    final = dict(reference.drafter.named_parameters())
+    for name, param in resumed.drafter.named_parameters():
+        assert torch.equal(param, final[name]), name
+
+
+def test_resume_with_a_different_config_is_refused(assets, tmp_path):
+    Trainer(_config(assets, tmp_path, steps=1)).train()
+    with pytest.raises(CheckpointError, match=r"different config \(lr: 0\.01 -> 0\.02\).*same flags"):
+        Trainer(_config(assets, tmp_path, steps=2, lr=2e-2, resume=True))
+    with pytest.raises(CheckpointError, match="no checkpoint here"):
+        Trainer(_config(assets, tmp_path / "empty", resume=True))
+
+
+def test_grad_accumulation_normalises_over_the_whole_optimizer_step(assets, tmp_path):
+    # Two micro-batches of 2 must give the same update as one batch of 4 (same examples, same
+    # anchors): the loss is divided by the weight sum of the step, not averaged per micro-batch.
+    one = Trainer(_config(assets, tmp_path / "a", batch_size=4, grad_accum=1, grad_clip=0.0, steps=1))
+    two = Trainer(_config(assets, tmp_path / "b", batch_size=2, grad_accum=2, grad_clip=0.0, steps=1))
+    loss_one, loss_two = one.train_step()["loss"], two.train_step()["loss"]
+    assert loss_one == pytest.approx(loss_two, rel=1e-5)
+    for (name, p1), p2 in zip(one.drafter.named_parameters(), two.drafter.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path):
+    from transformers import AutoConfig
+
+    from dflash.model import DFlashDraftModel
+
+    trainer = Trainer(_config(assets, tmp_path, steps=2, save_every=0))
+    trainer.train()
+    step_dir = find_checkpoint(tmp_path)
+    raw = json.loads((step_dir / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4
+    assert raw["num_target_layers"] == 5
+    assert raw["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 2]}
+    config = AutoConfig.from_pretrained(step_dir)
+    assert config.model_type == "qwen3" and config.dflash_config["target_layer_ids"] == [1, 2]
+    loaded = DFlashDraftModel.from_pretrained(step_dir)
+    from safetensors import safe_open
+
+    with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
+    for name, param in trainer.drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], param), name
+
+
+def test_llama_target_trains_through_the_same_path(assets, tmp_path):
+    trainer = _Recording(_config(assets, tmp_path, target=str(assets["llama"]), steps=8, save_every=0))
+    trainer.train()
+    assert type(trainer.target.model).__name__ == "LlamaForCausalLM"
+    assert trainer.target.layer_ids == [1, 2]
+    assert all(map(math.isfinite, trainer.losses)) and trainer.losses[-1] < trainer.losses[0]
+
+
+def test_compile_monitor_reports_recompiles_and_graph_breaks(caplog):
+    torch._dynamo.reset()
+
+    def step(x, n):
+        if n > 1:
+            torch._dynamo.graph_break()
+        return x * n
+
+    compiled = torch.compile(step, backend="eager")
+    monitor = CompileMonitor(enabled=True)
+    compiled(torch.ones(2), 1)
+    monitor.check(1, warmup=True)
+    compiled(torch.ones(2), 1)
+    monitor.check(2, warmup=False)
+    assert monitor.recompiles == 0
+    with caplog.at_level(logging.WARNING, logger="dflash.trainer"):
+        compiled(torch.ones(2), 2)  # a new constant: dynamo recompiles, and breaks the graph
+        monitor.check(3, warmup=False)
+    assert monitor.recompiles >= 1 and monitor.graph_breaks >= 1
+    assert "RECOMPILED" in caplog.text and "graph break" in caplog.text
+    torch._logging.set_logs()
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="gamma: the paper gives no decay for block_size=6"):
+        TrainConfig(block_size=6)
+    with pytest.raises(ValueError, match="compile must be"):
+        TrainConfig(compile="maybe")
+    with pytest.raises(ValueError, match="steps: give --steps or --epochs"):
+        TrainConfig(steps=None)
+
+
+def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
+    argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path),
+            "--steps", "2", "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48",
+            "--batch-size", "2", "--max-anchors", "4", "--no-progress"]
+    assert main(argv) == 0
+    assert "trained 2 steps" in capsys.readouterr().out
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
+    assert main(argv[:4] + [str(bad)] + argv[5:] + ["--out", str(tmp_path / "b")]) == 2
+    assert "bad.jsonl:1: message 0 has unknown role 'robot'" in caplog.text
+    assert main(["train", "--device", "cuda:7"] if not torch.cuda.is_available() else ["train", "--device", "cuda:99"]) == 2
+    assert "--device cuda" in caplog.text
