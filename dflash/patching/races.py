@@ -152,7 +152,7 @@ def _check_flags_clean(tally: _Tally) -> None:
         tally.ok()
 
 
-# --- workloads shared by the checks -------------------------------------------------------------
+# --- workloads shared by the checks (and by stress/) -------------------------------------------------------------
 
 _graph_runs = threading.local()
 
@@ -174,13 +174,15 @@ def _compiled_call(fn: Callable, *args) -> tuple[object, bool]:
     return out, getattr(_graph_runs, "count", 0) > before
 
 
-def _sin_plus_one(x):
+def sin_plus_one(x):
+    """The compiled workload: ``sin(x) + 1``, any shape and floating dtype."""
     import torch
 
     return torch.sin(x) + 1
 
 
-def _sin_with_graph_break(x):
+def sin_with_graph_break(x):
+    """``sin(x) + 1`` with a ``torch._dynamo.graph_break()`` between the two ops."""
     import torch
 
     y = torch.sin(x)
@@ -188,13 +190,13 @@ def _sin_with_graph_break(x):
     return y + 1
 
 
-def _fresh_function(template: Callable, index: int) -> Callable:
+def fresh_function(template: Callable, index: int) -> Callable:
     """A copy of ``template`` with its own code object, so dynamo compiles it anew (its cache is per code)."""
     code = template.__code__.replace(co_name=f"{template.__name__}_{index}")
     return types.FunctionType(code, template.__globals__, code.co_name)
 
 
-def _traced_net():
+def traced_net():
     """A small module with one submodule, the target of the FX traces below."""
     import torch
 
@@ -225,7 +227,7 @@ def _warm_compiled_call_step(warm: Callable, x) -> Callable[[], str | None]:
     """Call the warm compiled ``warm``; a failure if it raised, ran eagerly or computed a wrong value."""
     import torch
 
-    expected = _sin_plus_one(x)
+    expected = sin_plus_one(x)
 
     def step() -> str | None:
         out, ran_graph = _compiled_call(warm, x)
@@ -244,8 +246,8 @@ def _compile_new_functions_step(backend: str) -> Callable[[], str | None]:
     x = torch.randn(8)
 
     def step() -> str | None:
-        fn = torch.compile(_fresh_function(_sin_plus_one, next(counter)), backend=backend)
-        return None if torch.allclose(fn(x), _sin_plus_one(x)) else "fresh compiled function returned a wrong value"
+        fn = torch.compile(fresh_function(sin_plus_one, next(counter)), backend=backend)
+        return None if torch.allclose(fn(x), sin_plus_one(x)) else "fresh compiled function returned a wrong value"
 
     return step
 
@@ -253,7 +255,7 @@ def _compile_new_functions_step(backend: str) -> Callable[[], str | None]:
 def _warm_compiled_function():
     import torch
 
-    warm = torch.compile(_sin_plus_one, backend=_counting_backend)
+    warm = torch.compile(sin_plus_one, backend=_counting_backend)
     x = torch.randn(8)
     _, ran_graph = _compiled_call(warm, x)
     if not ran_graph:
@@ -273,7 +275,7 @@ def _check_a(tally: _Tally, seconds: float) -> None:
 
 def _check_b(tally: _Tally, seconds: float) -> None:
     warm, x = _warm_compiled_function()
-    trace = _symbolic_trace_step(_traced_net())
+    trace = _symbolic_trace_step(traced_net())
     trace()
     _race(tally, seconds, trace, _warm_compiled_call_step(warm, x))
 
@@ -328,7 +330,7 @@ def _check_d(tally: _Tally, seconds: float) -> None:
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    trace = _symbolic_trace_step(_traced_net())
+    trace = _symbolic_trace_step(traced_net())
     eager = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)
     with torch.no_grad():
@@ -345,7 +347,7 @@ def _check_d(tally: _Tally, seconds: float) -> None:
     _race(tally, seconds / 2, trace, eager_call)
 
     def make_fx_step() -> str | None:
-        gm = make_fx(_sin_plus_one)(x)
+        gm = make_fx(sin_plus_one)(x)
         targets = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
         return None if len(targets) == 2 else f"make_fx traced {targets}, expected sin and add"
 
@@ -396,7 +398,7 @@ def _check_f(tally: _Tally, seconds: float) -> None:
 
     def worker() -> None:
         deadline = time.monotonic() + seconds
-        fn = torch.compile(_fresh_function(_sin_plus_one, 0), backend=_counting_backend, dynamic=False)
+        fn = torch.compile(fresh_function(sin_plus_one, 0), backend=_counting_backend, dynamic=False)
         for n in shapes:
             x = torch.randn(n)
             value = getattr(config, name)
@@ -407,7 +409,7 @@ def _check_f(tally: _Tally, seconds: float) -> None:
             out, ran_graph = _compiled_call(fn, x)
             if not ran_graph:
                 tally.fail(f"compiled function fell back to eager on recompile {n} (limit {raised} assigned)")
-            elif not torch.allclose(out, _sin_plus_one(x)):
+            elif not torch.allclose(out, sin_plus_one(x)):
                 tally.fail("compiled function returned a wrong value")
             else:
                 tally.ok()
@@ -431,7 +433,7 @@ def _check_g(tally: _Tally, seconds: float) -> None:
 
     counter = iter(range(1 << 62))
     x = torch.randn(8)
-    expected = _sin_plus_one(x)
+    expected = sin_plus_one(x)
 
     def hold_error_on_graph_break() -> None:
         with torch._dynamo.error_on_graph_break(True):
@@ -439,7 +441,7 @@ def _check_g(tally: _Tally, seconds: float) -> None:
 
     def compile_with_graph_break() -> str | None:
         # Default error_on_graph_break is False: a graph break must split the graph, not raise.
-        fn = torch.compile(_fresh_function(_sin_with_graph_break, next(counter)), backend="eager")
+        fn = torch.compile(fresh_function(sin_with_graph_break, next(counter)), backend="eager")
         return None if torch.allclose(fn(x), expected) else "compiled function returned a wrong value"
 
     compile_with_graph_break()
@@ -467,7 +469,7 @@ def _check_h(tally: _Tally, seconds: float) -> None:
         out = flex_attention(q, k, v, block_mask=block_mask)
         return None if torch.allclose(out, expected, atol=1e-5) else "eager flex_attention returned a wrong value"
 
-    trace = _symbolic_trace_step(_traced_net())
+    trace = _symbolic_trace_step(traced_net())
     trace()
     _race(tally, seconds, trace, eager_flex)
 

@@ -1,0 +1,31 @@
+"""The eight two-thread bug-class checks, plain and patched, for the end-of-run table."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import pytest
+
+from dflash.patching.races import BUG_CLASSES, applies_to, run_checks_subprocess
+
+SECONDS = 0.5
+TORCH_VERSION = version("torch")
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_checks_subprocess([(c, p) for c in BUG_CLASSES for p in (False, True)], seconds=SECONDS)
+
+
+@pytest.mark.parametrize("bug_class", list(BUG_CLASSES))
+def test_bug_class(bug_class, results, table_row):
+    plain, patched = results[(bug_class, False)], results[(bug_class, True)]
+    present = applies_to(bug_class, TORCH_VERSION)
+    plain_cell = f"{plain.failures} / {plain.calls}"
+    if present is not True:
+        plain_cell += f" (not present: {present[:60]})"
+    table_row(f"class {bug_class}", bug_class, TORCH_VERSION, plain_cell, f"{patched.failures} / {patched.calls}", "-")
+    assert patched.failures == 0, f"patched: {patched.failure_kinds}"
+    if present is not True:
+        pytest.skip(f"class {bug_class} not observable on torch {TORCH_VERSION}: {present}")
+    assert plain.failures > 0, f"class {bug_class} did not reproduce on plain torch {TORCH_VERSION}"

@@ -1,0 +1,50 @@
+"""One regression test per torch race class A-H (see ``dflash.patching.races``).
+
+Each check runs in a fresh interpreter: with ``DFLASH_PATCHES=0`` (plain torch) it
+must show failures wherever the installed torch version has the bug, and with the
+dflash patch series applied it must show none. All runs start together, a CPU's
+worth at a time, so the module takes about (runs x (startup + SECONDS)) / CPUs.
+"""
+
+from importlib.metadata import version
+
+import pytest
+
+from dflash.patching.races import BUG_CLASSES, applies_to, run_checks_subprocess
+
+# Long enough that every class present fails hundreds of times on plain torch 2.13 (2 cores).
+SECONDS = 0.5
+TORCH_VERSION = version("torch")
+
+
+def _plain_runs():
+    return [(bug_class, False) for bug_class in BUG_CLASSES if applies_to(bug_class, TORCH_VERSION) is True]
+
+
+@pytest.fixture(scope="module")
+def results():
+    runs = _plain_runs() + [(bug_class, True) for bug_class in BUG_CLASSES]
+    return run_checks_subprocess(runs, seconds=SECONDS)
+
+
+@pytest.mark.parametrize("bug_class", list(BUG_CLASSES))
+def test_plain_torch_shows_bug_class(bug_class, results):
+    present = applies_to(bug_class, TORCH_VERSION)
+    if present is not True:
+        pytest.skip(f"class {bug_class} is not observable on plain torch {TORCH_VERSION}: {present}")
+    result = results[(bug_class, False)]
+    assert result.calls > 0, f"class {bug_class}: the check ran no operations"
+    assert result.failures > 0, (
+        f"class {bug_class} did not reproduce on plain torch {TORCH_VERSION} "
+        f"({result.calls} calls): the check has lost its teeth"
+    )
+
+
+@pytest.mark.parametrize("bug_class", list(BUG_CLASSES))
+def test_patched_torch_is_free_of_bug_class(bug_class, results):
+    result = results[(bug_class, True)]
+    assert result.calls > 0, f"class {bug_class}: the check ran no operations"
+    assert result.failures == 0, (
+        f"class {bug_class} with the dflash patches: {result.failures} / {result.calls} failed; "
+        f"by kind {result.failure_kinds}; first: {result.example_error}"
+    )
