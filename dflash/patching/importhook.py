@@ -18,16 +18,13 @@ that show the file on disk (the code that runs is still the patched one).
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.util
-import linecache
 import os
 import sys
 import threading
 import warnings
-from pathlib import Path
 
-from dflash.patching import cache
-from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan
+# Everything else (pathlib, the cache, the plan, the diff parser) is imported
+# only once torch is: this module runs in every interpreter at start-up.
 
 _lock = threading.Lock()
 _finder: PatchFinder | None = None
@@ -46,7 +43,10 @@ TORCH_FIRST_MESSAGE = (
 )
 
 
-def _series_dir() -> Path:
+def _series_dir():
+    import importlib.util
+    from pathlib import Path
+
     return Path(importlib.util.find_spec("dflash.patch_series").origin).parent
 
 
@@ -76,6 +76,10 @@ class PatchedSourceLoader(importlib.machinery.SourceFileLoader):
         self._failure: str | None = None
 
     def _load_patched(self, fullname: str):
+        from pathlib import Path
+
+        from dflash.patching import cache
+
         plan = self._finder.plan
         files = plan.module_patches[fullname]
         name = cache.key("module", fullname, self._finder.plan_key, files, cache.stat_key(Path(self.path)))
@@ -102,6 +106,8 @@ class PatchedSourceLoader(importlib.machinery.SourceFileLoader):
         loaded = self._load_patched(fullname)
         if loaded is None:
             return super().get_code(fullname)
+        import linecache
+
         source, code = loaded
         # mtime None: linecache.checkcache() keeps entries it cannot compare with the disk.
         linecache.cache[self.path] = (len(source), None, source.splitlines(keepends=True), self.path)
@@ -120,11 +126,16 @@ class PatchFinder:
     """Meta-path finder: routes the plan's target modules through :class:`PatchedSourceLoader`."""
 
     def __init__(self) -> None:
-        self.plan: Plan | None = None
+        self.plan = None
         self.plan_key: str | None = None
         self.error: str | None = None
 
     def _prepare(self) -> None:
+        from pathlib import Path
+
+        from dflash.patching import cache
+        from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan, make_plan
+
         spec = importlib.machinery.PathFinder.find_spec("torch")
         if spec is None or not spec.submodule_search_locations:
             return
@@ -140,8 +151,6 @@ class PatchFinder:
             if text is not None:
                 self.plan = Plan.from_json(text.decode())
             else:
-                from dflash.patching.plan import make_plan
-
                 self.plan = make_plan(torch_dir, allow_unverified=allow_unverified)
                 cache.write(self.plan_key, self.plan.to_json().encode())
         except Exception as error:  # never break `import torch` over a problem of ours

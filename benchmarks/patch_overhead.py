@@ -1,0 +1,129 @@
+"""Cost of the thread-safety patches, patched vs plain torch side by side, in fresh interpreters.
+
+Prints four ratios (goals from the patch-engine issue):
+
+- calls/s of a small compiled function, 1 thread, patched / plain   (goal >= 0.98)
+- the same with 4 threads calling it at once                         (goal >= 0.98: the
+  compile_wrapper lock is off the hot path)
+- added start-up time of ``python -c pass`` with the hook            (goal <= 5 ms)
+- ``import torch`` time, patched / plain                             (goal <= 1.03)
+
+Plain and patched runs alternate (``--rounds`` each) and medians are compared, so
+drift in machine load hits both sides alike.
+
+    python benchmarks/patch_overhead.py [--rounds 5] [--seconds 1] [--backend eager] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+CALLS_CHILD = r"""
+import sys, threading, time, torch
+threads, seconds, backend = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+fn = torch.compile(lambda x: x * 2 + 1, backend=backend)
+x = torch.ones(8)
+for _ in range(200):
+    fn(x)
+counts = [0] * threads
+barrier = threading.Barrier(threads + 1)
+def loop(i):
+    barrier.wait()
+    end = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < end:
+        fn(x); fn(x); fn(x); fn(x)
+        n += 4
+    counts[i] = n
+workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+[w.start() for w in workers]
+barrier.wait()
+[w.join() for w in workers]
+print(sum(counts) / seconds)
+"""
+
+IMPORT_CHILD = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
+
+
+def _run(code: str, args: list[str], patched: bool) -> float:
+    env = {**os.environ, "DFLASH_PATCHES": "1" if patched else "0"}
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, capture_output=True, text=True)
+    return float(out.stdout.split()[-1])
+
+
+def _alternate(rounds: int, measure) -> tuple[float, float]:
+    """Median of ``measure(patched)`` for plain and patched, alternating ``rounds`` times."""
+    plain, patched = [], []
+    for _ in range(rounds):
+        plain.append(measure(False))
+        patched.append(measure(True))
+    return statistics.median(plain), statistics.median(patched)
+
+
+def _startup_seconds(patched: bool) -> float:
+    env = {**os.environ, "DFLASH_PATCHES": "1" if patched else "0"}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+    return time.perf_counter() - start
+
+
+def _hook_import_ms() -> float:
+    """Cumulative import time of the hook's modules at interpreter start (python -X importtime)."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True,
+                         env={**os.environ, "DFLASH_PATCHES": "1"}).stderr
+    total = 0
+    for line in out.splitlines():
+        match = re.match(r"import time:\s+\d+ \|\s+(\d+) \|\s+(\S+)$", line.replace(" ", " "))
+        if match and match.group(2).strip() in ("dflash.patching.startup", "dflash.patching.importhook"):
+            total += int(match.group(1))
+    return total / 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating plain/patched runs per measure")
+    parser.add_argument("--seconds", type=float, default=1.0, help="call-loop duration per run")
+    parser.add_argument("--backend", default="eager", help="torch.compile backend of the small function")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    _run(IMPORT_CHILD, [], True)  # fill the patch cache once, as any earlier run would have
+    results = {}
+    for threads in (1, 4):
+        plain, patched = _alternate(
+            args.rounds, lambda p: _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend], p)
+        )
+        results[f"calls_per_s_{threads}_threads"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
+    plain, patched = _alternate(args.rounds * 2, _startup_seconds)
+    results["python_c_pass_s"] = {"plain": plain, "patched": patched, "added_ms": (patched - plain) * 1000}
+    results["hook_import_ms"] = _hook_import_ms()
+    plain, patched = _alternate(args.rounds, lambda p: _run(IMPORT_CHILD, [], p))
+    results["import_torch_s"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
+
+    import torch
+
+    print(f"torch {torch.__version__}, backend={args.backend}, {args.rounds} alternating rounds, medians")
+    for threads in (1, 4):
+        r = results[f"calls_per_s_{threads}_threads"]
+        print(f"compiled calls/s, {threads} thread(s): plain {r['plain']:,.0f}  patched {r['patched']:,.0f}  "
+              f"ratio {r['ratio']:.3f}  (goal >= 0.98)")
+    r = results["python_c_pass_s"]
+    print(f"python -c pass: hook off {r['plain'] * 1000:.1f} ms  hook on {r['patched'] * 1000:.1f} ms  "
+          f"added {r['added_ms']:.1f} ms; hook modules' import time {results['hook_import_ms']:.2f} ms  (goal <= 5 ms)")
+    r = results["import_torch_s"]
+    print(f"import torch: plain {r['plain']:.3f} s  patched {r['patched']:.3f} s  ratio {r['ratio']:.3f}  (goal <= 1.03)")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"torch": torch.__version__, "backend": args.backend, **results}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Fetch the Python sources of other torch releases, to check the patch series against them.
+
+Downloads each release's wheel from PyPI (``pip download --no-deps``) and
+extracts its ``torch/**/*.py`` files into ``DEST/<version>/torch/``; a release
+already there is skipped. The wheels are deleted afterwards (~550 MB each).
+Used by CI (.ci/run) and by tests that read ``DFLASH_TORCH_SOURCES``.
+
+    python scripts/fetch_torch_sources.py --dest ~/.cache/dflash/torch-src 2.11.0 2.14.1 2.15.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+
+def fetch(version: str, dest: Path) -> Path:
+    target = dest / version
+    if (target / "torch" / "version.py").exists():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        # The machine-wide pip config may cap torch's version; these wheels are only unpacked, never installed.
+        env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
+             "--platform", "manylinux_2_28_x86_64", "-q", "-d", tmp, f"torch=={version}"],
+            check=True, env=env,
+        )
+        (wheel,) = Path(tmp).glob("torch-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            members = [n for n in archive.namelist() if n.startswith("torch/") and n.endswith(".py")]
+            archive.extractall(target, members)
+    return target
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("versions", nargs="+", help="torch releases, e.g. 2.14.1 2.15.0")
+    parser.add_argument("--dest", type=Path, required=True, help="folder to extract into")
+    args = parser.parse_args()
+    for version in args.versions:
+        print(f"torch {version}: {fetch(version, args.dest)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
