@@ -50,6 +50,10 @@ class TrainConfig:
     """Micro-batches per optimizer step (the loss is normalised by the position weights of the whole step)."""
     max_anchors: int = 64
     """Draft blocks (anchors) sampled per conversation (512 is common on GPU at seq 4k)."""
+    responses: str = "auto"
+    """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached in --out), `auto` (`target` for the embedded default target and corpus, else `data`)."""
+    regenerate_max_new_tokens: int = 64
+    """Longest regenerated reply in tokens (with --responses target)."""
 
     # ---- loss -----------------------------------------------------------------------------
     gamma: float | None = None
@@ -107,6 +111,10 @@ class TrainConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.responses not in ("auto", "data", "target"):
+            raise ValueError(f"responses must be 'auto', 'data' or 'target', got {self.responses!r}")
+        if self.regenerate_max_new_tokens < 1:
+            raise ValueError(f"regenerate_max_new_tokens must be >= 1, got {self.regenerate_max_new_tokens}")
         if self.overflow not in ("truncate", "drop"):
             raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
         if self.compile not in ("auto", "on", "off"):

@@ -42,6 +42,8 @@ from dflash.target import Target, TargetStates, load_target, resolve_device
 
 logger = logging.getLogger(__name__)
 
+REGENERATED_NAME = "regenerated_train.jsonl"
+
 # Dense bf16 tensor-core peaks (TFLOP/s) for the MFU estimate, matched against the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -253,7 +255,10 @@ class Trainer:
         self.target = load_target(target_dir, layer_ids=config.target_layer_ids,
                                   num_capture_layers=config.num_target_layers, device=self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-        self.loader = self._build_loader(Path(config.data) if config.data else default_data_dir() / "train.jsonl")
+        regenerate = config.responses == "target" or (config.responses == "auto" and not config.target
+                                                      and not config.data)
+        self.loader = self._build_loader(Path(config.data) if config.data else default_data_dir() / "train.jsonl",
+                                         regenerate=regenerate)
 
         drafter_config = create_drafter_config(
             self.target.config, config.num_draft_layers, block_size=config.block_size,
@@ -285,13 +290,30 @@ class Trainer:
 
     # ---- construction helpers -------------------------------------------------------------
 
-    def _build_loader(self, data_path: Path) -> BatchLoader:
+    def _build_loader(self, data_path: Path, *, regenerate: bool) -> BatchLoader:
         cfg = self.config
-        examples = build_examples(self.tokenizer, read_conversations(data_path), seq_len=cfg.seq_len,
+        conversations = read_conversations(data_path)
+        if regenerate:
+            conversations, data_path = self._regenerated(conversations), self.out / REGENERATED_NAME
+        examples = build_examples(self.tokenizer, conversations, seq_len=cfg.seq_len,
                                   overflow=cfg.overflow, source=str(data_path))
         sampler = ShardedSampler(len(examples), batch_size=cfg.batch_size, seed=cfg.seed)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return BatchLoader(examples, sampler, seq_len=cfg.seq_len, pad_token_id=pad)
+
+    def _regenerated(self, conversations):
+        """Target-regenerated conversations, cached in ``out`` (reused on --resume)."""
+        from dflash.regenerate import regenerate_conversations, write_conversations
+
+        cache = self.out / REGENERATED_NAME
+        if self.config.resume and cache.is_file():
+            return read_conversations(cache)
+        conversations = regenerate_conversations(
+            self.target, self.tokenizer, conversations, seq_len=self.config.seq_len,
+            max_new_tokens=self.config.regenerate_max_new_tokens, progress=self.config.progress)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_conversations(cache, conversations)
+        return conversations
 
     def _mask_token_id(self) -> int:
         candidates = (self.config.mask_token_id, self.tokenizer.mask_token_id,
@@ -324,10 +346,16 @@ class Trainer:
         self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.config.progress, desc="train")
         metrics: dict[str, float] = {}
+        totals = dict.fromkeys(("steps", "tokens", "step_s", "drafter_s", "drafter_flops"), 0.0)
         try:
             while self.step < self.total_steps:
                 self.step += 1
+                warm = self._warmed_up
                 metrics = self.train_step()
+                if warm:
+                    totals["steps"] += 1
+                    for key in ("tokens", "step_s", "drafter_s", "drafter_flops"):
+                        totals[key] += metrics[key]
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau_hat=f"{metrics['tau_hat']:.2f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
@@ -340,6 +368,7 @@ class Trainer:
         finally:
             bar.close()
             self.writer.close()
+        self._log_steady_state(totals)
         if self.compiled:
             logger.info("compiled step: %d recompile(s), %d graph break(s), %d eager fallback frame(s) after warm-up",
                         self.monitor.recompiles, self.monitor.graph_breaks, self.monitor.failed)
@@ -391,12 +420,24 @@ class Trainer:
                    "target_frac": (target_done - start - data_wait) / elapsed,
                    "step_s": elapsed, **{f"acc/{k + 1}": float(a) for k, a in enumerate(acc)}}
         drafter_s = time.perf_counter() - target_done
+        flops = drafter_step_flops(self.drafter, batch=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,
+                                   num_blocks=cfg.max_anchors, visible_pairs=float(pairs))
+        metrics.update(tokens=tokens, drafter_s=drafter_s, drafter_flops=flops,
+                       drafter_tokens_per_s=tokens / drafter_s)
         if self.peak_flops:
-            flops = drafter_step_flops(self.drafter, batch=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,
-                                       num_blocks=cfg.max_anchors, visible_pairs=float(pairs))
             metrics["drafter_mfu"] = flops / drafter_s / self.peak_flops
-        metrics["drafter_tokens_per_s"] = tokens / drafter_s
         return metrics
+
+    def _log_steady_state(self, totals: dict[str, float]) -> None:
+        """Throughput over the steps after this process's first (compile/warm-up) step."""
+        if not totals["steps"]:
+            return
+        mfu = (f", drafter MFU {100 * totals['drafter_flops'] / totals['drafter_s'] / self.peak_flops:.1f}% "
+               f"of {self.peak_flops / 1e12:.0f} TFLOP/s" if self.peak_flops else
+               " (pass --peak-tflops for MFU)")
+        logger.info("steady state over %d steps: %.0f tok/s end to end, drafter step %.0f tok/s, "
+                    "%.1f TFLOP/s%s", totals["steps"], totals["tokens"] / totals["step_s"],
+                    totals["tokens"] / totals["drafter_s"], totals["drafter_flops"] / totals["drafter_s"] / 1e12, mfu)
 
     def _log(self, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():

@@ -161,3 +161,24 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in caplog.text
     assert main(["train", "--device", "cuda:7"] if not torch.cuda.is_available() else ["train", "--device", "cuda:99"]) == 2
     assert "--device cuda" in caplog.text
+
+
+def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    from dflash.data import read_conversations
+    from dflash.evaluate import greedy_generate
+    from dflash.regenerate import response_prompts
+    from tiny import CONVERSATIONS
+
+    trainer = Trainer(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
+    regenerated = read_conversations(tmp_path / "regenerated_train.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(assets["qwen3"])
+    # One per assistant turn (4 copies of 1 + 2 + 1 + 1 turns) whose history fits seq_len - 6 = 90
+    # tokens: the 92-token history of the second turn of the 5-message conversation does not.
+    assert len(regenerated) == 4 * len(response_prompts(tokenizer, CONVERSATIONS, max_prompt_tokens=90)) == 16
+    history, reply = regenerated[0][:-1], regenerated[0][-1]
+    prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    greedy = greedy_generate(trainer.target, torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),
+                             max_new_tokens=6, eos_ids={tokenizer.eos_token_id})
+    assert reply == {"role": "assistant", "content": tokenizer.decode(greedy.tokens, skip_special_tokens=True)}
