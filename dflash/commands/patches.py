@@ -46,6 +46,29 @@ def _verify(args) -> int:
     return 0 if ok else 1
 
 
+def _build_wheel(args) -> int:
+    import sys
+    from pathlib import Path
+
+    from dflash.patching.wheel import WheelBuildError, build_wheel
+
+    try:
+        built = build_wheel(
+            torch_wheel=Path(args.torch_wheel) if args.torch_wheel else None,
+            from_installed=args.from_installed,
+            out_dir=Path(args.out),
+        )
+    except WheelBuildError as error:
+        print(f"dflash patches build-wheel: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {built.path} (torch.__version__ {built.torch_version})")
+    for name, patch_file in built.applied.items():
+        print(f"  built in   {name} ({patch_file})")
+    for name, why in built.not_applied.items():
+        print(f"  left out   {name} ({why})")
+    return 0
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("patches", help="inspect and check the torch thread-safety patch series")
     commands = parser.add_subparsers(dest="patches_command", required=True, metavar="COMMAND")
@@ -61,3 +84,12 @@ def register(subparsers) -> None:
     verify.add_argument("--seconds", type=float, default=1.5, help="race duration per check (default 1.5)")
     verify.add_argument("--jobs", type=int, default=2, help="checks run at once (default 2)")
     verify.set_defaults(func=_verify)
+
+    build = commands.add_parser(
+        "build-wheel", help="rebuild a torch wheel with the patch series built in (no startup hook needed)"
+    )
+    source = build.add_mutually_exclusive_group(required=True)
+    source.add_argument("--torch-wheel", metavar="PATH", help="the torch .whl file to rebuild (only read)")
+    source.add_argument("--from-installed", action="store_true", help="rebuild the torch installed here")
+    build.add_argument("--out", default="dist", metavar="DIR", help="where to write the new wheel (default dist)")
+    build.set_defaults(func=_build_wheel)
