@@ -82,6 +82,14 @@ def _is_static(gm: torch.fx.GraphModule) -> bool:
     return True
 
 
+#: nn.Module's own methods, which FX's tracer patches process-wide while it traces (class D).
+_MODULE_METHODS = {name: getattr(torch.nn.Module, name) for name in ("__call__", "__getattr__")}
+
+
+def _module_patches_left() -> list[str]:
+    return [f"torch.nn.Module.{name}" for name, method in _MODULE_METHODS.items() if getattr(torch.nn.Module, name) is not method]
+
+
 def _flags_set() -> list[str]:
     """The compile/export/FX flags the calling thread sees set (it is tracing nothing)."""
     flags = {
@@ -146,7 +154,9 @@ class _Setup:
         # Inductor is flex_attention's fused path on GPU; on CPU aot_eager keeps compiles short.
         self.flex_backend = RecordingBackend("inductor" if self.device.type == "cuda" else "aot_eager")
         # Static: a BlockMask fixes the sequence lengths, dynamic shapes add nothing here.
-        self.flex = self.compile(flex_attention, backend=self.flex_backend, dynamic=False)
+        # A fresh copy per schedule: dynamo caches per code object, and each schedule brings a new backend.
+        flex = fresh_function(flex_attention, next(_fresh_ids))
+        self.flex = self.compile(flex, backend=self.flex_backend, dynamic=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the "flex_attention called without torch.compile()" notice
             self.flex_reference = flex_attention(self.q, self.k, self.v, block_mask=self.block_mask)
@@ -241,7 +251,10 @@ def run_schedule(schedule: Schedule, device: torch.device | str = "cpu") -> list
     failures: list[str] = []
     lock = threading.Lock()
     with _main_thread_config(schedule.recompile_limit):
-        setup = _Setup(schedule, device)
+        try:
+            setup = _Setup(schedule, device)
+        except Exception as exc:  # e.g. a flag an earlier schedule leaked makes the warm-up compile raise
+            return [f"main thread, before the race: {type(exc).__name__}: {exc}".splitlines()[0][:300]]
         barrier = threading.Barrier(len(schedule.threads), timeout=_BARRIER_TIMEOUT_S)
 
         def report(thread_index: int, what: str) -> None:
@@ -271,6 +284,8 @@ def run_schedule(schedule: Schedule, device: torch.device | str = "cpu") -> list
                 failures.append(f"a thread did not finish within {_JOIN_TIMEOUT_S:.0f} s (hang)")
         if flags := _flags_set():
             failures.append(f"main thread: after the race still sees {', '.join(flags)}")
+        if patched := _module_patches_left():
+            failures.append(f"after the race FX's patches are still installed on {', '.join(patched)}")
         if schedule.dynamic is False and setup.backend.dynamic_graphs:
             failures.append(f"{setup.backend.dynamic_graphs} graph(s) compiled with dynamic=False came out dynamic")
     return failures

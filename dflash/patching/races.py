@@ -193,7 +193,9 @@ def sin_with_graph_break(x):
 def fresh_function(template: Callable, index: int) -> Callable:
     """A copy of ``template`` with its own code object, so dynamo compiles it anew (its cache is per code)."""
     code = template.__code__.replace(co_name=f"{template.__name__}_{index}")
-    return types.FunctionType(code, template.__globals__, code.co_name)
+    fresh = types.FunctionType(code, template.__globals__, code.co_name, template.__defaults__, template.__closure__)
+    fresh.__kwdefaults__ = template.__kwdefaults__
+    return fresh
 
 
 def traced_net():
