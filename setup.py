@@ -53,7 +53,7 @@ setup(
     package_dir={"dflash.patch_series": "patches"},
     package_data={
         "dflash.patch_series": ["series", "*.patch"],
-        "dflash.patching": STARTUP_FILES,
+        "dflash.patching": [*STARTUP_FILES, "upstream_tests/*/*.py"],
         # The embedded default target and chat corpus (scripts/make_default_target.py).
         "dflash.assets": ["*/*.json", "*/*.jinja", "*/*.safetensors", "*/*.jsonl", "*/*.md", "*/*.txt"],
     },
@@ -64,7 +64,7 @@ setup(
         "tqdm>=4.66",
         "tensorboard>=2.15",
         "unidiff>=0.7.5",
-        "wheel>=0.43",
+        "wheel>=0.48",  # `wheel pack --local-version` (dflash patches build-wheel)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100"],

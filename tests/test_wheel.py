@@ -153,7 +153,8 @@ def test_rebuilt_wheel_installs_and_is_thread_safe_without_dflash(installed_venv
     expected = labelled_version(TORCH_VERSION)
     assert wheel.name.startswith(f"torch-{expected}-")
     _run([sys.executable, "-m", "pip", "--python", python, "check"])
-    probe = _run([python, "-c", "import importlib.metadata as m, importlib.util as u, torch; "
+    # -P: no current folder on sys.path (the checkout holds dflash/).
+    probe = _run([python, "-P", "-c", "import importlib.metadata as m, importlib.util as u, torch; "
                   "print(torch.__version__, m.version('torch'), u.find_spec('dflash'))"],
                  env=dict(os.environ, DFLASH_PATCHES="0"))
     assert probe.stdout.split() == [expected, expected, "None"], "wrong versions, or dflash importable in the venv"

@@ -69,6 +69,29 @@ def _build_wheel(args) -> int:
     return 0
 
 
+def _upstream(args) -> int:
+    import sys
+    from pathlib import Path
+
+    from dflash.patching.upstream import UpstreamKitError, make_kit
+
+    try:
+        reports = make_kit(
+            Path(args.pytorch_src), Path(args.out),
+            benchmark_json=Path(args.benchmark_json) if args.benchmark_json else None,
+        )
+    except UpstreamKitError as error:
+        print(f"dflash patches upstream: {error}", file=sys.stderr)
+        return 1
+    width = max(len(r.name) for r in reports)
+    for report in reports:
+        print(f"  {report.name:<{width}}  {report.state:<16}  {report.patch_path or report.reason}")
+    if any(r.patch_path for r in reports):
+        print(f"wrote {Path(args.out) / 'PR_DESCRIPTION.md'}; apply the stack with "
+              f"`git am --keep-non-patch {Path(args.out) / 'patches'}/*.patch` (keeps the [area] title prefixes)")
+    return 1 if any(r.state == "does-not-apply" for r in reports) else 0
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser("patches", help="inspect and check the torch thread-safety patch series")
     commands = parser.add_subparsers(dest="patches_command", required=True, metavar="COMMAND")
@@ -93,3 +116,11 @@ def register(subparsers) -> None:
     source.add_argument("--from-installed", action="store_true", help="rebuild the torch installed here")
     build.add_argument("--out", default="dist", metavar="DIR", help="where to write the new wheel (default dist)")
     build.set_defaults(func=_build_wheel)
+
+    upstream = commands.add_parser(
+        "upstream", help="write a PR kit for a PyTorch checkout: format-patch commits with tests, PR_DESCRIPTION.md"
+    )
+    upstream.add_argument("--pytorch-src", required=True, metavar="DIR", help="root of a PyTorch git checkout (only read)")
+    upstream.add_argument("--out", default="upstream-kit", metavar="DIR", help="where to write the kit (default upstream-kit)")
+    upstream.add_argument("--benchmark-json", metavar="PATH", help="output of benchmarks/patch_overhead.py --json")
+    upstream.set_defaults(func=_upstream)

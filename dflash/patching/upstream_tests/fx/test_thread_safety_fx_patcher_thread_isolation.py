@@ -1,0 +1,77 @@
+# Owner(s): ["module: fx"]
+"""FX tracing's monkeypatches are visible only to the tracing thread (#118260, #187589).
+
+``Tracer.trace`` patches ``torch.nn.Module.__call__`` (and ``torch.fx.wrap``
+functions) while it traces. Another thread's eager module calls must not enter
+that tracer, and overlapping traces in two threads must not undo each other's
+patches. Each test holds a trace open with events, so the interleaving is fixed.
+"""
+
+import threading
+
+import torch
+import torch.fx
+from torch.testing._internal.common_utils import run_tests, TestCase
+
+TIMEOUT_S = 60
+
+
+class BlockingNet(torch.nn.Module):
+    """One submodule; forward, run by the tracer, signals ``entered`` and waits for ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.entered.set()
+        self.release.wait(TIMEOUT_S)
+        return torch.relu(y)
+
+
+def call_module_targets(gm: torch.fx.GraphModule) -> list:
+    return [node.target for node in gm.graph.nodes if node.op == "call_module"]
+
+
+class TestFxPatcherThreadIsolation(TestCase):
+    def start_trace(self, net: BlockingNet, results: dict, key: str) -> threading.Thread:
+        def trace():
+            try:
+                results[key] = call_module_targets(torch.fx.symbolic_trace(net))
+            except Exception as e:  # reported by the test, not lost in the thread
+                results[key] = e
+
+        thread = threading.Thread(target=trace)
+        thread.start()
+        self.assertTrue(net.entered.wait(TIMEOUT_S), "the tracing thread never reached forward()")
+        return thread
+
+    def test_eager_module_call_while_another_thread_traces(self):
+        net, eager, results = BlockingNet(), torch.nn.Linear(4, 4), {}
+        x = torch.randn(2, 4)
+        thread = self.start_trace(net, results, "traced")
+        try:
+            out = eager(x)
+        finally:
+            net.release.set()
+            thread.join(TIMEOUT_S)
+        self.assertEqual(out, torch.nn.functional.linear(x, eager.weight, eager.bias))
+        self.assertEqual(results, {"traced": ["lin"]})
+
+    def test_overlapping_traces_keep_their_own_patches(self):
+        first, second, results = BlockingNet(), BlockingNet(), {}
+        first_thread = self.start_trace(first, results, "first")
+        second_thread = self.start_trace(second, results, "second")
+        # The first trace ends (and reverts its patches) while the second is still inside forward.
+        first.release.set()
+        first_thread.join(TIMEOUT_S)
+        second.release.set()
+        second_thread.join(TIMEOUT_S)
+        self.assertEqual(results, {"first": ["lin"], "second": ["lin"]})
+
+
+if __name__ == "__main__":
+    run_tests()
