@@ -1,0 +1,139 @@
+"""Device layout of a threaded training process: which devices run target threads and which
+run drafter threads (``dflash train --target-devices ... --drafter-devices ...``).
+
+Spec grammar (comma-separated items, each one of)::
+
+    cuda:0-4      a range of GPUs (inclusive)
+    cuda:2        one GPU
+    3             a bare index, same type as the item before it ("cuda:0,2" = cuda:0, cuda:2)
+    cpu           one CPU "device"
+    cpu:0-1       several CPU "devices": threads that all run on the host CPU, so CI can run the
+                  threaded code path without a GPU
+
+A slot is one thread's device; its ``name`` (``cuda:3``, ``cpu:1``) names the thread in logs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_ITEM = re.compile(r"^(?:(?P<type>cpu|cuda)(?::(?P<first>\d+)(?:-(?P<last>\d+))?)?|(?P<bare>\d+)(?:-(?P<bare_last>\d+))?)$")
+
+
+class DeviceSpecError(ValueError):
+    """A device spec that cannot be parsed or names a device this host does not have."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One thread's device.
+
+    Args:
+        name (str): ``cuda:N`` or ``cpu:N`` (N = the logical CPU slot), the thread's name in logs.
+        device (torch.device): ``cuda:N`` or ``cpu``.
+    """
+
+    name: str
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """Target and drafter slots of one process (one target thread / drafter thread per slot)."""
+
+    targets: tuple[Slot, ...]
+    drafters: tuple[Slot, ...]
+
+    @property
+    def device_type(self) -> str:
+        return self.drafters[0].device.type
+
+    def shifted(self, local_rank: int) -> "DeviceLayout":
+        """The layout of local process ``local_rank`` when several processes share a host
+        (``torchrun --nproc-per-node N``): CUDA indices move up by ``local_rank`` times the
+        number of GPUs one process uses; CPU slots are unchanged.
+
+        Raises:
+            DeviceSpecError: the shifted layout names a GPU this host does not have.
+        """
+        if self.device_type != "cuda" or local_rank == 0:
+            return self
+        offset = local_rank * (1 + max(s.device.index for s in self.targets + self.drafters))
+        flag = f"--target-devices/--drafter-devices (local rank {local_rank}: GPU indices + {offset})"
+
+        def shift(slots):
+            return tuple(_cuda_slot(s.device.index + offset, flag) for s in slots)
+
+        return DeviceLayout(shift(self.targets), shift(self.drafters))
+
+
+def _cuda_slot(index: int, flag: str) -> Slot:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise DeviceSpecError(f"{flag}: cuda:{index} requested but CUDA is not available on this host "
+                              f"(torch {torch.__version__}, no visible GPU); use cpu or cpu:0-N")
+    if index >= count:
+        raise DeviceSpecError(f"{flag}: cuda:{index} does not exist; this host has {count} GPU(s) "
+                              f"(cuda:0..cuda:{count - 1}); check CUDA_VISIBLE_DEVICES")
+    return Slot(f"cuda:{index}", torch.device("cuda", index))
+
+
+def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
+    """Parse one device spec (module docstring) into slots, in the order given.
+
+    Args:
+        spec: e.g. ``"cuda:0-4"``, ``"cuda:0,cuda:2"``, ``"cpu"``, ``"cpu:0-1"``.
+        flag: the flag name for error messages.
+
+    Raises:
+        DeviceSpecError: empty spec, an item that is not a device, a descending range, a GPU
+            this host does not have (names it and the GPU count), or a slot listed twice.
+    """
+    items = [item.strip() for item in spec.split(",")]
+    if not spec.strip() or not all(items):
+        raise DeviceSpecError(f"{flag} {spec!r}: empty device item; write e.g. cuda:0-3, cuda:0,cuda:2 or cpu:0-1")
+    slots, kind = [], None
+    for item in items:
+        m = _ITEM.match(item)
+        if not m:
+            raise DeviceSpecError(f"{flag}: {item!r} is not a device; write cuda:N, cuda:N-M, cpu or cpu:N-M "
+                                  "(comma-separated)")
+        if m["bare"] is not None:
+            if kind is None:
+                raise DeviceSpecError(f"{flag}: {item!r} has no device type; write cuda:{item} or cpu:{item}")
+            first, last = int(m["bare"]), int(m["bare_last"] or m["bare"])
+        else:
+            kind = m["type"]
+            first = int(m["first"] or 0)
+            last = int(m["last"] or first)
+        if last < first:
+            raise DeviceSpecError(f"{flag}: {item!r} is a descending range; write {kind}:{last}-{first}")
+        for index in range(first, last + 1):
+            slots.append(_cuda_slot(index, flag) if kind == "cuda" else Slot(f"cpu:{index}", torch.device("cpu")))
+    names = [s.name for s in slots]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise DeviceSpecError(f"{flag} {spec!r}: {', '.join(duplicates)} listed twice; one thread per device")
+    return tuple(slots)
+
+
+def parse_layout(target_devices: str, drafter_devices: str) -> DeviceLayout:
+    """Parse ``--target-devices`` and ``--drafter-devices`` into a :class:`DeviceLayout`.
+
+    A target and a drafter may share a GPU (a 1-GPU host runs ``cuda:0`` for both).
+
+    Raises:
+        DeviceSpecError: a bad spec (see :func:`parse_devices`), or CPU and CUDA slots mixed
+            (all threads of a process use one device type: the gradient averaging is NCCL on GPUs
+            and a host sum on CPU).
+    """
+    targets = parse_devices(target_devices, flag="--target-devices")
+    drafters = parse_devices(drafter_devices, flag="--drafter-devices")
+    types_ = {s.device.type for s in targets + drafters}
+    if len(types_) > 1:
+        raise DeviceSpecError(f"--target-devices {target_devices!r} and --drafter-devices {drafter_devices!r} mix "
+                              "cpu and cuda; use one device type for all threads of a process")
+    return DeviceLayout(targets, drafters)
