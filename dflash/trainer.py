@@ -106,14 +106,17 @@ class DrafterStepOutput:
 
 
 def drafter_step(step_fn, drafter, target: Target, batch: TargetBatch, *, max_anchors: int,
-                 generator: torch.Generator, position_weight: torch.Tensor, autocast: bool,
-                 **loss_kwargs) -> DrafterStepOutput:
+                 generator: torch.Generator | None, position_weight: torch.Tensor, autocast: bool,
+                 anchors: tuple[torch.Tensor, torch.Tensor] | None = None, **loss_kwargs) -> DrafterStepOutput:
     """Forward + backward of the drafter on one micro-batch (stage 2).
 
     Gradients accumulate into the drafter's ``.grad`` from the unnormalised loss *sum*; the
-    caller divides by the step's total weight.
+    caller divides by the step's total weight. ``anchors``: pre-sampled ``(anchors, valid)`` on
+    the batch's device (the threaded pipeline samples them in job order, ``dflash.pipeline``);
+    None samples them here with ``generator``.
     """
-    anchors, valid = sample_anchors(batch.loss_mask, max_anchors, generator=generator)
+    anchors, valid = anchors if anchors is not None else sample_anchors(batch.loss_mask, max_anchors,
+                                                                        generator=generator)
     attention_mask = drafter.build_attention_mask(anchors, valid, batch.input_ids.shape[1])
     with torch.autocast(device_type=batch.input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         out = step_fn(drafter, target.embed_tokens.weight, target.lm_head.weight, position_weight,
@@ -486,7 +489,7 @@ class Trainer:
 
 # Fields that may change between a run and its resumption without changing the math.
 _RESUMABLE_CHANGES = {"resume", "steps", "epochs", "progress", "log_every", "save_every", "keep_last",
-                      "device", "compile"}
+                      "device", "compile", "target_devices", "prefetch_depth"}
 
 
 def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> None:
