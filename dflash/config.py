@@ -97,6 +97,16 @@ class TrainConfig:
     progress: bool = True
     """Show a tqdm progress bar."""
 
+    # ---- threaded multi-device layout (dflash/pipeline.py) -----------------------------------
+    target_devices: str | None = None
+    """Devices of the target threads, one frozen target replica each: `cuda:0-4`, `cuda:0,cuda:2`, `cpu`, `cpu:0-1`; empty = the single-device path (--device)."""
+    drafter_devices: str | None = None
+    """Devices of the drafter threads, one drafter replica each, gradients averaged every optimizer step (same syntax as --target-devices)."""
+    prefetch_depth: int = 2
+    """Target-state batches buffered ahead per drafter thread (bounded: the target threads wait when it is full)."""
+    vary_seq_len: int = 0
+    """Cycle each drafter thread through this many padded sequence lengths (staggered across threads) to force recompiles, for benchmarks and soak runs; 0 = off."""
+
     def __post_init__(self) -> None:
         positive = ("block_size", "num_draft_layers", "num_target_layers", "seq_len", "batch_size",
                     "grad_accum", "max_anchors", "log_every", "keep_last")
@@ -137,6 +147,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if (self.target_devices is None) != (self.drafter_devices is None):
+            raise ValueError("target_devices/drafter_devices: give both --target-devices and --drafter-devices "
+                             "(e.g. cuda:0 and cuda:1-3) or neither")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.vary_seq_len < 0 or (self.vary_seq_len and self.drafter_devices is None):
+            raise ValueError(f"vary_seq_len={self.vary_seq_len}: must be >= 0 and needs the threaded layout "
+                             "(--target-devices/--drafter-devices)")
         if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):
             raise ValueError(f"target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
 

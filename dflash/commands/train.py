@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import types
 import typing
 
@@ -64,10 +65,22 @@ def run(args: argparse.Namespace) -> int:
         values["steps"] = None  # --epochs alone means "train by epochs"
     try:
         config = TrainConfig(**values)
-        from dflash.trainer import Trainer
+        if config.drafter_devices is not None:  # threaded multi-device layout, torchrun-aware
+            from dflash.pipeline import PipelineTrainer
 
-        trainer = Trainer(config)
-        metrics = trainer.train()
+            trainer = PipelineTrainer(config)
+            try:
+                metrics = trainer.train()
+            finally:
+                trainer.close()
+        else:
+            from dflash.trainer import Trainer
+
+            if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+                raise ValueError("torchrun with several processes needs the threaded layout: pass "
+                                 "--target-devices and --drafter-devices")
+            trainer = Trainer(config)
+            metrics = trainer.train()
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
