@@ -111,7 +111,8 @@ def torch_release(torch_dir: Path) -> str:
     return match.group(1)
 
 
-def _choose(name, variants, release, allow_unverified: bool) -> Outcome:
+def choose_variant(name, variants, release, allow_unverified: bool) -> Outcome:
+    """The outcome of concern ``name`` (its ``variants``, in series order) on torch ``release`` (a ``Version``)."""
     upstream = next((p.applied_upstream for p in variants if p.applied_upstream), None)
     if upstream is not None and release >= upstream:
         return Outcome(name, UPSTREAM, f"torch {release} has this fix upstream (since {upstream})")
@@ -150,4 +151,4 @@ def make_plan(torch_dir: Path, *, allow_unverified: bool) -> Plan:
         built_in = json.loads(marker.read_text(encoding="utf-8")).get("patches", [])
         return Plan(version, [Outcome(n, BUILT_IN, f"torch was rebuilt with this patch ({marker})") for n in built_in])
     release = Version(Version(version).base_version)
-    return Plan(version, [_choose(n, v, release, allow_unverified) for n, v in concerns().items()])
+    return Plan(version, [choose_variant(n, v, release, allow_unverified) for n, v in concerns().items()])

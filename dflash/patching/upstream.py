@@ -31,7 +31,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from dflash.patching.plan import NOT_APPLICABLE, PENDING, UPSTREAM, _choose, torch_release
+from dflash.patching.plan import NOT_APPLICABLE, PENDING, UPSTREAM, choose_variant, torch_release
 from dflash.patching.series import Patch, concerns
 
 # States of a concern in the kit (besides the plan's `upstream` and `not-applicable`).
@@ -288,7 +288,7 @@ def make_kit(src: Path, out: Path, *, benchmark_json: Path | None = None) -> lis
     reports, commits, current = [], [], {}
     for name, variants in concerns().items():
         # A development tree is never a verified release: exact hunk application decides instead.
-        outcome = _choose(name, variants, version, allow_unverified=True)
+        outcome = choose_variant(name, variants, version, allow_unverified=True)
         if outcome.state in (UPSTREAM, NOT_APPLICABLE):
             reports.append(ConcernReport(name, outcome.state, outcome.reason))
             continue
