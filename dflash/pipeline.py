@@ -500,8 +500,8 @@ class DrafterWorker(_Worker):
             step = self._next_command()
             r.flat.zero_()
             loss_sum = weight_sum = 0.0
-            correct = total = 0
-            tokens, flops = 0, 0.0
+            correct = total = blocks = pairs = 0
+            tokens = context_tokens = 0
             for _ in range(self.grad_accum):
                 tick = time.perf_counter()
                 item = self.inbox.get()
@@ -515,9 +515,8 @@ class DrafterWorker(_Worker):
                 self._check_compiled(step, item.batch.input_ids.shape[1], before)
                 loss_sum, weight_sum = loss_sum + out.loss.loss_sum, weight_sum + out.loss.weight_sum
                 correct, total = correct + out.loss.correct, total + out.loss.total
-                batch, seq = item.batch.input_ids.shape
-                flops += drafter_step_flops(r.model, batch=batch, seq_len=seq, num_blocks=self.max_anchors,
-                                            visible_pairs=float(out.attention_pairs))
+                blocks, pairs = blocks + out.valid_blocks, pairs + out.attention_pairs  # no host sync yet
+                context_tokens += item.batch.input_ids.numel()
                 tokens += item.batch.num_tokens
                 self.busy_s += time.perf_counter() - start
             start = time.perf_counter()
@@ -526,6 +525,9 @@ class DrafterWorker(_Worker):
             if r.slot.device.type == "cuda":
                 torch.cuda.synchronize(r.slot.device)  # busy time is GPU time
             self.busy_s += time.perf_counter() - start
+            # FLOPs are linear in the three counts, so the step's sums give the step's FLOPs.
+            flops = drafter_step_flops(r.model, draft_tokens=float(blocks) * r.model.config.block_size,
+                                       context_tokens=context_tokens, visible_pairs=float(pairs))
             self.tokens += tokens
             self.flops += flops
             self.jobs += self.grad_accum
