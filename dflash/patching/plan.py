@@ -12,9 +12,10 @@ States of a concern:
 - ``pending``: planned, but a module it edits has not been imported yet;
 - ``upstream``: the installed torch already has the fix (``Applied-Upstream:``);
 - ``built-in``: torch is a wheel rebuilt by ``dflash patches build-wheel``;
-- ``not-applicable``: no variant targets this torch release;
-- ``failed``: refused (unverified release, torch imported before the hook) or a
-  hunk did not fit; the reason says which and what to do.
+- ``not-applicable``: this torch release does not have the bug (``Affects-Versions:``);
+- ``failed``: refused (no variant for a release that has the bug, unverified
+  release, torch imported before the hook) or a hunk did not fit; the reason
+  says which and what to do.
 """
 
 from __future__ import annotations
@@ -121,7 +122,11 @@ def choose_variant(name, variants, release, allow_unverified: bool) -> Outcome:
         raise ValueError(f"{name}: variants {[p.file_name for p in fitting]} all claim torch {release}")
     if not fitting:
         ranges = "; ".join(f"{p.file_name} is for torch {p.torch_versions}" for p in variants)
-        return Outcome(name, NOT_APPLICABLE, f"nothing to do on torch {release} ({ranges})")
+        affects = next((p.affects_versions for p in variants if p.affects_versions is not None), None)
+        if affects is not None and not affects.contains(release, prereleases=True):
+            return Outcome(name, NOT_APPLICABLE, f"torch {release} does not have this bug ({ranges})")
+        return Outcome(name, FAILED, f"torch {release} has this bug but the series has no variant for it "
+                                     f"({ranges}); use a torch release listed there")
     patch = fitting[0]
     if release not in patch.verified_on and not allow_unverified:
         verified = ", ".join(str(v) for v in patch.verified_on) or "none"

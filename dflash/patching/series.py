@@ -35,6 +35,7 @@ class Patch:
         torch_versions: the releases this variant is written for (``Torch-Versions:``).
         verified_on: releases it was applied to and checked on (``Verified-On:``).
         applied_upstream: first torch release that has the fix (``Applied-Upstream:``), if any.
+        affects_versions: the releases that have the bug (``Affects-Versions:``; absent: all).
     """
 
     file_name: str
@@ -44,6 +45,7 @@ class Patch:
     torch_versions: SpecifierSet
     verified_on: tuple[Version, ...]
     applied_upstream: Version | None
+    affects_versions: SpecifierSet | None = None
 
     @functools.cached_property
     def files(self) -> tuple[unidiff.PatchedFile, ...]:
@@ -100,11 +102,12 @@ def parse_patch(file_name: str, text: str) -> Patch:
         verified_on = tuple(Version(v.strip()) for v in header.get("Verified-On", "").split(",") if v.strip())
         upstream = header.get("Applied-Upstream", "").strip()
         applied_upstream = Version(upstream) if upstream and upstream != "no" else None
+        affects = SpecifierSet(header["Affects-Versions"]) if "Affects-Versions" in header else None
     except KeyError as missing:
         raise SeriesError(f"{file_name}: DEP-3 header lacks the field {missing}") from None
     except ValueError as bad:
         raise SeriesError(f"{file_name}: malformed version field in the DEP-3 header: {bad}") from None
-    return Patch(file_name, name, header, diff_text, torch_versions, verified_on, applied_upstream)
+    return Patch(file_name, name, header, diff_text, torch_versions, verified_on, applied_upstream, affects)
 
 
 @functools.cache
