@@ -557,6 +557,41 @@ class DrafterWorker(_Worker):
                            self.warnings.last.get(self.name, "none"))
 
 
+def run_step(workers: list[DrafterWorker], control: _Control, step: int) -> list[StepReport]:
+    """Command every drafter thread to run ``step`` and wait for all their reports.
+
+    Raises:
+        PipelineError: a thread failed meanwhile.
+    """
+    for worker in workers:
+        worker.command(step)
+    reports = []
+    for worker in workers:
+        report = None
+        while report is None:
+            control.check()
+            report = worker.report()
+        reports.append(report)
+    return reports
+
+
+def step_replicas(replicas: list[DrafterReplica], grad_clip: float) -> torch.Tensor:
+    """Sum gradients and step statistics over all replicas and processes, divide the gradients
+    by the step's total position weight, clip (0 = off), and step every replica's optimizer and
+    schedule on the identical result. Returns the grad norm before clipping (0-d tensor, zero
+    when clipping is off)."""
+    sum_replicas([r.flat.buffer for r in replicas])
+    grad_norm = torch.zeros(())
+    for r in replicas:
+        r.flat.check_views()
+        torch._foreach_div_(r.flat.grads, r.flat.stats[1].clamp(min=1e-8))
+        if grad_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(r.flat.params, grad_clip)
+        r.optimizer.step()
+        r.scheduler.step()
+    return grad_norm
+
+
 # ---------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------
@@ -740,15 +775,6 @@ class PipelineTrainer(Trainer):
         if stuck:
             logger.error("pipeline threads still running after shutdown: %s", stuck)
 
-    def _collect(self) -> list[StepReport]:
-        reports = []
-        for worker in self.drafter_workers:
-            report = None
-            while report is None:
-                self._control.check()
-                report = worker.report()
-            reports.append(report)
-        return reports
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step: every drafter thread runs ``grad_accum`` micro-batches, then
@@ -756,18 +782,8 @@ class PipelineTrainer(Trainer):
         step's total position weight, clipped, and every replica steps."""
         cfg = self.config
         start = time.perf_counter()
-        for worker in self.drafter_workers:
-            worker.command(self.step)
-        reports = self._collect()
-        sum_replicas([r.flat.buffer for r in self.replicas])
-        grad_norm = torch.zeros(())
-        for r in self.replicas:
-            r.flat.check_views()
-            torch._foreach_div_(r.flat.grads, r.flat.stats[1].clamp(min=1e-8))
-            if cfg.grad_clip:
-                grad_norm = torch.nn.utils.clip_grad_norm_(r.flat.params, cfg.grad_clip)
-            r.optimizer.step()
-            r.scheduler.step()
+        reports = run_step(self.drafter_workers, self._control, self.step)
+        grad_norm = step_replicas(self.replicas, cfg.grad_clip)
         self.monitor.check(self.step, warmup=not self._warmed_up)
         self._warmed_up = True
         stats = self.replicas[0].flat.stats.cpu()  # one host sync per step, for logging

@@ -1,0 +1,297 @@
+"""Drafter-side scaling of the threaded trainer (dflash/pipeline.py), from synthetic hidden
+states (no target weights needed).
+
+    python benchmarks/drafter_scaling.py --device cuda --size realistic     # H200: W = visible GPUs
+    python benchmarks/drafter_scaling.py --device cpu --size tiny           # CPU smoke test
+
+Phases, one run, ratios printed at the end:
+
+1. scaling: the trainer's drafter threads (``DrafterWorker``, flat-buffer gradient sums,
+   every replica stepping its optimizer) in lockstep, 1 thread vs W threads. Reports drafter
+   tokens/s per device and ``W-thread per-device / solo`` (goal >= 0.95), and the drafter step's
+   MFU (the trainer's FLOP count, ``drafter_step_flops``; goal >= 50% on H200).
+2. recompile: W free-running threads (forward + backward, no lockstep so the others keep
+   running compiled steps while one compiles); after a warm window, thread W-1 gets a new
+   sequence length every step (a recompile each time). Run twice, each in a fresh interpreter:
+   with the project's torch patches and with ``DFLASH_PATCHES=0`` (plain torch). Reports per
+   run: errors (first message), eager fallbacks (steps whose compiled graph did not run),
+   recompiles, and the steady threads' tokens/s in the recompile window relative to the warm one.
+
+``--size realistic``: hidden 4096, 32 heads (8 KV), intermediate 12288, vocab 151936, 5 tapped
+target layers, block 16, 512 anchors, seq 2048, batch 1 (Qwen3-8B-shaped drafter); the
+drafter step is compiled (inductor, flex_attention). ``--size tiny``: a few thousand
+parameters; on CPU the scaling phase is eager SDPA like the trainer and the recompile phase
+compiles with ``aot_eager`` (still traces with make_fx, the race window), quick on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+from transformers import Qwen3Config
+
+from dflash.data import Batch
+from dflash.devices import Slot
+from dflash.distributed import FlatGradients
+from dflash.loss import position_weights
+from dflash.masks import sample_anchors
+from dflash.model import DFlashDraftModel, create_drafter_config
+from dflash.pipeline import (DrafterReplica, DrafterWorker, DynamoWarnings, Heads, Inbox, Job, Prefetched, _Control,
+                             compiled_step_fn, raise_recompile_limit, run_step, step_replicas, thread_compile_counts)
+from dflash.target import TargetStates
+from dflash.trainer import TargetBatch, detect_peak_tflops, drafter_forward_loss, drafter_step
+
+SIZES = {
+    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, layers=1, block=8,
+                 anchors=16, seq=64, batch=2),
+    "realistic": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, layers=1,
+                      block=16, anchors=512, seq=2048, batch=1),
+}
+RESULT_TAG = "RESULT "
+
+
+def build_replica(index: int, device: torch.device, s: dict, compiled: bool, backend: str) -> DrafterReplica:
+    """A drafter replica plus random frozen heads on ``device``, same initial weights for every index."""
+    target = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+                         num_hidden_layers=36, num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                         head_dim=s["head_dim"])
+    config = create_drafter_config(target, s["layers"], block_size=s["block"], mask_token_id=s["vocab"] - 1)
+    torch.manual_seed(0)
+    attention = "flex_attention" if device.type == "cuda" else "sdpa"
+    model = DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).to(device).train()
+    head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed = torch.nn.Embedding(s["vocab"], s["hidden"]).to(device, head_dtype).requires_grad_(False)
+    lm_head = torch.nn.Linear(s["hidden"], s["vocab"], bias=False).to(device, head_dtype).requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    step_fn = compiled_step_fn(index, backend) if compiled else drafter_forward_loss
+    return DrafterReplica(Slot(f"{device.type}:{index}", device), model, Heads(embed, lm_head), optimizer, scheduler,
+                          FlatGradients(model, extra=2 + 2 * s["block"]),
+                          position_weights(s["block"], None, device=device), step_fn)
+
+
+def make_item(device: torch.device, s: dict, seq_len: int, seed: int, model) -> Prefetched:
+    """A synthetic micro-batch: random tokens, all supervised, random tapped target states."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, s["vocab"] - 1, (s["batch"], seq_len), generator=gen)
+    loss_mask = torch.ones(s["batch"], seq_len, dtype=torch.bool)
+    anchors, valid = sample_anchors(loss_mask, s["anchors"], generator=gen)
+    width = len(model.config.target_layer_ids) * s["hidden"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    context = torch.randn(s["batch"], seq_len, width, generator=gen).to(device, dtype)
+    batch = TargetBatch(ids.to(device), loss_mask.to(device), TargetStates(context, None), ids.numel())
+    job = Job(seed, 0, 0, 0, Batch(ids, loss_mask, torch.full((s["batch"],), seq_len)), anchors, valid, {})
+    return Prefetched(job, batch, anchors.to(device), valid.to(device))
+
+
+def _loss_kwargs(replica) -> dict:
+    return dict(mask_token_id=replica.model.config.mask_token_id, soft_label_weight=0.0, position_weighting="decay")
+
+
+def _sync(devices) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------
+# Phase 1: lockstep scaling (the trainer's drafter side)
+# ---------------------------------------------------------------------------------------
+
+
+def lockstep(devices: list[torch.device], s: dict, args) -> dict:
+    """Drafter tokens/s per device and MFU with ``len(devices)`` lockstep drafter threads."""
+    compiled = devices[0].type == "cuda"
+    replicas = [build_replica(i, d, s, compiled, args.backend) for i, d in enumerate(devices)]
+    items = [make_item(d, s, s["seq"], i, r.model) for i, (d, r) in enumerate(zip(devices, replicas))]
+    control, warnings = _Control(), DynamoWarnings()
+    inboxes = [Inbox(2, control) for _ in replicas]
+    workers = [DrafterWorker(r, inbox, control, grad_accum=1, compiled=compiled, recompile_limit=16,
+                             warnings=warnings, loss_kwargs=_loss_kwargs(r), max_anchors=s["anchors"])
+               for r, inbox in zip(replicas, inboxes)]
+    for i, w in enumerate(workers):
+        control.on_stop(inboxes[i].wake)
+        control.on_stop(w.wake)
+        w.start()
+    try:
+        with warnings:
+            for step in range(args.warmup + args.steps):
+                if step == args.warmup:
+                    _sync(devices)
+                    start, flops0 = time.perf_counter(), sum(w.flops for w in workers)
+                for inbox, item in zip(inboxes, items):
+                    inbox.put(step, item)
+                run_step(workers, control, step)
+                step_replicas(replicas, 1.0)
+            _sync(devices)
+            elapsed = time.perf_counter() - start
+    finally:
+        control.shutdown()
+        for w in workers:
+            w.join()
+    tokens = args.steps * s["batch"] * s["seq"]  # per device
+    flops = (sum(w.flops for w in workers) - flops0) / len(workers)
+    peak = 1e12 * (args.peak_tflops or detect_peak_tflops(devices[0]) or 0.0)
+    return {"threads": len(devices), "tokens_per_s_per_device": tokens / elapsed,
+            "mfu": flops / elapsed / peak if peak else None, "tflops_per_device": flops / elapsed / 1e12,
+            "eager_fallbacks": sum(w.eager_fallbacks for w in workers),
+            "unexpected_recompiles": sum(w.unexpected_recompiles for w in workers)}
+
+
+# ---------------------------------------------------------------------------------------
+# Phase 2: free-running threads, one recompiling (run in a fresh interpreter per torch mode)
+# ---------------------------------------------------------------------------------------
+
+
+def free_running(devices: list[torch.device], s: dict, args) -> dict:
+    """W threads run forward + backward freely; after a warm window thread W-1 recompiles every step."""
+    replicas = [build_replica(i, d, s, True, args.backend) for i, d in enumerate(devices)]
+    last = len(devices) - 1
+    start_barrier, switch_barrier = threading.Barrier(len(devices)), threading.Barrier(len(devices))
+    stats = [dict(errors=0, first_error=None, eager=0, compiles=0, warm_tokens=0, warm_s=0.0, hot_tokens=0,
+                  hot_s=0.0) for _ in devices]
+
+    def one_step(i, replica, item) -> None:
+        st = stats[i]
+        before = thread_compile_counts()
+        try:
+            drafter_step(replica.step_fn, replica.model, replica.heads, item.batch, max_anchors=s["anchors"],
+                         generator=None, position_weight=replica.position_weight,
+                         autocast=devices[i].type == "cuda", anchors=(item.anchors, item.valid),
+                         **_loss_kwargs(replica))
+        except Exception as e:  # noqa: BLE001 - counted and shown: this is what the benchmark measures
+            st["errors"] += 1
+            st["first_error"] = st["first_error"] or f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            return
+        finally:
+            replica.flat.zero_()
+        compiles, runs = (a - b for a, b in zip(thread_compile_counts(), before))
+        st["compiles"] += compiles
+        st["eager"] += runs == 0
+
+    def run(i: int) -> None:
+        replica, device = replicas[i], devices[i]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        raise_recompile_limit(10_000)
+        item = make_item(device, s, s["seq"], i, replica.model)
+        one_step(i, replica, item)  # first compile, before the clock
+        _sync([device])
+        start_barrier.wait()
+        for window in ("warm", "hot"):
+            deadline = time.perf_counter() + args.seconds
+            begin, tokens, n = time.perf_counter(), 0, 0
+            while time.perf_counter() < deadline:
+                if window == "hot" and i == last:  # a new shape each step: recompiles
+                    n += 1
+                    length = s["seq"] - 8 * n
+                    if length < 16:
+                        break
+                    step_item = make_item(device, s, length, 1000 + n, replica.model)
+                else:
+                    step_item = item
+                one_step(i, replica, step_item)
+                _sync([device])
+                tokens += step_item.batch.num_tokens
+            stats[i][f"{window}_tokens"] += tokens
+            stats[i][f"{window}_s"] += time.perf_counter() - begin
+            if window == "warm":
+                switch_barrier.wait()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"drafter {i}") for i in range(len(devices))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    steady = [st for i, st in enumerate(stats) if i != last] or stats
+    ratio = (sum(st["hot_tokens"] / st["hot_s"] for st in steady) / sum(st["warm_tokens"] / st["warm_s"] for st in steady))
+    return {"patches": os.environ.get("DFLASH_PATCHES", "1") != "0", "torch": torch.__version__,
+            "errors": sum(st["errors"] for st in stats),
+            "first_error": next((st["first_error"] for st in stats if st["first_error"]), None),
+            "eager_fallbacks": sum(st["eager"] for st in stats), "recompiles": stats[last]["compiles"] - 1,
+            "steady_ratio": ratio,
+            "steady_tokens_per_s": sum(st["hot_tokens"] / st["hot_s"] for st in steady) / len(steady)}
+
+
+def _child(args, plain: bool) -> dict:
+    env = {**os.environ, "DFLASH_PATCHES": "0" if plain else "1"}
+    cmd = [sys.executable, __file__, "--phase", "recompile", "--json", "--device", args.device, "--size", args.size,
+           "--threads", str(args.threads), "--seconds", str(args.seconds), "--backend", args.backend,
+           "--layers", str(args.layers), "--seq", str(args.seq)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return {"patches": not plain, "errors": 1, "first_error": f"child exited {done.returncode}: {' | '.join(tail)}",
+            "eager_fallbacks": None, "recompiles": None, "steady_ratio": None, "steady_tokens_per_s": None}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    p.add_argument("--threads", type=int, default=None, help="W (default: visible GPUs; 2 on CPU)")
+    p.add_argument("--layers", type=int, default=None, help="drafter layers (default: the preset's)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    p.add_argument("--steps", type=int, default=10, help="timed lockstep steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed lockstep steps (compile)")
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each free-running window")
+    p.add_argument("--backend", default=None, help="dynamo backend (default: inductor on cuda, aot_eager on cpu)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: detect; H100/H200 989)")
+    p.add_argument("--phase", choices=("all", "scaling", "recompile"), default="all")
+    p.add_argument("--no-plain", action="store_true", help="skip the DFLASH_PATCHES=0 run")
+    p.add_argument("--child-timeout", type=float, default=540.0)
+    p.add_argument("--json", action="store_true", help="print the phase's result as one JSON line")
+    args = p.parse_args()
+    args.backend = args.backend or ("inductor" if args.device == "cuda" else "aot_eager")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no visible GPU; use --device cpu")
+    args.threads = args.threads or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    s = dict(SIZES[args.size])
+    s["layers"] = args.layers = args.layers or s["layers"]
+    s["seq"] = args.seq = args.seq or s["seq"]
+    devices = ([torch.device("cuda", i % torch.cuda.device_count()) for i in range(args.threads)]
+               if args.device == "cuda" else [torch.device("cpu")] * args.threads)
+    if args.device == "cuda" and args.threads > torch.cuda.device_count():
+        print(f"note: {args.threads} threads on {torch.cuda.device_count()} GPU(s): threads share GPUs")
+
+    if args.phase == "recompile":
+        print(RESULT_TAG + json.dumps(free_running(devices, s, args)), flush=True)
+        return 0
+    print(f"drafter {args.size}: {s}; W={args.threads} on {args.device}, backend {args.backend}; torch {torch.__version__}")
+    solo = lockstep(devices[:1], s, args)
+    multi = lockstep(devices, s, args) if args.threads > 1 else solo
+    scaling = multi["tokens_per_s_per_device"] / solo["tokens_per_s_per_device"]
+    for run in (solo, multi):
+        mfu = f"{100 * run['mfu']:.1f}%" if run["mfu"] is not None else "n/a (no known peak)"
+        print(f"  {run['threads']} thread(s): {run['tokens_per_s_per_device']:.0f} tok/s per device, "
+              f"{run['tflops_per_device']:.1f} TFLOP/s per device, MFU {mfu}, eager fallbacks "
+              f"{run['eager_fallbacks']}, unexpected recompiles {run['unexpected_recompiles']}")
+    print(f"scaling: W={args.threads} per-device / solo = {scaling:.3f} (goal >= 0.95)")
+    result = {"solo": solo, "multi": multi, "scaling": scaling}
+    if args.phase == "all":
+        runs = [_child(args, plain=False)] + ([] if args.no_plain else [_child(args, plain=True)])
+        print(f"recompile phase ({args.seconds:.0f} s warm + {args.seconds:.0f} s with thread {args.threads - 1} "
+              "recompiling every step):")
+        print(f"  {'torch':<10}{'errors':>8}{'eager':>8}{'recompiles':>12}{'steady tok/s':>14}{'vs warm':>9}  first error")
+        for run in runs:
+            fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+            print(f"  {'patched' if run['patches'] else 'plain':<10}{run['errors']:>8}{fmt(run['eager_fallbacks'], 'd'):>8}"
+                  f"{fmt(run['recompiles'], 'd'):>12}{fmt(run['steady_tokens_per_s'], '.0f'):>14}"
+                  f"{fmt(run['steady_ratio'], '.3f'):>9}  {run['first_error'] or ''}")
+        result["recompile"] = runs
+    if args.json:
+        print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
