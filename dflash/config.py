@@ -40,19 +40,19 @@ class TrainConfig:
     """Token id of the draft mask slot (an existing row of the target embedding); empty = the tokenizer's mask token."""
 
     # ---- data -----------------------------------------------------------------------------
-    seq_len: int = 192
+    seq_len: int = 128
     """Tokens per training row (fixed shape; longer conversations follow --overflow)."""
     overflow: str = "truncate"
     """What to do with conversations longer than --seq-len: `truncate` (keep the start) or `drop`."""
-    batch_size: int = 4
+    batch_size: int = 8
     """Conversations per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (the loss is normalised by the position weights of the whole step)."""
-    max_anchors: int = 64
+    max_anchors: int = 32
     """Draft blocks (anchors) sampled per conversation (512 is common on GPU at seq 4k)."""
     responses: str = "auto"
     """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached in --out), `auto` (`target` for the embedded default target and corpus, else `data`)."""
-    regenerate_max_new_tokens: int = 64
+    regenerate_max_new_tokens: int = 48
     """Longest regenerated reply in tokens (with --responses target)."""
 
     # ---- loss -----------------------------------------------------------------------------
@@ -84,6 +84,8 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto (cuda if visible)."""
     compile: str = "auto"
     """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
+    cpu_threads: int | None = None
+    """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other jobs: oversubscribed OpenMP threads run many times slower."""
     seed: int = 0
     """Seed for weights, data order and anchor sampling."""
     save_every: int = 100
@@ -138,6 +140,8 @@ class TrainConfig:
                              f"{sorted(PAPER_GAMMA)}); pass --gamma (about block_size / 2)")
         if not 0.0 <= self.soft_label_weight <= 1.0:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         for name in ("lr", "peak_tflops"):
             value = getattr(self, name)
             if value is not None and value <= 0:

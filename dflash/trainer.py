@@ -98,10 +98,12 @@ class DrafterStepOutput:
 
     Args:
         loss (LossOutput): loss sum, weight sum, per-slot correct/total counts.
+        valid_blocks (Tensor): scalar, draft blocks with a real anchor (padding blocks excluded).
         attention_pairs (Tensor): scalar, visible (query, key) pairs of the valid blocks, for FLOPs.
     """
 
     loss: LossOutput
+    valid_blocks: torch.Tensor
     attention_pairs: torch.Tensor
 
 
@@ -126,7 +128,7 @@ def drafter_step(step_fn, drafter, target: Target, batch: TargetBatch, *, max_an
     block_size = drafter.config.block_size
     pairs = (block_size * (anchors + block_size) * valid).sum()  # block at a sees a context keys + Bs
     return DrafterStepOutput(LossOutput(out.loss_sum.detach(), out.weight_sum.detach(), out.correct, out.total),
-                             pairs)
+                             valid.sum(), pairs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,21 +190,22 @@ def detect_peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
-def drafter_step_flops(drafter, *, batch: int, seq_len: int, num_blocks: int, visible_pairs: float) -> float:
-    """Model FLOPs of one drafter micro-batch (forward + backward), the MFU numerator.
+def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, visible_pairs: float) -> float:
+    """Model FLOPs of drafter training (forward + backward), the MFU numerator.
 
-    6 * params * tokens for the drafter layers on the N*Bs draft tokens; for ``fc`` and the
-    context ``k_proj``/``v_proj`` on the S context tokens; 4 * V * H per draft token for the frozen
+    Count only useful work: ``draft_tokens`` = valid blocks * Bs (padding blocks excluded),
+    ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the mask allows.
+    6 * params * tokens for the drafter layers on the draft tokens; for ``fc`` and the
+    context ``k_proj``/``v_proj`` on the context tokens; 4 * V * H per draft token for the frozen
     LM head (forward + input grad, no weight grad); attention 12 * heads * head_dim per visible
     (query, key) pair per layer (QK^T and PV, forward + backward). Activation recompute of the
     chunked LM head is not counted (model FLOPs, not hardware FLOPs).
     """
     cfg = drafter.config
-    draft_tokens = batch * num_blocks * cfg.block_size
     layer_params = sum(p.numel() for p in drafter.layers.parameters()) + drafter.norm.weight.numel()
     kv_params = sum(layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()
                     for layer in drafter.layers)
-    context_flops = 6 * (drafter.fc.weight.numel() + kv_params) * batch * seq_len
+    context_flops = 6 * (drafter.fc.weight.numel() + kv_params) * context_tokens
     head_flops = 4 * cfg.vocab_size * cfg.hidden_size * draft_tokens
     attention_flops = 12 * cfg.num_attention_heads * cfg.head_dim * visible_pairs * cfg.num_hidden_layers
     return 6 * layer_params * draft_tokens + context_flops + head_flops + attention_flops
@@ -252,6 +255,8 @@ class Trainer:
         self.out = Path(config.out)
         self.device = resolve_device(config.device)
         self.compiled = config.compile == "on" or (config.compile == "auto" and self.device.type == "cuda")
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         _seed_everything(config.seed)
 
         target_dir = Path(config.target) if config.target else default_target_dir()
@@ -393,7 +398,7 @@ class Trainer:
 
         loss_sum = weight_sum = 0.0
         correct = total = 0
-        pairs = 0
+        pairs = blocks = 0
         for batch in batches:
             out = drafter_step(self.step_fn, self.drafter, self.target, batch, max_anchors=cfg.max_anchors,
                                generator=self.anchor_generator, position_weight=self.position_weight,
@@ -402,7 +407,7 @@ class Trainer:
                                position_weighting="dpace" if cfg.dpace else "decay")
             loss_sum, weight_sum = loss_sum + out.loss.loss_sum, weight_sum + out.loss.weight_sum
             correct, total = correct + out.loss.correct, total + out.loss.total
-            pairs = pairs + out.attention_pairs
+            pairs, blocks = pairs + out.attention_pairs, blocks + out.valid_blocks
         # Normalise by the position weights of the whole optimizer step, not per micro-batch.
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
         torch._foreach_div_(grads, weight_sum.clamp(min=1e-8))
@@ -423,8 +428,9 @@ class Trainer:
                    "target_frac": (target_done - start - data_wait) / elapsed,
                    "step_s": elapsed, **{f"acc/{k + 1}": float(a) for k, a in enumerate(acc)}}
         drafter_s = time.perf_counter() - target_done
-        flops = drafter_step_flops(self.drafter, batch=cfg.batch_size * cfg.grad_accum, seq_len=cfg.seq_len,
-                                   num_blocks=cfg.max_anchors, visible_pairs=float(pairs))
+        flops = drafter_step_flops(self.drafter, draft_tokens=float(blocks) * cfg.block_size,
+                                   context_tokens=cfg.grad_accum * cfg.batch_size * cfg.seq_len,
+                                   visible_pairs=float(pairs))
         metrics.update(tokens=tokens, drafter_s=drafter_s, drafter_flops=flops,
                        drafter_tokens_per_s=tokens / drafter_s)
         if self.peak_flops:
@@ -489,7 +495,7 @@ class Trainer:
 
 # Fields that may change between a run and its resumption without changing the math.
 _RESUMABLE_CHANGES = {"resume", "steps", "epochs", "progress", "log_every", "save_every", "keep_last",
-                      "device", "compile", "target_devices", "prefetch_depth"}
+                      "device", "compile", "cpu_threads", "peak_tflops", "target_devices", "prefetch_depth"}
 
 
 def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> None:

@@ -174,9 +174,10 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     trainer = Trainer(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
     regenerated = read_conversations(tmp_path / "regenerated_train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(assets["qwen3"])
-    # One per assistant turn (4 copies of 1 + 2 + 1 + 1 turns) whose history fits seq_len - 6 = 90
-    # tokens: the 92-token history of the second turn of the 5-message conversation does not.
-    assert len(regenerated) == 4 * len(response_prompts(tokenizer, CONVERSATIONS, max_prompt_tokens=90)) == 16
+    # One per conversation: its prompt (messages before the first assistant turn) + the target's reply.
+    assert len(response_prompts(tokenizer, CONVERSATIONS, max_prompt_tokens=90)) == 4
+    assert len(regenerated) == 16 and [c[:-1] for c in regenerated[:4]] == [c[:1 + (c[0]["role"] == "system")]
+                                                                           for c in CONVERSATIONS]
     history, reply = regenerated[0][:-1], regenerated[0][-1]
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     greedy = greedy_generate(trainer.target, torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),

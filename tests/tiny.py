@@ -9,6 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+# One intra-op thread per test process: with pytest-xdist (or other jobs) on a 2-core box,
+# oversubscribed OpenMP threads made these tiny models 10-20x slower.
+torch.set_num_threads(1)
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts to decode (default: 20)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch intra-op threads on CPU (default: torch's; use 1 on a shared machine)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
 
@@ -66,6 +68,8 @@ def _evaluate(args: argparse.Namespace):
     from dflash.target import load_target, resolve_device
 
     device = resolve_device(args.device)
+    if args.cpu_threads is not None:
+        torch.set_num_threads(args.cpu_threads)
     target_dir = Path(args.target) if args.target else default_target_dir()
     data = Path(args.data) if args.data else default_data_dir() / "heldout.jsonl"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
