@@ -138,12 +138,29 @@ class _Worker(threading.Thread):
     def __init__(self, name: str, control: _Control):
         super().__init__(name=name, daemon=True)
         self.control = control
-        self.busy_s = self.wait_s = self.blocked_s = 0.0
+        self.seconds = {"busy_s": 0.0, "wait_s": 0.0, "blocked_s": 0.0}
+        self._current: tuple[str | None, float] = (None, 0.0)
         self.tokens = self.jobs = 0
 
+    def _enter(self, phase: str | None) -> None:
+        """Switch the thread's time accounting to ``phase`` (a key of ``seconds``; None = idle)."""
+        now = time.perf_counter()
+        current, since = self._current
+        if current is not None:
+            self.seconds[current] += now - since
+        self._current = (phase, now)
+
+    @property
+    def busy_s(self) -> float:
+        return self.counters()["busy_s"]
+
     def counters(self) -> dict[str, float]:
-        return {"busy_s": self.busy_s, "wait_s": self.wait_s, "blocked_s": self.blocked_s,
-                "tokens": self.tokens, "jobs": self.jobs}
+        """Seconds per phase including the running one (so interval deltas are exact), tokens, jobs."""
+        current, since = self._current
+        seconds = dict(self.seconds)
+        if current is not None:
+            seconds[current] += time.perf_counter() - since
+        return {**seconds, "tokens": self.tokens, "jobs": self.jobs}
 
     def run(self) -> None:
         try:
@@ -417,12 +434,12 @@ class TargetWorker(_Worker):
             torch.cuda.set_device(self.slot.device)
         while True:
             self.control.check()
-            tick = time.perf_counter()
+            self._enter("wait_s")
             job = self.source.take()
-            drawn = time.perf_counter()
-            self.wait_s += drawn - tick
             if job is None:
+                self._enter(None)
                 return
+            self._enter("busy_s")
             device = self.drafter_devices[job.drafter]
             states = _to_device(produce_target_states(self.target, job.batch), device,
                                 keep_last_hidden=self.keep_last_hidden)
@@ -430,12 +447,10 @@ class TargetWorker(_Worker):
                               job.valid.to(device, non_blocking=True))
             if cuda:  # the copies are done and the busy time is GPU time, not launch time
                 torch.cuda.current_stream(self.slot.device).synchronize()
-            done = time.perf_counter()
-            self.busy_s += done - drawn
             self.tokens += states.num_tokens
             self.jobs += 1
+            self._enter("blocked_s")
             self.inboxes[job.drafter].put(job.slot, item)
-            self.blocked_s += time.perf_counter() - done
 
 
 @dataclass
@@ -503,10 +518,9 @@ class DrafterWorker(_Worker):
             correct = total = blocks = pairs = 0
             tokens = context_tokens = 0
             for _ in range(self.grad_accum):
-                tick = time.perf_counter()
+                self._enter("wait_s")
                 item = self.inbox.get()
-                start = time.perf_counter()
-                self.wait_s += start - tick
+                self._enter("busy_s")
                 before = thread_compile_counts()
                 out = drafter_step(r.step_fn, r.model, r.heads, item.batch, max_anchors=self.max_anchors,
                                    generator=None, position_weight=r.position_weight,
@@ -518,13 +532,11 @@ class DrafterWorker(_Worker):
                 blocks, pairs = blocks + out.valid_blocks, pairs + out.attention_pairs  # no host sync yet
                 context_tokens += item.batch.input_ids.numel()
                 tokens += item.batch.num_tokens
-                self.busy_s += time.perf_counter() - start
-            start = time.perf_counter()
             r.flat.stats.copy_(torch.cat([torch.stack([loss_sum, weight_sum]).float(), correct.float(),
                                           total.float()]))
             if r.slot.device.type == "cuda":
                 torch.cuda.synchronize(r.slot.device)  # busy time is GPU time
-            self.busy_s += time.perf_counter() - start
+            self._enter(None)
             # FLOPs are linear in the three counts, so the step's sums give the step's FLOPs.
             flops = drafter_step_flops(r.model, draft_tokens=float(blocks) * r.model.config.block_size,
                                        context_tokens=context_tokens, visible_pairs=float(pairs))

@@ -215,3 +215,19 @@ def test_cli_reports_bad_layouts(assets, tmp_path, caplog):
     assert "descending range" in caplog.text
     assert main(base + ["--drafter-devices", "cpu"]) == 2
     assert "give both --target-devices and --drafter-devices" in caplog.text
+
+
+def test_scaling_benchmark_smoke_on_cpu():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_scaling.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "tiny", "--phase", "scaling",
+                           "--steps", "2", "--warmup", "1", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["solo"]["threads"] == 1 and result["multi"]["threads"] == 2
+    assert result["multi"]["tokens_per_s_per_device"] > 0 and result["scaling"] > 0
+    assert "scaling: W=2 per-device / solo" in done.stdout
