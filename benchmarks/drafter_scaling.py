@@ -221,8 +221,12 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
 
 
 def _child(args, plain: bool) -> dict:
-    env = {**os.environ, "DFLASH_PATCHES": "0" if plain else "1"}
-    cmd = [sys.executable, __file__, "--phase", "recompile", "--json", "--device", args.device, "--size", args.size,
+    import tempfile
+
+    # A fresh inductor cache per run: the second run must compile as much as the first.
+    cache = tempfile.mkdtemp(prefix="dflash-inductor-")
+    env = {**os.environ, "DFLASH_PATCHES": "0" if plain else "1", "TORCHINDUCTOR_CACHE_DIR": cache}
+    cmd = [sys.executable, __file__, "--phase", "recompile-child", "--json", "--device", args.device, "--size", args.size,
            "--threads", str(args.threads), "--seconds", str(args.seconds), "--backend", args.backend,
            "--layers", str(args.layers), "--seq", str(args.seq)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
@@ -246,7 +250,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="length of each free-running window")
     p.add_argument("--backend", default=None, help="dynamo backend (default: inductor on cuda, aot_eager on cpu)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: detect; H100/H200 989)")
-    p.add_argument("--phase", choices=("all", "scaling", "recompile"), default="all")
+    p.add_argument("--phase", choices=("all", "scaling", "recompile", "recompile-child"), default="all",
+                   help="recompile = only the patched vs plain comparison; recompile-child = one such run here")
     p.add_argument("--no-plain", action="store_true", help="skip the DFLASH_PATCHES=0 run")
     p.add_argument("--child-timeout", type=float, default=540.0)
     p.add_argument("--json", action="store_true", help="print the phase's result as one JSON line")
@@ -263,21 +268,23 @@ def main() -> int:
     if args.device == "cuda" and args.threads > torch.cuda.device_count():
         print(f"note: {args.threads} threads on {torch.cuda.device_count()} GPU(s): threads share GPUs")
 
-    if args.phase == "recompile":
+    if args.phase == "recompile-child":
         print(RESULT_TAG + json.dumps(free_running(devices, s, args)), flush=True)
         return 0
     print(f"drafter {args.size}: {s}; W={args.threads} on {args.device}, backend {args.backend}; torch {torch.__version__}")
-    solo = lockstep(devices[:1], s, args)
-    multi = lockstep(devices, s, args) if args.threads > 1 else solo
-    scaling = multi["tokens_per_s_per_device"] / solo["tokens_per_s_per_device"]
-    for run in (solo, multi):
-        mfu = f"{100 * run['mfu']:.1f}%" if run["mfu"] is not None else "n/a (no known peak)"
-        print(f"  {run['threads']} thread(s): {run['tokens_per_s_per_device']:.0f} tok/s per device, "
-              f"{run['tflops_per_device']:.1f} TFLOP/s per device, MFU {mfu}, eager fallbacks "
-              f"{run['eager_fallbacks']}, unexpected recompiles {run['unexpected_recompiles']}")
-    print(f"scaling: W={args.threads} per-device / solo = {scaling:.3f} (goal >= 0.95)")
-    result = {"solo": solo, "multi": multi, "scaling": scaling}
-    if args.phase == "all":
+    result = {}
+    if args.phase in ("all", "scaling"):
+        solo = lockstep(devices[:1], s, args)
+        multi = lockstep(devices, s, args) if args.threads > 1 else solo
+        scaling = multi["tokens_per_s_per_device"] / solo["tokens_per_s_per_device"]
+        for run in (solo, multi):
+            mfu = f"{100 * run['mfu']:.1f}%" if run["mfu"] is not None else "n/a (no known peak)"
+            print(f"  {run['threads']} thread(s): {run['tokens_per_s_per_device']:.0f} tok/s per device, "
+                  f"{run['tflops_per_device']:.1f} TFLOP/s per device, MFU {mfu}, eager fallbacks "
+                  f"{run['eager_fallbacks']}, unexpected recompiles {run['unexpected_recompiles']}")
+        print(f"scaling: W={args.threads} per-device / solo = {scaling:.3f} (goal >= 0.95)")
+        result.update(solo=solo, multi=multi, scaling=scaling)
+    if args.phase in ("all", "recompile"):
         runs = [_child(args, plain=False)] + ([] if args.no_plain else [_child(args, plain=True)])
         print(f"recompile phase ({args.seconds:.0f} s warm + {args.seconds:.0f} s with thread {args.threads - 1} "
               "recompiling every step):")

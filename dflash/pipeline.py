@@ -741,9 +741,10 @@ class PipelineTrainer(Trainer):
             bar.close()
             if self.writer is not None:
                 self.writer.close()
+            if main:  # also after a failure or Ctrl-C: a soak run ends that way
+                self._log_compile_summary()
         if main:
             self._log_steady_state(totals)
-            self._log_compile_summary()
         return metrics
 
     def _start_threads(self) -> None:

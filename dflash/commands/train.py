@@ -69,10 +69,8 @@ def run(args: argparse.Namespace) -> int:
             from dflash.pipeline import PipelineTrainer
 
             trainer = PipelineTrainer(config)
-            try:
-                metrics = trainer.train()
-            finally:
-                trainer.close()
+            metrics = trainer.train()
+            trainer.close()  # not after a failure: the other ranks may be inside a collective
         else:
             from dflash.trainer import Trainer
 
