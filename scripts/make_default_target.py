@@ -15,7 +15,7 @@ What it makes (under ``dflash/assets/`` by default):
 Nothing is downloaded at run time: the corpus is the installed PyPI package. Reproduce with::
 
     pip install chitchat-dataset==0.9.0
-    python scripts/make_default_target.py            # ~15-20 min on 2 CPU cores
+    python scripts/make_default_target.py            # ~20 min on one CPU core
 
 Seeds are fixed; the result is deterministic up to floating-point reduction order on the CPU used.
 """
@@ -55,14 +55,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden-size", type=int, default=192)
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per packed sequence")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--heldout", type=int, default=150, help="conversations kept out of all training")
     p.add_argument("--ship-train", type=int, default=1000, help="training conversations shipped in train.jsonl")
     p.add_argument("--ship-max-messages", type=int, default=12, help="shipped conversations are cut to this many turns")
-    p.add_argument("--threads", type=int, default=2)
+    # One thread: on a shared 2-core box, 2 OpenMP threads spin-wait on each other (measured 15x slower).
+    p.add_argument("--threads", type=int, default=1)
     return p.parse_args()
 
 
@@ -153,58 +154,31 @@ def make_model(tokenizer, args) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(config)
 
 
-def main() -> None:
-    args = parse_args()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-
-    conversations = load_conversations()
-    random.Random(args.seed).shuffle(conversations)
-    heldout, train = conversations[: args.heldout], conversations[args.heldout :]
-    print(f"corpus: {len(conversations)} conversations -> {len(train)} train, {len(heldout)} held out")
-
-    tokenizer = train_tokenizer([m["content"] for c in train for m in c], args.vocab_size)
-    print(f"tokenizer: {len(tokenizer)} tokens; special ids " + ", ".join(
-        f"{t}={tokenizer.convert_tokens_to_ids(t)}" for t in SPECIAL_TOKENS))
-
-    train_rows, heldout_rows = pack(tokenizer, train, args.seq_len), pack(tokenizer, heldout, args.seq_len)
-    print(f"packed: {train_rows.numel()} train tokens, {heldout_rows.numel()} held-out tokens")
-
-    model = make_model(tokenizer, args)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen3 {args.layers} layers, hidden {args.hidden_size}, {n_params / 1e6:.2f} M parameters")
-    loss0 = mean_loss(model, heldout_rows)
-    print(f"held-out loss before training {loss0:.3f} (ppl {math.exp(loss0):.1f})")
-
+def train(model, rows: torch.Tensor, args) -> float:
+    """AdamW with linear warmup and cosine decay to 10% over ``args.steps``; returns seconds taken."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))),
     )
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed))
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed))
     start = time.perf_counter()
     for step in range(args.steps):
-        idx = order[(torch.arange(args.batch_size) + step * args.batch_size) % len(order)]
-        batch = train_rows[idx]
+        batch = rows[order[(torch.arange(args.batch_size) + step * args.batch_size) % len(order)]]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == args.steps - 1:
+        if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:5d} loss {loss.item():.3f} lr {schedule.get_last_lr()[0]:.2e} "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
-    train_s = time.perf_counter() - start
-    epochs = args.steps * args.batch_size / len(train_rows)
-    model = model.to(torch.bfloat16)
-    loss1 = mean_loss(model, heldout_rows)
-    print(f"trained {args.steps} steps ({epochs:.2f} epochs) in {train_s:.0f}s; "
-          f"held-out loss after (bf16) {loss1:.3f} (ppl {math.exp(loss1):.1f})")
+    return time.perf_counter() - start
 
-    target_dir, chat_dir = args.out / "default_target", args.out / "default_chat"
+
+def save_target(model, tokenizer, target_dir: Path, summary: dict) -> None:
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.pad_token_id],
         pad_token_id=tokenizer.pad_token_id,
@@ -217,28 +191,66 @@ def main() -> None:
     tok_config = json.loads(config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tok_config, indent=1) + "\n")
-    (target_dir / "training_summary.json").write_text(json.dumps({
+    (target_dir / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def save_chats(chat_dir: Path, splits: dict, max_messages: int) -> None:
+    chat_dir.mkdir(parents=True, exist_ok=True)
+    for name, convs in splits.items():
+        with open(chat_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for conv in convs:
+                conv = conv[:max_messages]
+                conv = conv[: len(conv) // 2 * 2]  # end on an assistant turn
+                f.write(json.dumps({"messages": conv}, ensure_ascii=False) + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+
+    conversations = load_conversations()
+    random.Random(args.seed).shuffle(conversations)
+    heldout, train_convs = conversations[: args.heldout], conversations[args.heldout :]
+    print(f"corpus: {len(conversations)} conversations -> {len(train_convs)} train, {len(heldout)} held out")
+
+    tokenizer = train_tokenizer([m["content"] for c in train_convs for m in c], args.vocab_size)
+    print(f"tokenizer: {len(tokenizer)} tokens; special ids " + ", ".join(
+        f"{t}={tokenizer.convert_tokens_to_ids(t)}" for t in SPECIAL_TOKENS))
+
+    train_rows, heldout_rows = pack(tokenizer, train_convs, args.seq_len), pack(tokenizer, heldout, args.seq_len)
+    print(f"packed: {train_rows.numel()} train tokens, {heldout_rows.numel()} held-out tokens")
+
+    model = make_model(tokenizer, args)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: Qwen3 {args.layers} layers, hidden {args.hidden_size}, {n_params / 1e6:.2f} M parameters")
+    loss0 = mean_loss(model, heldout_rows)
+    print(f"held-out loss before training {loss0:.3f} (ppl {math.exp(loss0):.1f})")
+
+    train_s = train(model, train_rows, args)
+    epochs = args.steps * args.batch_size / len(train_rows)
+    model = model.to(torch.bfloat16)
+    loss1 = mean_loss(model, heldout_rows)
+    print(f"trained {args.steps} steps ({epochs:.2f} epochs) in {train_s:.0f}s; "
+          f"held-out loss after (bf16) {loss1:.3f} (ppl {math.exp(loss1):.1f})")
+
+    target_dir, chat_dir = args.out / "default_target", args.out / "default_chat"
+    save_target(model, tokenizer, target_dir, {
         "script": "scripts/make_default_target.py", "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
         "corpus": f"{CORPUS_PACKAGE}=={CORPUS_VERSION}", "parameters": n_params,
         "train_tokens": train_rows.numel(), "heldout_tokens": heldout_rows.numel(), "epochs": round(epochs, 3),
         "heldout_loss_untrained": round(loss0, 4), "heldout_loss_trained_bf16": round(loss1, 4),
         "train_seconds": round(train_s), "torch": torch.__version__,
-    }, indent=1) + "\n")
-
-    chat_dir.mkdir(parents=True, exist_ok=True)
-    for name, convs in (("train", train[: args.ship_train]), ("heldout", heldout)):
-        with open(chat_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            for conv in convs:
-                conv = conv[: args.ship_max_messages]
-                conv = conv[: len(conv) // 2 * 2]  # end on an assistant turn
-                f.write(json.dumps({"messages": conv}, ensure_ascii=False) + "\n")
+    })
+    save_chats(chat_dir, {"train": train_convs[: args.ship_train], "heldout": heldout}, args.ship_max_messages)
     print(f"wrote {target_dir} and {chat_dir}")
 
-    prompts = [[{"role": "user", "content": c[0]["content"]}] for c in heldout[:4]]
-    for conv in prompts:
-        ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt", return_dict=False)
+    for conv in heldout[:4]:
+        prompt = conv[:1]
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=False)
         out = model.generate(ids, max_new_tokens=40, do_sample=False)
-        print(f"USER: {conv[0]['content']!r}\nTARGET: {tokenizer.decode(out[0, ids.shape[1]:])!r}")
+        print(f"USER: {prompt[0]['content']!r}\nTARGET: {tokenizer.decode(out[0, ids.shape[1]:])!r}")
 
 
 if __name__ == "__main__":
