@@ -45,7 +45,6 @@ import logging
 import math
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
