@@ -43,13 +43,6 @@ TORCH_FIRST_MESSAGE = (
 )
 
 
-def _series_dir():
-    import importlib.util
-    from pathlib import Path
-
-    return Path(importlib.util.find_spec("dflash.patch_series").origin).parent
-
-
 def patched_source(module: str, source: str, patch_files: list[str]) -> str:
     """``source`` with the hunks of ``patch_files`` for ``module`` applied, in order.
 
@@ -134,19 +127,18 @@ class PatchFinder:
         from pathlib import Path
 
         from dflash.patching import cache
-        from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan, make_plan
+        from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan, make_plan, series_dir
 
         spec = importlib.machinery.PathFinder.find_spec("torch")
         if spec is None or not spec.submodule_search_locations:
             return
-        torch_dir = Path(next(iter(spec.submodule_search_locations)))
-        allow_unverified = os.environ.get(ALLOW_UNVERIFIED_ENV, "0") == "1"
-        series = _series_dir()
-        self.plan_key = cache.key(
-            "plan", cache.stat_key(torch_dir / "version.py"), cache.stat_key(torch_dir / WHEEL_MARKER),
-            [cache.stat_key(p) for p in sorted(series.iterdir())], allow_unverified,
-        )
         try:
+            torch_dir = Path(next(iter(spec.submodule_search_locations)))
+            allow_unverified = os.environ.get(ALLOW_UNVERIFIED_ENV, "0") == "1"
+            self.plan_key = cache.key(
+                "plan", cache.stat_key(torch_dir / "version.py"), cache.stat_key(torch_dir / WHEEL_MARKER),
+                [cache.stat_key(p) for p in sorted(series_dir().iterdir())], allow_unverified,
+            )
             text = cache.read(self.plan_key)
             if text is not None:
                 self.plan = Plan.from_json(text.decode())
@@ -154,7 +146,7 @@ class PatchFinder:
                 self.plan = make_plan(torch_dir, allow_unverified=allow_unverified)
                 cache.write(self.plan_key, self.plan.to_json().encode())
         except Exception as error:  # never break `import torch` over a problem of ours
-            self.error = f"dflash patch hook disabled: {error}"
+            self.error = f"dflash patch hook disabled: {error!r}"
             warnings.warn(self.error, PatchWarning, stacklevel=2)
 
     def find_spec(self, fullname, path=None, target=None):

@@ -21,6 +21,7 @@ States of a concern:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import threading
@@ -31,6 +32,7 @@ NOT_APPLICABLE, FAILED = "not-applicable", "failed"
 ALLOW_UNVERIFIED_ENV = "DFLASH_PATCHES_ALLOW_UNVERIFIED"
 # Written into torch/ by `dflash patches build-wheel`: the fix is in the files already.
 WHEEL_MARKER = "_dflash_patches.json"
+SERIES_PACKAGE = "dflash.patch_series"
 
 
 @dataclasses.dataclass
@@ -97,6 +99,18 @@ class Plan:
             for outcome in self.outcomes.values():
                 if outcome.state == PENDING:
                     outcome.state, outcome.reason = FAILED, reason
+
+
+def series_dir() -> Path:
+    """The folder holding ``series`` and the patches.
+
+    Installed (regular or editable): the ``dflash.patch_series`` package. From a
+    source checkout on ``sys.path`` without installing: ``patches/`` beside ``dflash/``.
+    """
+    spec = importlib.util.find_spec(SERIES_PACKAGE)
+    if spec is not None and spec.origin is not None:
+        return Path(spec.origin).parent
+    return Path(__file__).resolve().parents[2] / "patches"
 
 
 def torch_release(torch_dir: Path) -> str:

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.resources
 import re
 
 import unidiff
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-SERIES_PACKAGE = "dflash.patch_series"
-
+from dflash.patching.plan import series_dir
 
 class SeriesError(ValueError):
     """The patch series itself is malformed (a packaging bug, not a torch mismatch)."""
@@ -113,7 +111,7 @@ def parse_patch(file_name: str, text: str) -> Patch:
 @functools.cache
 def load_series() -> tuple[Patch, ...]:
     """All patches, in ``series`` order."""
-    root = importlib.resources.files(SERIES_PACKAGE)
+    root = series_dir()
     names = [line.split("#", 1)[0].strip() for line in (root / "series").read_text().splitlines()]
     return tuple(parse_patch(n, (root / n).read_text(encoding="utf-8")) for n in names if n)
 
