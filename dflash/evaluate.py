@@ -33,12 +33,13 @@ class Generation:
 
     Args:
         tokens (list[int]): generated ids (prompt excluded), ending at the first EOS if any.
-        accept_lengths (list[int]): per speculative step, accepted drafts + 1 (empty for greedy).
+        accept_lengths (list[int]): per speculative step, accepted drafts + 1, cut at EOS and at
+            ``max_new_tokens`` (empty for greedy).
         seconds (float): wall time of the generation.
     """
 
     tokens: list[int]
-    accept_lengths: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)  # sum + 1 (prefill token) == len(tokens)
     seconds: float = 0.0
 
 
@@ -140,14 +141,18 @@ def speculative_generate(target: Target, drafter, prompt_ids: torch.Tensor, *, m
         greedy = target.lm_head(out.last_hidden_state).argmax(-1)[0]  # [Bs]: next token after each slot
         matches = (draft[0] == greedy[:-1]).int()
         accepted = int(matches.cumprod(0).sum())
-        tokens.extend(draft[0, :accepted].tolist() + [int(greedy[accepted])])
-        accept_lengths.append(accepted + 1)
+        # Emit the accepted drafts and the bonus token, but nothing past EOS or the token budget:
+        # tau counts tokens the step really contributed, so sum(accept_lengths) + 1 == len(tokens).
+        emitted = _finish(draft[0, :accepted].tolist() + [int(greedy[accepted])],
+                          max_new_tokens - len(tokens), eos_ids)
+        tokens.extend(emitted)
+        accept_lengths.append(len(emitted))
         # Keep target states/cache for the block's first token and the accepted drafts only.
         context = torch.cat([context, target.select(out.hidden_states)[:, : accepted + 1]], dim=1)
         _crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
     _sync(device)
-    return Generation(tokens=_finish(tokens, max_new_tokens, eos_ids), accept_lengths=accept_lengths,
+    return Generation(tokens=tokens, accept_lengths=accept_lengths,
                       seconds=time.perf_counter() - start)
 
 

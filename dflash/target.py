@@ -11,6 +11,7 @@ default ids never pick it (``dflash_reference.md``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -121,11 +122,15 @@ class Target:
         """One forward of the decoder stack with all hidden states (no LM head: callers
         project only the positions they need). Returns the HF output."""
         decoder = self.model.get_decoder()
-        # transformers 5.x renames `past_key_values` to `cache` (the old name warns, then goes).
-        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
         with torch.no_grad():
             return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=past_key_values is not None,
-                           output_hidden_states=True, **{cache_arg: past_key_values})
+                           output_hidden_states=True, **{self._cache_arg: past_key_values})
+
+    @functools.cached_property
+    def _cache_arg(self) -> str:
+        # transformers 5.x renames `past_key_values` to `cache` (the old name warns, then goes).
+        params = inspect.signature(self.model.get_decoder().forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
 
     def select(self, hidden_states) -> torch.Tensor:
         """Concatenate ``hidden_states[k + 1]`` for k in ``layer_ids``: ``[B, S, K*H]``."""

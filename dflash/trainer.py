@@ -445,7 +445,7 @@ class Trainer:
                f"of {self.peak_flops / 1e12:.0f} TFLOP/s" if self.peak_flops else
                " (pass --peak-tflops for MFU)")
         logger.info("steady state over %d steps: %.0f tok/s end to end, drafter step %.0f tok/s, "
-                    "%.1f TFLOP/s%s", totals["steps"], totals["tokens"] / totals["step_s"],
+                    "%.3g TFLOP/s%s", totals["steps"], totals["tokens"] / totals["step_s"],
                     totals["tokens"] / totals["drafter_s"], totals["drafter_flops"] / totals["drafter_s"] / 1e12, mfu)
 
     def _log(self, metrics: dict[str, float]) -> None:

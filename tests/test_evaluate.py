@@ -52,7 +52,7 @@ def test_speculative_output_equals_greedy_output(setup):
         spec = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
         assert len(plain.tokens) == MAX_NEW
         assert spec.tokens == plain.tokens
-        assert sum(spec.accept_lengths) >= MAX_NEW - 1  # every token after the first came from a step
+        assert sum(spec.accept_lengths) + 1 == len(spec.tokens)  # the first token comes from the prefill
 
 
 @pytest.mark.parametrize("correct", [0, 1, 3])
@@ -74,6 +74,10 @@ def test_generation_stops_at_eos_like_greedy(setup):
     spec = speculative_generate(target, _random_drafter(target, tokenizer), prompts[1],
                                 max_new_tokens=MAX_NEW, eos_ids=eos)
     assert spec.tokens == plain.tokens == reference[: reference.index(reference[5]) + 1]
+    assert sum(spec.accept_lengths) + 1 == len(spec.tokens)  # nothing counted past EOS
+    oracle = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompts[1].shape[1], correct=3)
+    spec = speculative_generate(target, oracle, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos)
+    assert spec.tokens == plain.tokens and sum(spec.accept_lengths) + 1 == len(spec.tokens)
 
 
 def test_evaluate_reports_tau_histogram_and_speedup(setup):
