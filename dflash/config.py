@@ -60,6 +60,8 @@ class TrainConfig:
     """Decay of the position weights w_k = exp(-(k-1)/gamma); empty = the paper's value (7 for Bs=16, 5 for 10, 4 for 8)."""
     soft_label_weight: float = 0.0
     """Weight of the KL to the target's distribution (0 = hard labels only, 1 = soft only)."""
+    loss_chunk_blocks: int = 16
+    """Draft blocks per chunk of the LM head + loss (peak logits memory = chunk * Bs * vocab floats; fewer chunks compile faster)."""
     dpace: bool = False
     """D-PACE confidence-weighted positions (arXiv 2605.18810) on top of the decay weights."""
 
@@ -111,7 +113,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_draft_layers", "num_target_layers", "seq_len", "batch_size",
-                    "grad_accum", "max_anchors", "log_every", "keep_last")
+                    "grad_accum", "max_anchors", "log_every", "keep_last", "loss_chunk_blocks")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -79,7 +79,7 @@ def produce_target_states(target: Target, batch: Batch) -> TargetBatch:
 
 def drafter_forward_loss(drafter, embed_weight, lm_head_weight, position_weight, input_ids, loss_mask,
                          context, last_hidden, anchors, valid, attention_mask, *, mask_token_id: int,
-                         soft_label_weight: float, position_weighting: str) -> LossOutput:
+                         soft_label_weight: float, position_weighting: str, chunk_blocks: int = 16) -> LossOutput:
     """Draft blocks -> drafter -> chunked LM head + weighted loss. The function ``torch.compile``
     wraps on GPU: tensors in, tensors out, the BlockMask built outside."""
     block_size = drafter.config.block_size
@@ -87,7 +87,7 @@ def drafter_forward_loss(drafter, embed_weight, lm_head_weight, position_weight,
     embeds = F.embedding(ids, embed_weight)  # the target's frozen embedding, [B, N*Bs, H]
     hidden = drafter(embeds, context, anchors, valid, attention_mask)
     labels, label_mask = build_labels(input_ids, loss_mask, anchors, valid, block_size)
-    return dflash_loss(hidden, lm_head_weight, labels, label_mask, position_weight,
+    return dflash_loss(hidden, lm_head_weight, labels, label_mask, position_weight, chunk_blocks=chunk_blocks,
                        position_weighting=position_weighting, soft_label_weight=soft_label_weight,
                        teacher_hidden=last_hidden if soft_label_weight > 0 else None, anchors=anchors)
 
@@ -404,7 +404,8 @@ class Trainer:
                                generator=self.anchor_generator, position_weight=self.position_weight,
                                autocast=self.device.type == "cuda", mask_token_id=self.drafter.config.mask_token_id,
                                soft_label_weight=cfg.soft_label_weight,
-                               position_weighting="dpace" if cfg.dpace else "decay")
+                               position_weighting="dpace" if cfg.dpace else "decay",
+                               chunk_blocks=cfg.loss_chunk_blocks)
             loss_sum, weight_sum = loss_sum + out.loss.loss_sum, weight_sum + out.loss.weight_sum
             correct, total = correct + out.loss.correct, total + out.loss.total
             pairs, blocks = pairs + out.attention_pairs, blocks + out.valid_blocks
