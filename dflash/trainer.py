@@ -195,8 +195,9 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
 
     Count only useful work: ``draft_tokens`` = valid blocks * Bs (padding blocks excluded),
     ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the mask allows.
-    6 * params * tokens for the drafter layers on the draft tokens; for ``fc`` and the
-    context ``k_proj``/``v_proj`` on the context tokens; 4 * V * H per draft token for the frozen
+    6 * params * tokens for the drafter layers on the draft tokens and for the context
+    ``k_proj``/``v_proj`` on the context tokens; 4 * params * tokens for ``fc`` (its input, the
+    target states, needs no grad); 4 * V * H per draft token for the frozen
     LM head (forward + input grad, no weight grad); attention 12 * heads * head_dim per visible
     (query, key) pair per layer (QK^T and PV, forward + backward). Activation recompute of the
     chunked LM head is not counted (model FLOPs, not hardware FLOPs).
@@ -205,7 +206,8 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
     layer_params = sum(p.numel() for p in drafter.layers.parameters()) + drafter.norm.weight.numel()
     kv_params = sum(layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()
                     for layer in drafter.layers)
-    context_flops = 6 * (drafter.fc.weight.numel() + kv_params) * context_tokens
+    # fc reads the frozen target states: forward + weight grad only (4, not 6, per parameter).
+    context_flops = (4 * drafter.fc.weight.numel() + 6 * kv_params) * context_tokens
     head_flops = 4 * cfg.vocab_size * cfg.hidden_size * draft_tokens
     attention_flops = 12 * cfg.num_attention_heads * cfg.head_dim * visible_pairs * cfg.num_hidden_layers
     return 6 * layer_params * draft_tokens + context_flops + head_flops + attention_flops
@@ -443,7 +445,7 @@ class Trainer:
         if not totals["steps"]:
             return
         mfu = (f", drafter MFU {100 * totals['drafter_flops'] / totals['drafter_s'] / self.peak_flops:.1f}% "
-               f"of {self.peak_flops / 1e12:.0f} TFLOP/s" if self.peak_flops else
+               f"of {self.peak_flops / 1e12:.3g} TFLOP/s" if self.peak_flops else
                " (pass --peak-tflops for MFU)")
         logger.info("steady state over %d steps: %.0f tok/s end to end, drafter step %.0f tok/s, "
                     "%.3g TFLOP/s%s", totals["steps"], totals["tokens"] / totals["step_s"],

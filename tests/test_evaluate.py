@@ -95,3 +95,10 @@ def test_drafter_tapping_other_layers_is_rejected(setup):
     drafter.config.dflash_config["target_layer_ids"] = [0, 3]
     with pytest.raises(ValueError, match=r"drafter taps target layers \[0, 3\]"):
         speculative_generate(target, drafter, prompts[0], max_new_tokens=4, eos_ids=set())
+
+
+def test_eval_command_reports_a_missing_drafter(tmp_path, caplog):
+    from dflash.cli import main
+
+    assert main(["eval", "--drafter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
+    assert "no checkpoint here" in caplog.text and "--out of dflash train" in caplog.text

@@ -183,3 +183,27 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     greedy = greedy_generate(trainer.target, torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),
                              max_new_tokens=6, eos_ids={tokenizer.eos_token_id})
     assert reply == {"role": "assistant", "content": tokenizer.decode(greedy.tokens, skip_special_tokens=True)}
+
+
+def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflash.trainer import drafter_step, drafter_step_flops, produce_target_states
+
+    trainer = Trainer(_config(assets, tmp_path, max_anchors=2))
+    batch = produce_target_states(trainer.target, next(trainer.loader))
+    with FlopCounterMode(display=False) as counter:
+        out = drafter_step(trainer.step_fn, trainer.drafter, trainer.target, batch, max_anchors=2,
+                           generator=trainer.anchor_generator, position_weight=trainer.position_weight,
+                           autocast=False, mask_token_id=3, soft_label_weight=0.0, position_weighting="decay")
+    assert bool(out.valid_blocks == 4)  # every block real, so no padding work is uncounted
+    cfg = trainer.drafter.config
+    draft_tokens = 4 * cfg.block_size
+    estimate = drafter_step_flops(trainer.drafter, draft_tokens=draft_tokens, context_tokens=2 * 48,
+                                  visible_pairs=float(out.attention_pairs))
+    # The counter also sees the checkpointed LM head recomputed in backward (2 V H per draft token),
+    # and it has no formula for CPU SDPA, so compare the matmul part (attention term excluded).
+    recompute = 2 * cfg.vocab_size * cfg.hidden_size * draft_tokens
+    matmuls = estimate - drafter_step_flops(trainer.drafter, draft_tokens=0, context_tokens=0,
+                                            visible_pairs=float(out.attention_pairs))
+    assert counter.get_total_flops() - recompute == pytest.approx(matmuls, rel=0.02)
