@@ -396,6 +396,8 @@ class Trainer:
             batch = next(self.loader)
             data_wait += time.perf_counter() - tick
             batches.append(produce_target_states(self.target, batch))
+        if self.device.type == "cuda":  # GPU work is async: sync so the target/drafter split is real
+            torch.cuda.synchronize(self.device)
         target_done = time.perf_counter()
 
         loss_sum = weight_sum = 0.0
