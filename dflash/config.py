@@ -33,7 +33,8 @@ class TrainConfig:
     num_draft_layers: int = 1
     """Decoder layers of the drafter (published drafters: 5 for 8B targets)."""
     target_layer_ids: list[int] | None = None
-    """Target decoder layers whose outputs feed the drafter (id k = output of layer k); empty = the DFlash default spread."""
+    """Target decoder layers whose outputs feed the drafter (id k = output of layer k); empty = the DFlash default
+    spread."""
     num_target_layers: int = 3
     """How many target layers to tap when --target-layer-ids is not given (published drafters: 5)."""
     mask_token_id: int | None = None
@@ -51,17 +52,20 @@ class TrainConfig:
     max_anchors: int = 32
     """Draft blocks (anchors) sampled per conversation (512 is common on GPU at seq 4k)."""
     responses: str = "auto"
-    """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached in --out), `auto` (`target` for the embedded default target and corpus, else `data`)."""
+    """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached
+    in --out), `auto` (`target` for the embedded default target and corpus, else `data`)."""
     regenerate_max_new_tokens: int = 48
     """Longest regenerated reply in tokens (with --responses target)."""
 
     # ---- loss -----------------------------------------------------------------------------
     gamma: float | None = None
-    """Decay of the position weights w_k = exp(-(k-1)/gamma); empty = the paper's value (7 for Bs=16, 5 for 10, 4 for 8)."""
+    """Decay of the position weights w_k = exp(-(k-1)/gamma); empty = the paper's value (7 for Bs=16, 5 for 10, 4
+    for 8)."""
     soft_label_weight: float = 0.0
     """Weight of the KL to the target's distribution (0 = hard labels only, 1 = soft only)."""
     loss_chunk_blocks: int = 16
-    """Draft blocks per chunk of the LM head + loss (peak logits memory = chunk * Bs * vocab floats; fewer chunks compile faster)."""
+    """Draft blocks per chunk of the LM head + loss (peak logits memory = chunk * Bs * vocab floats; fewer chunks
+    compile faster)."""
     dpace: bool = False
     """D-PACE confidence-weighted positions (arXiv 2605.18810) on top of the decay weights."""
 
@@ -87,7 +91,8 @@ class TrainConfig:
     compile: str = "auto"
     """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
     cpu_threads: int | None = None
-    """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other jobs: oversubscribed OpenMP threads run many times slower."""
+    """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other
+    jobs: oversubscribed OpenMP threads run many times slower."""
     seed: int = 0
     """Seed for weights, data order and anchor sampling."""
     save_every: int = 100
@@ -103,13 +108,16 @@ class TrainConfig:
 
     # ---- threaded multi-device layout (dflash/pipeline.py) -----------------------------------
     target_devices: str | None = None
-    """Devices of the target threads, one frozen target replica each: `cuda:0-4`, `cuda:0,cuda:2`, `cpu`, `cpu:0-1`; empty = the single-device path (--device)."""
+    """Devices of the target threads, one frozen target replica each: `cuda:0-4`, `cuda:0,cuda:2`, `cpu`,
+    `cpu:0-1`; empty = the single-device path (--device)."""
     drafter_devices: str | None = None
-    """Devices of the drafter threads, one drafter replica each, gradients averaged every optimizer step (same syntax as --target-devices)."""
+    """Devices of the drafter threads, one drafter replica each, gradients averaged every optimizer step (same
+    syntax as --target-devices)."""
     prefetch_depth: int = 2
     """Target-state batches buffered ahead per drafter thread (bounded: the target threads wait when it is full)."""
     vary_seq_len: int = 0
-    """Cycle each drafter thread through this many padded sequence lengths (staggered across threads) to force recompiles, for benchmarks and soak runs; 0 = off."""
+    """Cycle each drafter thread through this many padded sequence lengths (staggered across threads) to force
+    recompiles, for benchmarks and soak runs; 0 = off."""
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_draft_layers", "num_target_layers", "seq_len", "batch_size",

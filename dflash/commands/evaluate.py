@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     print("accepted+1 per step:")
     for length in range(1, report.block_size + 1):
         count = report.histogram.get(length, 0)
-        print(f"  {length:3d}: {count:6d} {100 * count / max(total, 1):5.1f}% {'#' * round(40 * count / max(total, 1))}")
+        share = count / max(total, 1)
+        print(f"  {length:3d}: {count:6d} {100 * share:5.1f}% {'#' * round(40 * share)}")
     print(f"speedup: {report.speedup:.2f}x (target-only {report.target_ms_per_token:.2f} ms/token, "
           f"speculative {report.speculative_ms_per_token:.2f} ms/token)")
     return 0
