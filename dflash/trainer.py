@@ -483,12 +483,10 @@ class Trainer:
         Raises:
             CheckpointError: no/corrupt checkpoint, or it was trained with a different config.
         """
-        from safetensors.torch import load_file
-
         step_dir = checkpoint.find_checkpoint(self.out)
         state = checkpoint.load_training_state(step_dir)
         _check_resume_config(state["config"], self.config, step_dir)
-        self.drafter.load_state_dict(load_file(str(step_dir / checkpoint.WEIGHTS_NAME), device=str(self.device)))
+        self.drafter.load_state_dict(checkpoint.load_drafter_files(step_dir)[1])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
