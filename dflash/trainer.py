@@ -380,8 +380,9 @@ class Trainer:
             self.writer.close()
         self._log_steady_state(totals)
         if self.compiled:
-            logger.info("compiled step: %d recompile(s), %d graph break(s), %d eager fallback frame(s) after warm-up",
-                        self.monitor.recompiles, self.monitor.graph_breaks, self.monitor.failed)
+            logger.info("compiled step: %d recompile(s) after warm-up, %d graph break(s), %d frame(s) that "
+                        "failed to compile and ran eagerly", self.monitor.recompiles, self.monitor.graph_breaks,
+                        self.monitor.failed)
         return metrics
 
     def train_step(self) -> dict[str, float]:
