@@ -203,8 +203,9 @@ def evaluate(target: Target, drafter, prompts: list[torch.Tensor], *, max_new_to
     """Run target-only greedy and speculative decoding on every prompt and compare.
 
     The first prompt is run once untimed by both methods as a warm-up. Each speculative output
-    is checked against the greedy one; a mismatch is logged as an error (it means numerics of
-    the batched verify forward differ from one-token decoding, e.g. bf16 ties).
+    is checked against the greedy one. A mismatch is an error in float32 (verification must be
+    exact there) and a warning in bf16, where the batched verify forward and one-token decoding
+    round differently and can break argmax ties.
     """
     from tqdm import tqdm
 
@@ -221,8 +222,14 @@ def evaluate(target: Target, drafter, prompts: list[torch.Tensor], *, max_new_to
         greedy_s, greedy_tokens = greedy_s + plain.seconds, greedy_tokens + len(plain.tokens)
         spec_s, spec_tokens = spec_s + spec.seconds, spec_tokens + len(spec.tokens)
         lengths += spec.accept_lengths
-    if mismatches:
-        logger.error("%d/%d speculative outputs differ from the target's greedy output", mismatches, len(prompts))
+    if mismatches and target.dtype == torch.float32:
+        logger.error("%d/%d speculative outputs differ from the target's greedy output in float32: "
+                     "a bug in verification, please report it", mismatches, len(prompts))
+    elif mismatches:
+        logger.warning("%d/%d speculative outputs differ from the target's greedy output: in %s the "
+                       "batched verify forward and one-token decoding round differently and can break "
+                       "argmax ties; rerun with float32 to check exactness", mismatches, len(prompts),
+                       target.dtype)
     target_ms, spec_ms = 1e3 * greedy_s / greedy_tokens, 1e3 * spec_s / spec_tokens
     return EvalReport(
         tau=sum(lengths) / max(len(lengths), 1), histogram=dict(Counter(lengths)),

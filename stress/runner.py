@@ -87,7 +87,19 @@ _MODULE_METHODS = {name: getattr(torch.nn.Module, name) for name in ("__call__",
 
 
 def _module_patches_left() -> list[str]:
-    return [f"torch.nn.Module.{name}" for name, method in _MODULE_METHODS.items() if getattr(torch.nn.Module, name) is not method]
+    """nn.Module methods still replaced by an FX patch in force.
+
+    With the fx-patcher-thread-isolation patch, an idle dispatcher (no thread
+    holds a patch through it; it calls the original) stays in place on purpose.
+    """
+
+    def in_force(value, method) -> bool:
+        slot = getattr(value, "_fx_slot", None)
+        idle = slot is not None and slot.holders == 0 and slot.original is method
+        return value is not method and not idle
+
+    return [f"torch.nn.Module.{name}" for name, method in _MODULE_METHODS.items()
+            if in_force(getattr(torch.nn.Module, name), method)]
 
 
 def _flags_set() -> list[str]:
@@ -115,7 +127,11 @@ def _mask_mod(spec: MaskSpec, device: torch.device):
     def sliding_window(b, h, q_idx, kv_idx):
         return (q_idx + offset >= kv_idx) & (q_idx + offset - kv_idx < window)
 
-    return (causal if spec.kind == "causal" else sliding_window), 32, 32 + offset
+    def document(b, h, q_idx, kv_idx):
+        return (q_idx + offset >= kv_idx) & ((q_idx + offset) // window == kv_idx // window)
+
+    mask_mods = {"causal": causal, "sliding_window": sliding_window, "document": document}
+    return mask_mods[spec.kind], 32, 32 + offset
 
 
 class _Setup:

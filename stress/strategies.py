@@ -45,7 +45,7 @@ MAX_DISTINCT_LENGTHS = 6
 #: The trailing dimension of every tensor argument.
 WIDTH = 4
 DTYPES = ("float32", "float64", "bfloat16")
-MASK_KINDS = ("causal", "sliding_window", "dflash_block")
+MASK_KINDS = ("causal", "sliding_window", "document", "dflash_block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,8 @@ class MaskSpec:
 
     ``causal``: query q (at absolute position ``start_offset + q``) sees kv <= its position.
     ``sliding_window``: as causal, and only the last ``window`` positions.
+    ``document``: packed documents of ``window`` positions each; causal within a document,
+    nothing across documents.
     ``dflash_block``: ``dflash.masks.dflash_mask_mod`` (arXiv 2602.06036 Sec. 3): the query
     axis holds ``len(anchors)`` draft blocks of ``block_size`` slots; block b sees context
     keys kv < anchors[b] strictly and its own block bidirectionally, nothing else. The
