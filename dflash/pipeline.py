@@ -37,10 +37,10 @@ Errors: an exception in any thread stops all threads and is re-raised in the mai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
-import json
 import logging
 import math
 import threading
@@ -695,56 +695,30 @@ class PipelineTrainer(Trainer):
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def train(self) -> dict[str, float]:
-        """Train to ``total_steps`` with the threads; returns the last logged metrics.
+    # ---- the loop (Trainer.train) runs with these hooks ------------------------------------------
 
-        Raises:
-            PipelineError: a thread failed (all threads are stopped first).
-        """
-        from tqdm import tqdm
+    @property
+    def is_main(self) -> bool:
+        return self.process.is_main
 
-        cfg, main = self.config, self.process.is_main
-        if main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and main), desc="train")
-        metrics: dict[str, float] = {}
-        totals = dict.fromkeys(("steps", "tokens", "step_s", "drafter_s", "drafter_flops"), 0.0)
+    @contextlib.contextmanager
+    def _running(self):
+        """Threads run for the loop; a failed thread stops all of them and raises ``PipelineError``."""
         self._start_threads()
         try:
             with self._warnings:
-                while self.step < self.total_steps:
-                    self.step += 1
-                    warm = self._warmed_up
-                    metrics = self.train_step()
-                    if warm:
-                        totals["steps"] += 1
-                        for key in ("tokens", "step_s", "drafter_s", "drafter_flops"):
-                            totals[key] += metrics[key]
-                    bar.update(1)
-                    if self.step % cfg.log_every == 0 or self.step in (1, self.total_steps):
-                        stats = self._interval_stats()
-                        bar.set_postfix(self._postfix(metrics, stats))
-                        if main:
-                            self._log(metrics)
-                            self._log_threads(stats)
-                    if cfg.save_every and self.step % cfg.save_every == 0:
-                        self.save_checkpoint()
-                if not cfg.save_every or self.step % cfg.save_every:
-                    self.save_checkpoint()
+                yield
         finally:
             self._stop_threads()
-            bar.close()
-            if self.writer is not None:
-                self.writer.close()
-            if main:  # also after a failure or Ctrl-C: a soak run ends that way
-                self._log_compile_summary()
-        if main:
-            self._log_steady_state(totals)
-        return metrics
+
+    def _report(self, bar, metrics: dict[str, float]) -> None:
+        if not self._log_due():
+            return
+        stats = self._interval_stats()
+        bar.set_postfix(self._postfix(metrics, stats))
+        if self.is_main:
+            self._log(metrics)
+            self._log_threads(stats)
 
     def _start_threads(self) -> None:
         cfg = self.config

@@ -22,6 +22,7 @@ to prevent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -346,44 +347,69 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
 
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes logs and checkpoints (always, on one device)."""
+        return True
+
     def train(self) -> dict[str, float]:
         """Train to ``total_steps``; returns the last logged metrics."""
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "train_config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.config.progress, desc="train")
+        cfg = self.config
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main),
+                   desc="train")
         metrics: dict[str, float] = {}
         totals = dict.fromkeys(("steps", "tokens", "step_s", "drafter_s", "drafter_flops"), 0.0)
         try:
-            while self.step < self.total_steps:
-                self.step += 1
-                warm = self._warmed_up
-                metrics = self.train_step()
-                if warm:
-                    totals["steps"] += 1
-                    for key in ("tokens", "step_s", "drafter_s", "drafter_flops"):
-                        totals[key] += metrics[key]
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau_hat=f"{metrics['tau_hat']:.2f}",
-                                tok_s=f"{metrics['tokens_per_s']:.0f}")
-                if self.step % self.config.log_every == 0 or self.step in (1, self.total_steps):
-                    self._log(metrics)
-                if self.config.save_every and self.step % self.config.save_every == 0:
+            with self._running():
+                while self.step < self.total_steps:
+                    self.step += 1
+                    warm = self._warmed_up
+                    metrics = self.train_step()
+                    if warm:
+                        totals["steps"] += 1
+                        for key in ("tokens", "step_s", "drafter_s", "drafter_flops"):
+                            totals[key] += metrics[key]
+                    bar.update(1)
+                    self._report(bar, metrics)
+                    if cfg.save_every and self.step % cfg.save_every == 0:
+                        self.save_checkpoint()
+                if not cfg.save_every or self.step % cfg.save_every:
                     self.save_checkpoint()
-            if not self.config.save_every or self.step % self.config.save_every:
-                self.save_checkpoint()
         finally:
             bar.close()
-            self.writer.close()
-        self._log_steady_state(totals)
+            if self.writer is not None:
+                self.writer.close()
+            if self.is_main:  # also after a failure or Ctrl-C: a soak run ends that way
+                self._log_compile_summary()
+        if self.is_main:
+            self._log_steady_state(totals)
+        return metrics
+
+    def _running(self):
+        """Context for the loop (the threaded trainer starts and stops its threads here)."""
+        return contextlib.nullcontext()
+
+    def _log_due(self) -> bool:
+        return self.step % self.config.log_every == 0 or self.step in (1, self.total_steps)
+
+    def _report(self, bar, metrics: dict[str, float]) -> None:
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau_hat=f"{metrics['tau_hat']:.2f}",
+                        tok_s=f"{metrics['tokens_per_s']:.0f}")
+        if self._log_due():
+            self._log(metrics)
+
+    def _log_compile_summary(self) -> None:
         if self.compiled:
             logger.info("compiled step: %d recompile(s) after warm-up, %d graph break(s), %d frame(s) that "
                         "failed to compile and ran eagerly", self.monitor.recompiles, self.monitor.graph_breaks,
                         self.monitor.failed)
-        return metrics
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""

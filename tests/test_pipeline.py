@@ -16,7 +16,7 @@ from dflash.config import TrainConfig
 from dflash.devices import DeviceSpecError, parse_devices, parse_layout
 from dflash.pipeline import Inbox, PipelineError, PipelineTrainer, seq_len_schedule
 from dflash.trainer import Trainer
-from tiny import make_target, write_chat_data
+from tiny import RecordingTrainer, make_target, write_chat_data
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +40,8 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(sa[name], sb[name]), name
 
 
-class _Recording(PipelineTrainer):
-    """Records each step's loss; `crash_after` raises (like a kill) once that many steps ran."""
-
-    crash_after = None
-
-    def train_step(self):
-        if self.crash_after is not None and self.step > self.crash_after:
-            raise KeyboardInterrupt("simulated kill")
-        metrics = super().train_step()
-        self.losses = getattr(self, "losses", []) + [metrics["loss"]]
-        return metrics
+class _Recording(RecordingTrainer, PipelineTrainer):
+    pass
 
 
 def test_two_drafter_threads_equal_the_single_device_trainer_bitwise(assets, tmp_path):

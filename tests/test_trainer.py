@@ -12,7 +12,7 @@ from dflash.checkpoint import CheckpointError, find_checkpoint
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.trainer import CompileMonitor, Trainer
-from tiny import make_target, write_chat_data
+from tiny import RecordingTrainer, make_target, write_chat_data
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +30,8 @@ def _config(assets, out, **overrides):
     return TrainConfig(**values)
 
 
-class _Recording(Trainer):
-    """Records each step's loss; `crash_after` raises (like a kill) once that many steps ran."""
-
-    crash_after = None
-
-    def train_step(self):
-        if self.crash_after is not None and self.step > self.crash_after:
-            raise KeyboardInterrupt("simulated kill")
-        metrics = super().train_step()
-        self.losses = getattr(self, "losses", []) + [metrics["loss"]]
-        return metrics
+class _Recording(RecordingTrainer, Trainer):
+    pass
 
 
 def test_resume_continues_exactly(assets, tmp_path):

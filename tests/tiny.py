@@ -97,3 +97,17 @@ def write_jsonl(path: Path, records) -> Path:
 def write_chat_data(path: Path, repeat: int = 4) -> Path:
     """The tiny conversations in OpenAI ``messages`` format, ``repeat`` times."""
     return write_jsonl(path, [{"messages": c} for c in CONVERSATIONS * repeat])
+
+
+class RecordingTrainer:
+    """Mixin for a trainer class: records each step's loss in ``losses``; ``crash_after`` raises
+    (like a kill) once that many steps ran."""
+
+    crash_after = None
+
+    def train_step(self):
+        if self.crash_after is not None and self.step > self.crash_after:
+            raise KeyboardInterrupt("simulated kill")
+        metrics = super().train_step()
+        self.losses = getattr(self, "losses", []) + [metrics["loss"]]
+        return metrics

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, FAILED, PENDING, WHEEL_MARKER, make_plan, torch_release
+from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, FAILED, PENDING, WHEEL_MARKER, make_plan
 
 log = logging.getLogger(__name__)
 
