@@ -86,14 +86,13 @@ def _is_static(gm: torch.fx.GraphModule) -> bool:
 _MODULE_METHODS = {name: getattr(torch.nn.Module, name) for name in ("__call__", "__getattr__")}
 
 
-_ONE_EXPORT_AT_A_TIME = threading.Lock()
 
 
 def _describe(exc: BaseException) -> str:
     """One line: the exception and, for wrapped ones (BackendCompilerFailed), its root cause."""
     root = exc
-    while root.__cause__ is not None:
-        root = root.__cause__
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
     line = f"{type(exc).__name__}: {exc}".splitlines()[0]
     if root is not exc:
         line += f" <- {type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}"
@@ -224,15 +223,6 @@ def _step(setup: _Setup, action: str, length: int, thread_index: int) -> str | N
 
         gm = make_fx(sin_plus_one)(x)
         return None if setup.close(gm(x), expected) else "make_fx graph computes a different value"
-    if action == "export":
-        # One export at a time: torch/export/_trace.py keeps _EXPORT_FLAGS and
-        # _EXPORT_MODULE_HIERARCHY in module globals that two concurrent exports reset
-        # under each other ("_EXPORT_MODULE_HIERARCHY must not be None"). That race is
-        # outside the patch series (see README, "Known gaps"); exports still race with
-        # every other action here (class C).
-        with _ONE_EXPORT_AT_A_TIME:
-            program = torch.export.export(_Exported(), (x,))
-        return None if setup.close(program.module()(x), expected) else "exported program computes a different value"
     if action == "eager_module":
         with torch.no_grad():
             out = setup.eager_module(x)
@@ -274,11 +264,6 @@ def _step(setup: _Setup, action: str, length: int, thread_index: int) -> str | N
             out = flex_attention(setup.q, setup.k, setup.v, block_mask=setup.block_mask)
         return None if setup.close(out, setup.flex_reference) else "eager flex_attention output differs"
     raise ValueError(f"unknown action {action!r}; see stress.strategies.ACTIONS")
-
-
-class _Exported(torch.nn.Module):
-    def forward(self, x):
-        return sin_plus_one(x)
 
 
 def run_schedule(schedule: Schedule, device: torch.device | str = "cpu") -> list[str]:

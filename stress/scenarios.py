@@ -18,7 +18,7 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     "threads": Scenario(
-        "2-8 threads mixing first compiles, recompiles, warm calls, symbolic_trace, make_fx, export, "
+        "2-8 threads mixing first compiles, recompiles, warm calls, symbolic_trace, make_fx, "
         "eager modules, is_compiling polls, config patches and graph-break regions",
         ("A", "B", "C", "D", "E", "G"),
         schedules(st.sampled_from(GENERIC_ACTIONS)),

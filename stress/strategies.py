@@ -1,4 +1,9 @@
-"""Hypothesis strategies for multi-threaded torch.compile / FX / export schedules.
+"""Hypothesis strategies for multi-threaded torch.compile / FX schedules.
+
+torch.export is not among the actions: beyond the session flags the series makes
+per-thread (class C, checked by ``dflash.patching.races``), export keeps process-global
+state the series does not patch (the pre-dispatch mode stack, ``_EXPORT_FLAGS`` and
+``_EXPORT_MODULE_HIERARCHY`` in torch/export/_trace.py); see README, "Known gaps".
 
 Every value drawn here is plain data (strings, ints, tuples in frozen dataclasses),
 so the minimal failing schedule hypothesis prints can be pasted back as a regression
@@ -24,7 +29,6 @@ ACTIONS = (
     "warm_call",  # call a function compiled (for this shape) before the threads started
     "symbolic_trace",  # torch.fx.symbolic_trace of a small module
     "make_fx",  # torch.fx.experimental.proxy_tensor.make_fx of a function
-    "export",  # torch.export.export of a small module, then run the exported program
     "eager_module",  # call an eager nn.Module
     "poll_is_compiling",  # poll is_compiling()/is_exporting()/the FX flag in eager code
     "config_patch",  # torch._dynamo.config.patch(...) and read it back inside
