@@ -6,7 +6,7 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import BUG_CLASSES, applies_to, run_checks_subprocess
+from dflash.patching.races import BUG_CLASSES, applies_to, reproduce_on_plain_torch, run_checks_subprocess
 
 SECONDS = 0.5
 TORCH_VERSION = version("torch")
@@ -19,8 +19,11 @@ def results():
 
 @pytest.mark.parametrize("bug_class", list(BUG_CLASSES))
 def test_bug_class(bug_class, results, table_row):
-    plain, patched = results[(bug_class, False)], results[(bug_class, True)]
+    patched = results[(bug_class, True)]
     present = applies_to(bug_class, TORCH_VERSION)
+    plain = results[(bug_class, False)]
+    if present is True:
+        plain = reproduce_on_plain_torch(bug_class, plain, seconds=SECONDS)
     plain_cell = f"{plain.failures} / {plain.calls}"
     if present is not True:
         plain_cell += f" (not present: {present[:60]})"

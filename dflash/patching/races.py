@@ -530,6 +530,21 @@ def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> Ch
     return CheckResult(**fields)
 
 
+def reproduce_on_plain_torch(bug_class: str, first: CheckResult, *, seconds: float, attempts: int = 3) -> CheckResult:
+    """``first`` (a plain-torch result) if it shows failures, else reruns on plain torch with twice
+    the time each attempt until the race shows, ``attempts`` times at most.
+
+    Races are probabilistic and a loaded machine (CI) runs fewer interleavings per second; a
+    result with no failure after every attempt is returned as is, for the caller to fail on.
+    """
+    result = first
+    for attempt in range(attempts):
+        if result.failures:
+            break
+        result = run_check_subprocess(bug_class, patched=False, seconds=seconds * 2 ** (attempt + 1))
+    return result
+
+
 def run_checks_subprocess(
     runs: Iterable[tuple[str, bool]], *, seconds: float, jobs: int | None = None
 ) -> dict[tuple[str, bool], CheckResult]:
