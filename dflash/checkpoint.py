@@ -154,6 +154,8 @@ def save_checkpoint(out_dir: str | Path, step: int, *, weights: dict[str, torch.
     (tmp / CONFIG_NAME).write_text(json.dumps(drafter_config, indent=2, sort_keys=True) + "\n")
     save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_NAME),
               metadata={"format": "pt"})
+    # safetensors writes 0600; serving engines often run as another user.
+    os.chmod(tmp / WEIGHTS_NAME, 0o644)
     names = [CONFIG_NAME, WEIGHTS_NAME]
     if training_state is not None:
         torch.save(training_state, tmp / STATE_NAME)
@@ -201,8 +203,13 @@ def find_checkpoint(path: str | Path) -> Path:
         latest = (path / LATEST_NAME).read_text().strip()
         step_dir = path / latest
         if not step_dir.is_dir():
-            raise CheckpointError(f"{path / LATEST_NAME} names {latest}, which does not exist; point "
-                                  f"--resume/--drafter at an existing step directory in {path}")
+            # E.g. the user deleted a corrupt newest step, as the verify error tells them to.
+            steps = sorted(p for p in path.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            if not steps:
+                raise CheckpointError(f"{path / LATEST_NAME} names {latest}, which does not exist, and no other "
+                                      f"step directory is left in {path}")
+            logger.warning("%s names %s, which does not exist; using %s", path / LATEST_NAME, latest, steps[-1].name)
+            step_dir = steps[-1]
         path = step_dir
     if not (path / CONFIG_NAME).is_file():
         raise CheckpointError(f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "

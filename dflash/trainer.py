@@ -256,6 +256,7 @@ class Trainer:
 
         self.config = config
         self.out = Path(config.out)
+        _refuse_to_overwrite(self.out, config.resume)
         self.device = resolve_device(config.device)
         self.compiled = config.compile == "on" or (config.compile == "auto" and self.device.type == "cuda")
         if config.cpu_threads is not None:
@@ -523,8 +524,20 @@ class Trainer:
         logger.info("resumed from %s at step %d (epoch %d)", step_dir, self.step, self.loader.epoch)
 
 
+def _refuse_to_overwrite(out: Path, resume: bool) -> None:
+    """A new run must not prune, or point ``latest`` away from, another run's checkpoints.
+
+    Raises:
+        ValueError: ``out`` already holds checkpoints and ``resume`` is off.
+    """
+    steps = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    if steps and not resume:
+        raise ValueError(f"{out} already holds a training run (up to {steps[-1].name}); pass --resume to continue "
+                         "it, or choose another --out (nothing was changed)")
+
+
 # Fields that may change between a run and its resumption without changing the math.
-_RESUMABLE_CHANGES = {"resume", "steps", "epochs", "progress", "log_every", "save_every", "keep_last",
+_RESUMABLE_CHANGES = {"out", "resume", "steps", "epochs", "progress", "log_every", "save_every", "keep_last",
                       "device", "compile", "cpu_threads", "peak_tflops", "target_devices", "prefetch_depth"}
 
 

@@ -2,6 +2,7 @@
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -72,7 +73,11 @@ def test_truncated_or_corrupt_files_are_named_with_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match=r"no checkpoint here"):
         find_checkpoint(tmp_path / "elsewhere")
     (tmp_path / "checkpoints" / "latest").write_text("step_00000099\n")
-    with pytest.raises(CheckpointError, match=r"names step_00000099, which does not exist"):
+    # `latest` naming a deleted step falls back to the newest step left (here the broken one).
+    with pytest.raises(CheckpointError, match=r"manifest\.json: missing or unreadable"):
+        find_checkpoint(tmp_path)
+    shutil.rmtree(step_dir)
+    with pytest.raises(CheckpointError, match=r"names step_00000099, which does not exist, and no other step"):
         find_checkpoint(tmp_path)
 
 
@@ -94,3 +99,13 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
     assert torch.equal(torch.rand(3), expected[1])
     assert (np.random.rand(3) == expected[2]).all()
     assert json.loads((step_dir / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
+def test_deleting_a_corrupt_newest_step_resumes_from_the_one_before(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, weights={"fc.weight": torch.full((2,), float(step))},
+                        drafter_config={"architectures": ["DFlashDraftModel"]}, training_state={"step": step})
+    newest = tmp_path / "checkpoints" / "step_00000002"
+    assert (newest / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by a serving user
+    shutil.rmtree(newest)
+    assert find_checkpoint(tmp_path).name == "step_00000001"

@@ -198,3 +198,21 @@ def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
     matmuls = estimate - drafter_step_flops(trainer.drafter, draft_tokens=0, context_tokens=0,
                                             visible_pairs=float(out.attention_pairs))
     assert counter.get_total_flops() - recompute == pytest.approx(matmuls, rel=0.02)
+
+
+def test_a_new_run_never_overwrites_an_existing_one(tmp_path):
+    from dflash.trainer import _refuse_to_overwrite
+
+    _refuse_to_overwrite(tmp_path, resume=False)  # empty --out: fine
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds a training run .*step_00000004.*--resume"):
+        _refuse_to_overwrite(tmp_path, resume=False)
+    _refuse_to_overwrite(tmp_path, resume=True)
+
+
+def test_resume_takes_unrepeated_flags_from_the_saved_run(tmp_path):
+    from dflash.commands.train import _saved_config
+
+    (tmp_path / "train_config.json").write_text(json.dumps({"out": "/elsewhere", "steps": 80, "resume": False}))
+    assert _saved_config(str(tmp_path)) == {"steps": 80}
+    assert _saved_config(str(tmp_path / "missing")) == {}

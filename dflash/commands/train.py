@@ -42,6 +42,18 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
                         help=f"{help_text} (default: {'empty' if default is None else default})")
 
 
+def _saved_config(out: str) -> dict:
+    """The flags of the run in ``out`` (its train_config.json), less where it lives; {} if none."""
+    import json
+    from pathlib import Path
+
+    path = Path(out) / "train_config.json"
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    return {k: v for k, v in saved.items() if k not in ("out", "resume")}
+
+
 def register(subparsers) -> None:
     from dflash.config import TrainConfig, field_docs
 
@@ -63,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "epochs" in values and "steps" not in values:
         values["steps"] = None  # --epochs alone means "train by epochs"
+    if values.get("resume"):
+        # Flags not given again come from the run being resumed, not from the defaults.
+        values = {**_saved_config(values.get("out", TrainConfig.out)), **values}
     try:
         config = TrainConfig(**values)
         if config.drafter_devices is not None:  # threaded multi-device layout, torchrun-aware
@@ -82,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
+    if not metrics:
+        print(f"nothing to train: {trainer.out} is already at step {trainer.step} of {trainer.total_steps} "
+              "(pass a larger --steps to continue)")
+        return 0
     print(f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}; "
           f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter {trainer.out})")
     return 0
