@@ -6,15 +6,16 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import BUG_CLASSES, applies_to, reproduce_on_plain_torch, run_checks_subprocess
+from dflash.patching.races import BUG_CLASSES, all_checks_subprocess, applies_to, reproduce_on_plain_torch
 
+# The same duration as tests/test_bug_classes.py, so one pytest session runs the checks once.
 SECONDS = 0.5
 TORCH_VERSION = version("torch")
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_checks_subprocess([(c, p) for c in BUG_CLASSES for p in (False, True)], seconds=SECONDS)
+    return all_checks_subprocess(seconds=SECONDS)
 
 
 @pytest.mark.parametrize("bug_class", list(BUG_CLASSES))

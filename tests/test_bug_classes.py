@@ -10,21 +10,16 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import BUG_CLASSES, applies_to, reproduce_on_plain_torch, run_checks_subprocess
+from dflash.patching.races import BUG_CLASSES, all_checks_subprocess, applies_to, reproduce_on_plain_torch
 
 # Long enough that every class present fails hundreds of times on plain torch 2.13 (2 cores).
 SECONDS = 0.5
 TORCH_VERSION = version("torch")
 
 
-def _plain_runs():
-    return [(bug_class, False) for bug_class in BUG_CLASSES if applies_to(bug_class, TORCH_VERSION) is True]
-
-
 @pytest.fixture(scope="module")
 def results():
-    runs = _plain_runs() + [(bug_class, True) for bug_class in BUG_CLASSES]
-    return run_checks_subprocess(runs, seconds=SECONDS)
+    return all_checks_subprocess(seconds=SECONDS)
 
 
 @pytest.mark.parametrize("bug_class", list(BUG_CLASSES))

@@ -67,8 +67,15 @@ class PatchedSourceLoader(importlib.machinery.SourceFileLoader):
         super().__init__(fullname, path)
         self._finder = finder
         self._failure: str | None = None
+        self._loaded = None
 
     def _load_patched(self, fullname: str):
+        """(patched source, code), or None if a patch does not fit; computed once per loader."""
+        if self._loaded is None and self._failure is None:
+            self._loaded = self._patch_or_fetch(fullname)
+        return self._loaded
+
+    def _patch_or_fetch(self, fullname: str):
         from pathlib import Path
 
         from dflash.patching import cache

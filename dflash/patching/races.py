@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -528,6 +529,13 @@ def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> Ch
         )
     fields = json.loads(lines[-1])
     return CheckResult(**fields)
+
+
+@functools.cache
+def all_checks_subprocess(*, seconds: float) -> dict[tuple[str, bool], CheckResult]:
+    """Every class, plain and patched (``run_checks_subprocess``), once per process: the
+    regression tests and the stress suite's table share one run when pytest collects both."""
+    return run_checks_subprocess([(c, p) for c in BUG_CLASSES for p in (False, True)], seconds=seconds)
 
 
 def reproduce_on_plain_torch(bug_class: str, first: CheckResult, *, seconds: float, attempts: int = 3) -> CheckResult:
