@@ -149,10 +149,6 @@ class _Worker(threading.Thread):
             self.seconds[current] += now - since
         self._current = (phase, now)
 
-    @property
-    def busy_s(self) -> float:
-        return self.counters()["busy_s"]
-
     def counters(self) -> dict[str, float]:
         """Seconds per phase including the running one (so interval deltas are exact), tokens, jobs."""
         current, since = self._current

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         # Flags not given again come from the run being resumed, not from the defaults.
         values = {**_saved_config(values.get("out", TrainConfig.out)), **values}
     try:
-        config = TrainConfig(**values)
+        config = TrainConfig.from_dict(values)
         if config.drafter_devices is not None:  # threaded multi-device layout, torchrun-aware
             from dflash.pipeline import PipelineTrainer
 
