@@ -185,8 +185,8 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
         one_step(i, replica, item)  # first compile, before the clock
         _sync([device])
         start_barrier.wait()
-        for window in ("warm", "hot"):
-            deadline = time.perf_counter() + args.seconds
+        for window, seconds in (("warm", args.warm_seconds), ("hot", args.seconds)):
+            deadline = time.perf_counter() + seconds
             begin, tokens, n = time.perf_counter(), 0, 0
             while time.perf_counter() < deadline:
                 if window == "hot" and i == last:  # a new shape each step: recompiles
@@ -221,13 +221,15 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
 
 
 def _child(args, plain: bool) -> dict:
+    seconds = args.plain_seconds if plain else args.seconds
     import tempfile
 
     # A fresh inductor cache per run: the second run must compile as much as the first.
     cache = tempfile.mkdtemp(prefix="dflash-inductor-")
     env = {**os.environ, "DFLASH_PATCHES": "0" if plain else "1", "TORCHINDUCTOR_CACHE_DIR": cache}
     cmd = [sys.executable, __file__, "--phase", "recompile-child", "--json", "--device", args.device, "--size", args.size,
-           "--threads", str(args.threads), "--seconds", str(args.seconds), "--backend", args.backend,
+           "--threads", str(args.threads), "--seconds", str(seconds), "--warm-seconds", str(args.warm_seconds),
+           "--backend", args.backend,
            "--layers", str(args.layers), "--seq", str(args.seq)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     for line in reversed(done.stdout.splitlines()):
@@ -247,7 +249,10 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     p.add_argument("--steps", type=int, default=10, help="timed lockstep steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed lockstep steps (compile)")
-    p.add_argument("--seconds", type=float, default=10.0, help="length of each free-running window")
+    p.add_argument("--seconds", type=float, default=10.0, help="length of the recompiling window (patched run)")
+    p.add_argument("--warm-seconds", type=float, default=None, help="length of the warm window (default: --seconds)")
+    p.add_argument("--plain-seconds", type=float, default=None,
+                   help="length of the plain-torch run's recompiling window (default: --seconds)")
     p.add_argument("--backend", default=None, help="dynamo backend (default: inductor on cuda, aot_eager on cpu)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: detect; H100/H200 989)")
     p.add_argument("--phase", choices=("all", "scaling", "recompile", "recompile-child"), default="all",
@@ -257,6 +262,8 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print the phase's result as one JSON line")
     args = p.parse_args()
     args.backend = args.backend or ("inductor" if args.device == "cuda" else "aot_eager")
+    args.warm_seconds = args.seconds if args.warm_seconds is None else args.warm_seconds
+    args.plain_seconds = args.seconds if args.plain_seconds is None else args.plain_seconds
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no visible GPU; use --device cpu")
     args.threads = args.threads or (torch.cuda.device_count() if args.device == "cuda" else 2)
@@ -286,8 +293,9 @@ def main() -> int:
         result.update(solo=solo, multi=multi, scaling=scaling)
     if args.phase in ("all", "recompile"):
         runs = [_child(args, plain=False)] + ([] if args.no_plain else [_child(args, plain=True)])
-        print(f"recompile phase ({args.seconds:.0f} s warm + {args.seconds:.0f} s with thread {args.threads - 1} "
-              "recompiling every step):")
+        plain = "" if args.no_plain or args.plain_seconds == args.seconds else f" (plain: {args.plain_seconds:.0f} s)"
+        print(f"recompile phase ({args.warm_seconds:.0f} s warm + {args.seconds:.0f} s{plain} with thread "
+              f"{args.threads - 1} recompiling every step):")
         print(f"  {'torch':<10}{'errors':>8}{'eager':>8}{'recompiles':>12}{'steady tok/s':>14}{'vs warm':>9}  first error")
         for run in runs:
             fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

@@ -9,9 +9,11 @@ Prints four ratios (goals from the patch-engine issue):
 - ``import torch`` time, patched / plain                             (goal <= 1.03)
 
 Plain and patched runs alternate (``--rounds`` each) and medians are compared, so
-drift in machine load hits both sides alike.
+drift in machine load hits both sides alike. The call-loop runs are pinned to one
+CPU (the last this process may use; ``--no-pin`` turns that off): cores of a VM
+differ in speed by up to 10%, which otherwise lands on one side at random.
 
-    python benchmarks/patch_overhead.py [--rounds 5] [--seconds 1] [--backend eager] [--json out.json]
+    python benchmarks/patch_overhead.py [--rounds 5] [--seconds 1] [--backend eager] [--no-pin] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ print(sum(counts) / seconds)
 IMPORT_CHILD = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
 
 
-def _run(code: str, args: list[str], patched: bool) -> float:
+def _run(code: str, args: list[str], patched: bool, cpu: int | None = None) -> float:
     env = {**os.environ, "DFLASH_PATCHES": "1" if patched else "0"}
-    out = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, capture_output=True, text=True)
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, capture_output=True, text=True,
+                         preexec_fn=pin)
     return float(out.stdout.split()[-1])
 
 
@@ -91,14 +95,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating plain/patched runs per measure")
     parser.add_argument("--seconds", type=float, default=1.0, help="call-loop duration per run")
     parser.add_argument("--backend", default="eager", help="torch.compile backend of the small function")
+    parser.add_argument("--no-pin", action="store_true", help="let the call-loop runs float across CPUs")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    cpu = None if args.no_pin else max(os.sched_getaffinity(0))
 
     _run(IMPORT_CHILD, [], True)  # fill the patch cache once, as any earlier run would have
     results = {}
     for threads in (1, 4):
         plain, patched = _alternate(
-            args.rounds, lambda p: _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend], p)
+            args.rounds, lambda p: _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend], p, cpu)
         )
         results[f"calls_per_s_{threads}_threads"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
     plain, patched = _alternate(args.rounds * 2, _startup_seconds)
@@ -109,7 +115,8 @@ def main() -> int:
 
     import torch
 
-    print(f"torch {torch.__version__}, backend={args.backend}, {args.rounds} alternating rounds, medians")
+    pinned = "unpinned" if cpu is None else f"call loops pinned to CPU {cpu}"
+    print(f"torch {torch.__version__}, backend={args.backend}, {args.rounds} alternating rounds, medians, {pinned}")
     for threads in (1, 4):
         r = results[f"calls_per_s_{threads}_threads"]
         print(f"compiled calls/s, {threads} thread(s): plain {r['plain']:,.0f}  patched {r['patched']:,.0f}  "

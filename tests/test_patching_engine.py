@@ -115,7 +115,7 @@ def _python(code: str, *, env=None, flags=()):
 def test_installed_hook_patches_torch_in_a_fresh_interpreter():
     code = textwrap.dedent("""\
         import inspect, json, torch, torch.fx._symbolic_trace as st
-        print(json.dumps([type(st).__name__, "_is_fx_tracing_tls" in inspect.getsource(st)]))
+        print(json.dumps([type(st).__name__, "class _FxTracingFlagModule" in inspect.getsource(st)]))
         """)
     patched = _python(code)
     assert patched.returncode == 0, patched.stderr
