@@ -27,6 +27,7 @@ compiles with ``aot_eager`` (still traces with make_fx, the race window), quick 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -258,6 +259,8 @@ def main() -> int:
     p.add_argument("--phase", choices=("all", "scaling", "recompile", "recompile-child"), default="all",
                    help="recompile = only the patched vs plain comparison; recompile-child = one such run here")
     p.add_argument("--no-plain", action="store_true", help="skip the DFLASH_PATCHES=0 run")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run the patched and plain interpreters at the same time (their speeds are then not comparable)")
     p.add_argument("--child-timeout", type=float, default=540.0)
     p.add_argument("--json", action="store_true", help="print the phase's result as one JSON line")
     args = p.parse_args()
@@ -292,7 +295,12 @@ def main() -> int:
         print(f"scaling: W={args.threads} per-device / solo = {scaling:.3f} (goal >= 0.95)")
         result.update(solo=solo, multi=multi, scaling=scaling)
     if args.phase in ("all", "recompile"):
-        runs = [_child(args, plain=False)] + ([] if args.no_plain else [_child(args, plain=True)])
+        modes = [False] + ([] if args.no_plain else [True])
+        if args.concurrent:  # both interpreters at once, sharing the devices: errors count, speeds do not
+            with concurrent.futures.ThreadPoolExecutor(len(modes)) as pool:
+                runs = list(pool.map(lambda plain: _child(args, plain), modes))
+        else:
+            runs = [_child(args, plain) for plain in modes]
         plain = "" if args.no_plain or args.plain_seconds == args.seconds else f" (plain: {args.plain_seconds:.0f} s)"
         print(f"recompile phase ({args.warm_seconds:.0f} s warm + {args.seconds:.0f} s{plain} with thread "
               f"{args.threads - 1} recompiling every step):")
