@@ -89,14 +89,23 @@ _MODULE_METHODS = {name: getattr(torch.nn.Module, name) for name in ("__call__",
 
 
 def _describe(exc: BaseException) -> str:
-    """One line: the exception and, for wrapped ones (BackendCompilerFailed), its root cause."""
+    """One line: the exception and, for wrapped ones (BackendCompilerFailed), its root cause.
+
+    Messages spanning lines (a subprocess's traceback inside an InductorError) give their
+    first and last lines: the last one names what failed over there.
+    """
     root = exc
     while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
         root = inner
-    line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    line = _ends(f"{type(exc).__name__}: {exc}")
     if root is not exc:
-        line += f" <- {type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}"
-    return line[:400]
+        line += f" <- {_ends(f'{type(root).__name__}: {root}')}"
+    return line[:600]
+
+
+def _ends(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ... ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else (lines or [""])[0]
 
 
 def _module_patches_left() -> list[str]:
@@ -275,7 +284,7 @@ def run_schedule(schedule: Schedule, device: torch.device | str = "cpu") -> list
         try:
             setup = _Setup(schedule, device)
         except Exception as exc:  # e.g. a flag an earlier schedule leaked makes the warm-up compile raise
-            return [f"main thread, before the race: {type(exc).__name__}: {exc}".splitlines()[0][:300]]
+            return [f"main thread, before the race: {_describe(exc)}"]
         barrier = threading.Barrier(len(schedule.threads), timeout=_BARRIER_TIMEOUT_S)
 
         def report(thread_index: int, what: str) -> None:
