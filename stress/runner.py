@@ -275,6 +275,18 @@ def _step(setup: _Setup, action: str, length: int, thread_index: int) -> str | N
     raise ValueError(f"unknown action {action!r}; see stress.strategies.ACTIONS")
 
 
+def unsupported(schedule: Schedule, device: torch.device | str) -> str | None:
+    """Why ``schedule`` cannot run on ``device`` whatever the threads do, or None.
+
+    Inductor's flex_attention Triton kernels do not compile for float64 (a triton
+    CompilationError in forward_inner, on plain torch too: H200, torch 2.11).
+    """
+    flex = any(step.action == "flex_attention" for thread in schedule.threads for step in thread)
+    if flex and schedule.dtype == "float64" and torch.device(device).type == "cuda":
+        return "inductor's flex_attention kernels have no float64 on CUDA"
+    return None
+
+
 def run_schedule(schedule: Schedule, device: torch.device | str = "cpu") -> list[str]:
     """Run ``schedule`` on ``device``; returns one line per failure (empty: all properties held)."""
     device = torch.device(device)

@@ -14,11 +14,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from hypothesis import example, given
+from hypothesis import assume, example, given
 
 from dflash.patching.races import applies_to
 
-from .runner import run_schedule
+from .runner import run_schedule, unsupported
 from .scenarios import SCENARIOS
 from .strategies import MaskSpec, Schedule, Step  # noqa: F401  (names used by pasted regressions)
 
@@ -31,6 +31,7 @@ _ROOT = Path(__file__).parent.parent
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_schedules_hold(scenario, device, stress_run):
     def holds(schedule: Schedule) -> None:
+        assume(unsupported(schedule, device) is None)
         failures = run_schedule(schedule, device)
         assert not failures, "\n".join(failures)
 
@@ -66,3 +67,15 @@ def test_scenario_teeth(scenario, table_row):
     if not present:
         pytest.skip(f"none of {targets} is present in torch {TORCH_VERSION}: nothing to reproduce on plain torch")
     assert plain["failing"] > 0, f"plain torch {TORCH_VERSION} passed all {plain['examples']} schedules: no teeth"
+
+
+@pytest.mark.parametrize("dtype,device,action,skipped", [
+    ("float64", "cuda", "flex_attention", True),
+    ("float32", "cuda", "flex_attention", False),
+    ("float64", "cpu", "flex_attention", False),
+    ("float64", "cuda", "warm_call", False),
+])
+def test_only_cuda_float64_flex_is_unsupported(dtype, device, action, skipped):
+    mask = MaskSpec(kind="causal", block_size=2, start_offset=0, window=1, context_len=32, anchors=(1,))
+    schedule = Schedule(threads=((Step(action, 1),), (Step(action, 1),)), dtype=dtype, dynamic=None, mask=mask)
+    assert (unsupported(schedule, device) is not None) is skipped
