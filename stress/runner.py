@@ -279,9 +279,11 @@ def unsupported(schedule: Schedule, device: torch.device | str) -> str | None:
     """Why ``schedule`` cannot run on ``device`` whatever the threads do, or None.
 
     Inductor's flex_attention Triton kernels do not compile for float64 (a triton
-    CompilationError in forward_inner, on plain torch too: H200, torch 2.11).
+    CompilationError in forward_inner, on plain torch too: H200, torch 2.11), and
+    any schedule with a flex action compiles flex_attention in its setup.
     """
-    flex = any(step.action == "flex_attention" for thread in schedule.threads for step in thread)
+    # Any flex action: the setup compiles flex_attention once before the race.
+    flex = any("flex" in step.action for thread in schedule.threads for step in thread)
     if flex and schedule.dtype == "float64" and torch.device(device).type == "cuda":
         return "inductor's flex_attention kernels have no float64 on CUDA"
     return None
