@@ -138,6 +138,18 @@ def test_traceback_shows_patched_lines():
     assert "def _get_is_fx_tracing" in proc.stdout, proc.stderr
 
 
+@pytest.mark.parametrize("in_thread", [False, True])
+def test_uncaught_traceback_shows_patched_lines(in_thread):
+    # The getter of the patched module's _is_fx_tracing_flag view calls _get_is_fx_tracing();
+    # on disk that line number holds something else.
+    read = "threading.Thread(target=lambda: st._is_fx_tracing_flag).start()" if in_thread else "st._is_fx_tracing_flag"
+    code = f"import threading, torch.fx._symbolic_trace as st\nst._get_is_fx_tracing = None\n{read}\n"
+    proc = _python(code)
+    assert "TypeError: 'NoneType' object is not callable" in proc.stderr, proc.stderr
+    assert "return _get_is_fx_tracing()" in proc.stderr, proc.stderr
+    assert ("Exception in thread" in proc.stderr) is in_thread
+
+
 def test_torch_imported_before_the_hook_is_reported():
     # -S skips site-packages' .pth files; put site-packages back by hand, import torch, then the hook.
     site = sysconfig.get_paths()["purelib"]

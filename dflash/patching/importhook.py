@@ -11,6 +11,11 @@ text compiled under the module's real file name and puts that text into
 Cheap until torch is imported: at interpreter start only this module is loaded,
 and the finder answers every other import with one comparison.
 
+Python 3.11 and 3.12 print uncaught tracebacks (``sys.excepthook``,
+``threading.excepthook``) in C, reading source lines from disk rather than
+``linecache``; once a module is patched, the default hooks are replaced by the
+``traceback`` module's printing (a hook the user set is left alone).
+
 Known gap: ``linecache.clearcache()`` drops the patched text; tracebacks after
 that show the file on disk (the code that runs is still the patched one).
 """
@@ -111,6 +116,7 @@ class PatchedSourceLoader(importlib.machinery.SourceFileLoader):
         source, code = loaded
         # mtime None: linecache.checkcache() keeps entries it cannot compare with the disk.
         linecache.cache[self.path] = (len(source), None, source.splitlines(keepends=True), self.path)
+        _print_uncaught_tracebacks_from_linecache()
         return code
 
     def get_source(self, fullname: str) -> str:
@@ -120,6 +126,33 @@ class PatchedSourceLoader(importlib.machinery.SourceFileLoader):
     def exec_module(self, module) -> None:
         super().exec_module(module)
         self._finder.plan.module_done(module.__name__, failure=self._failure)
+
+
+def _print_uncaught_tracebacks_from_linecache() -> None:
+    if sys.version_info >= (3, 13):  # these print through the traceback module already
+        return
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _excepthook
+    if threading.excepthook is threading.__excepthook__:
+        threading.excepthook = _thread_excepthook
+
+
+def _excepthook(exc_type, exc, tb) -> None:
+    import traceback
+
+    traceback.print_exception(exc_type, exc, tb)
+
+
+def _thread_excepthook(args) -> None:
+    # What threading's own Python fallback hook prints.
+    import traceback
+
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else threading.get_ident()
+    print(f"Exception in thread {name}:", file=sys.stderr, flush=True)
+    traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback, file=sys.stderr)
+    sys.stderr.flush()
 
 
 class PatchFinder:
