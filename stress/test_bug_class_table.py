@@ -6,16 +6,15 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import BUG_CLASSES, all_checks_subprocess, applies_to, reproduce_on_plain_torch
+from dflash.patching.races import (BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to,
+                                   reproduce_on_plain_torch)
 
-# The same duration as tests/test_bug_classes.py, so one pytest session runs the checks once.
-SECONDS = 0.5
 TORCH_VERSION = version("torch")
 
 
 @pytest.fixture(scope="module")
 def results():
-    return all_checks_subprocess(seconds=SECONDS)
+    return all_checks_subprocess()
 
 
 @pytest.mark.parametrize("bug_class", list(BUG_CLASSES))
@@ -24,7 +23,7 @@ def test_bug_class(bug_class, results, table_row):
     present = applies_to(bug_class, TORCH_VERSION)
     plain = results[(bug_class, False)]
     if present is True:
-        plain = reproduce_on_plain_torch(bug_class, plain, seconds=SECONDS)
+        plain = reproduce_on_plain_torch(bug_class, plain, seconds=TEST_SECONDS)
     plain_cell = f"{plain.failures} / {plain.calls}"
     if present is not True:
         plain_cell += f" (not present: {present[:60]})"

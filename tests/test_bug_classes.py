@@ -3,23 +3,22 @@
 Each check runs in a fresh interpreter: with ``DFLASH_PATCHES=0`` (plain torch) it
 must show failures wherever the installed torch version has the bug, and with the
 dflash patch series applied it must show none. All runs start together, a CPU's
-worth at a time, so the module takes about (runs x (startup + SECONDS)) / CPUs.
+worth at a time, so the module takes about (runs x (startup + TEST_SECONDS)) / CPUs.
 """
 
 from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import BUG_CLASSES, all_checks_subprocess, applies_to, reproduce_on_plain_torch
+from dflash.patching.races import (BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to,
+                                   reproduce_on_plain_torch)
 
-# Long enough that every class present fails hundreds of times on plain torch 2.13 (2 cores).
-SECONDS = 0.5
 TORCH_VERSION = version("torch")
 
 
 @pytest.fixture(scope="module")
 def results():
-    return all_checks_subprocess(seconds=SECONDS)
+    return all_checks_subprocess()
 
 
 @pytest.mark.parametrize("bug_class", list(BUG_CLASSES))
@@ -27,7 +26,7 @@ def test_plain_torch_shows_bug_class(bug_class, results):
     present = applies_to(bug_class, TORCH_VERSION)
     if present is not True:
         pytest.skip(f"class {bug_class} is not observable on plain torch {TORCH_VERSION}: {present}")
-    result = reproduce_on_plain_torch(bug_class, results[(bug_class, False)], seconds=SECONDS)
+    result = reproduce_on_plain_torch(bug_class, results[(bug_class, False)], seconds=TEST_SECONDS)
     assert result.calls > 0, f"class {bug_class}: the check ran no operations"
     assert result.failures > 0, (
         f"class {bug_class} did not reproduce on plain torch {TORCH_VERSION} "
