@@ -222,9 +222,9 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
 
 
 def _child(args, plain: bool) -> dict:
-    seconds = args.plain_seconds if plain else args.seconds
     import tempfile
 
+    seconds = args.plain_seconds if plain else args.seconds
     # A fresh inductor cache per run: the second run must compile as much as the first.
     cache = tempfile.mkdtemp(prefix="dflash-inductor-")
     env = {**os.environ, "DFLASH_PATCHES": "0" if plain else "1", "TORCHINDUCTOR_CACHE_DIR": cache}

@@ -156,6 +156,11 @@ def _mask_mod(spec: MaskSpec, device: torch.device):
     return mask_mods[spec.kind], 32, 32 + offset
 
 
+def _has_flex(schedule: Schedule) -> bool:
+    """Whether a step calls flex_attention (then the setup compiles it once before the race)."""
+    return any("flex" in step.action for step in itertools.chain.from_iterable(schedule.threads))
+
+
 class _Setup:
     """Everything a schedule's steps share, built on the calling thread before the race."""
 
@@ -178,7 +183,7 @@ class _Setup:
         self.eager_module = torch.nn.Linear(WIDTH, WIDTH, device=device, dtype=self.dtype)
         with torch.no_grad():
             self.eager_outputs = {n: self.eager_module(x) for n, x in self.inputs.items()}
-        if any("flex" in step.action for step in itertools.chain.from_iterable(schedule.threads)):
+        if _has_flex(schedule):
             self._setup_flex(schedule.mask)
 
     def compile(self, fn, backend=None, dynamic="schedule"):
@@ -282,9 +287,7 @@ def unsupported(schedule: Schedule, device: torch.device | str) -> str | None:
     CompilationError in forward_inner, on plain torch too: H200, torch 2.11), and
     any schedule with a flex action compiles flex_attention in its setup.
     """
-    # Any flex action: the setup compiles flex_attention once before the race.
-    flex = any("flex" in step.action for thread in schedule.threads for step in thread)
-    if flex and schedule.dtype == "float64" and torch.device(device).type == "cuda":
+    if _has_flex(schedule) and schedule.dtype == "float64" and torch.device(device).type == "cuda":
         return "inductor's flex_attention kernels have no float64 on CUDA"
     return None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import assume, example, given
 
-from dflash.patching.races import applies_to
+from dflash.patching.races import applies_to, rerun_while_passing
 
 from .runner import run_schedule, unsupported
 from .scenarios import SCENARIOS
@@ -47,7 +47,7 @@ def _teeth_run(scenario: str, patched: bool, examples: int = TEETH_EXAMPLES) -> 
     cmd = [sys.executable, "-m", "stress.runner", scenario, "--examples", str(examples), "--json"]
     proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip(), f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "requested": examples}
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -55,16 +55,15 @@ def test_scenario_teeth(scenario, table_row):
     """The same derandomized schedules fail on plain torch and pass patched, each in a fresh interpreter."""
     targets = SCENARIOS[scenario].bug_classes
     present = [c for c in targets if applies_to(c, TORCH_VERSION) is True]
-    examples = TEETH_EXAMPLES
-    plain = _teeth_run(scenario, patched=False, examples=examples)
-    # Races are probabilistic, and a loaded host runs fewer interleavings: while no schedule
-    # fails on plain torch, run twice as many (the derandomized first ones again, and new ones).
-    for _ in range(TEETH_RETRIES if present else 0):
-        if plain["failing"]:
-            break
-        examples *= 2
-        plain = _teeth_run(scenario, patched=False, examples=examples)
-    patched = _teeth_run(scenario, patched=True, examples=examples)
+    plain = _teeth_run(scenario, patched=False)
+    if present:  # while no schedule fails, twice as many: the derandomized first ones again, and new ones
+        plain = rerun_while_passing(
+            plain,
+            lambda scale: _teeth_run(scenario, patched=False, examples=TEETH_EXAMPLES * scale),
+            lambda result: result["failing"] > 0,
+            attempts=TEETH_RETRIES,
+        )
+    patched = _teeth_run(scenario, patched=True, examples=plain["requested"])
     table_row(
         scenario,
         ",".join(targets),

@@ -10,7 +10,7 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import (BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to,
+from dflash.patching.races import (BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to, rerun_while_passing,
                                    reproduce_on_plain_torch)
 
 TORCH_VERSION = version("torch")
@@ -42,3 +42,17 @@ def test_patched_torch_is_free_of_bug_class(bug_class, results):
         f"class {bug_class} with the dflash patches: {result.failures} / {result.calls} failed; "
         f"by kind {result.failure_kinds}; first: {result.example_error}"
     )
+
+
+def test_rerun_while_passing_doubles_the_chances_until_a_failure():
+    scales = []
+
+    def rerun(scale: int) -> bool:  # "fails" (True) from scale 4 on
+        scales.append(scale)
+        return scale >= 4
+
+    assert rerun_while_passing(False, rerun, bool, attempts=3) is True and scales == [2, 4]
+    scales.clear()
+    assert rerun_while_passing(False, rerun, bool, attempts=1) is False and scales == [2]
+    scales.clear()
+    assert rerun_while_passing(True, rerun, bool, attempts=3) is True and scales == []

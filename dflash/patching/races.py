@@ -35,6 +35,7 @@ import time
 import types
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 BUG_CLASSES: dict[str, str] = {
     "A": "a warm compiled function called in one thread while another thread compiles new functions "
@@ -543,19 +544,34 @@ def all_checks_subprocess(*, seconds: float = TEST_SECONDS) -> dict[tuple[str, b
     return run_checks_subprocess([(c, p) for c in BUG_CLASSES for p in (False, True)], seconds=seconds)
 
 
-def reproduce_on_plain_torch(bug_class: str, first: CheckResult, *, seconds: float, attempts: int = 3) -> CheckResult:
-    """``first`` (a plain-torch result) if it shows failures, else reruns on plain torch with twice
-    the time each attempt until the race shows, ``attempts`` times at most.
+T = TypeVar("T")
+
+
+def rerun_while_passing(first: T, rerun: Callable[[int], T], failed: Callable[[T], bool], *, attempts: int) -> T:
+    """``first`` if ``failed(first)``, else ``rerun(2)``, ``rerun(4)``, ... until one fails,
+    ``attempts`` reruns at most; ``rerun(scale)`` gives the race ``scale`` times the chances
+    (time, schedules) of the first run.
 
     Races are probabilistic and a loaded machine (CI) runs fewer interleavings per second; a
-    result with no failure after every attempt is returned as is, for the caller to fail on.
+    result that never failed is returned as is, for the caller to fail on.
     """
     result = first
     for attempt in range(attempts):
-        if result.failures:
+        if failed(result):
             break
-        result = run_check_subprocess(bug_class, patched=False, seconds=seconds * 2 ** (attempt + 1))
+        result = rerun(2 ** (attempt + 1))
     return result
+
+
+def reproduce_on_plain_torch(bug_class: str, first: CheckResult, *, seconds: float, attempts: int = 3) -> CheckResult:
+    """``first`` (a plain-torch result) if it shows failures, else reruns on plain torch with twice
+    the time each attempt until the race shows (:func:`rerun_while_passing`)."""
+    return rerun_while_passing(
+        first,
+        lambda scale: run_check_subprocess(bug_class, patched=False, seconds=seconds * scale),
+        lambda result: result.failures > 0,
+        attempts=attempts,
+    )
 
 
 def run_checks_subprocess(
