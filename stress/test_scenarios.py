@@ -30,16 +30,25 @@ _ROOT = Path(__file__).parent.parent
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_schedules_hold(scenario, device, stress_run):
+def test_schedules_hold(scenario, device, stress_run, table_row):
+    counts = {"run": 0, "failing": 0}
+
     def holds(schedule: Schedule) -> None:
         assume(unsupported(schedule, device) is None)
         failures = run_schedule(schedule, device)
+        counts["run"] += 1
+        counts["failing"] += bool(failures)
         assert not failures, "\n".join(failures)
 
     prop = given(SCENARIOS[scenario].schedules)(holds)
     for regression in REGRESSIONS[scenario]:
         prop = example(regression)(prop)
-    stress_run(prop)
+    try:
+        stress_run(prop)
+    finally:
+        targets = ",".join(SCENARIOS[scenario].bug_classes)
+        table_row(f"{scenario} on {device}", targets, TORCH_VERSION, "-", f"{counts['failing']} / {counts['run']}",
+                  str(counts["run"]))
 
 
 def _teeth_run(scenario: str, patched: bool, examples: int = TEETH_EXAMPLES) -> dict:
