@@ -13,7 +13,17 @@ drift in machine load hits both sides alike. The call-loop runs are pinned to on
 CPU (the last this process may use; ``--no-pin`` turns that off): cores of a VM
 differ in speed by up to 10%, which otherwise lands on one side at random.
 
-    python benchmarks/patch_overhead.py [--rounds 5] [--seconds 1] [--backend eager] [--no-pin] [--json out.json]
+Each call-loop child first allocates a random amount of padding (seeded per round,
+the same for both sides), so torch and the compiled function land at a different
+heap layout every round (the layout bias of Mytkowicz et al., "Producing wrong data
+without doing anything obviously wrong", ASPLOS 2009). Without it, what a process
+allocates before importing torch shifts its call rate by ~2% either way: plain
+torch after importing only the hook's modules ran 1.7% *faster* on a 2-core VM like CI's,
+a bias as large as the effect measured. ``--fixed-layout`` turns the padding off.
+An A/A run (plain vs plain) prints the resolution of the 1-thread ratio.
+
+    python benchmarks/patch_overhead.py [--rounds 5] [--seconds 1] [--backend eager] [--no-pin]
+                                        [--fixed-layout] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,8 +38,13 @@ import sys
 import time
 
 CALLS_CHILD = r"""
-import sys, threading, time, torch
-threads, seconds, backend = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+import random, sys, threading, time
+threads, seconds, backend, layout_seed = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+if layout_seed >= 0:
+    rng = random.Random(layout_seed)
+    padding = ([bytearray(rng.randrange(16, 1024)) for _ in range(rng.randrange(20000))],
+               [object() for _ in range(rng.randrange(20000))])
+import torch
 fn = torch.compile(lambda x: x * 2 + 1, backend=backend)
 x = torch.ones(8)
 for _ in range(200):
@@ -62,16 +77,16 @@ def _run(code: str, args: list[str], patched: bool, cpu: int | None = None) -> f
     return float(out.stdout.split()[-1])
 
 
-def _alternate(rounds: int, measure) -> tuple[float, float]:
-    """Median of ``measure(patched)`` for plain and patched, alternating ``rounds`` times."""
-    plain, patched = [], []
-    for _ in range(rounds):
-        plain.append(measure(False))
-        patched.append(measure(True))
-    return statistics.median(plain), statistics.median(patched)
+def _alternate(rounds: int, measure, sides: tuple[bool, bool] = (False, True)) -> tuple[float, float]:
+    """Medians of ``measure(patched, round)`` for the two sides (plain, patched), alternating ``rounds`` times."""
+    first, second = [], []
+    for round_ in range(rounds):
+        first.append(measure(sides[0], round_))
+        second.append(measure(sides[1], round_))
+    return statistics.median(first), statistics.median(second)
 
 
-def _startup_seconds(patched: bool) -> float:
+def _startup_seconds(patched: bool, round_: int) -> float:
     env = {**os.environ, "DFLASH_PATCHES": "1" if patched else "0"}
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
@@ -96,31 +111,44 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=1.0, help="call-loop duration per run")
     parser.add_argument("--backend", default="eager", help="torch.compile backend of the small function")
     parser.add_argument("--no-pin", action="store_true", help="let the call-loop runs float across CPUs")
+    parser.add_argument("--fixed-layout", action="store_true", help="no random heap padding in the call-loop runs")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     cpu = None if args.no_pin else max(os.sched_getaffinity(0))
 
     _run(IMPORT_CHILD, [], True)  # fill the patch cache once, as any earlier run would have
+
+    def calls(threads: int):
+        def measure(patched: bool, round_: int) -> float:
+            seed = -1 if args.fixed_layout else round_
+            return _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend, str(seed)], patched, cpu)
+        return measure
+
     results = {}
     for threads in (1, 4):
-        plain, patched = _alternate(
-            args.rounds, lambda p: _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend], p, cpu)
-        )
+        plain, patched = _alternate(args.rounds, calls(threads))
         results[f"calls_per_s_{threads}_threads"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
+    plain, plain_again = _alternate(args.rounds, calls(1), sides=(False, False))
+    results["calls_per_s_1_thread_a_a"] = {"plain": plain, "plain_again": plain_again, "ratio": plain_again / plain}
     plain, patched = _alternate(args.rounds * 2, _startup_seconds)
     results["python_c_pass_s"] = {"plain": plain, "patched": patched, "added_ms": (patched - plain) * 1000}
     results["hook_import_ms"] = _hook_import_ms()
-    plain, patched = _alternate(args.rounds, lambda p: _run(IMPORT_CHILD, [], p))
+    plain, patched = _alternate(args.rounds, lambda p, _: _run(IMPORT_CHILD, [], p))
     results["import_torch_s"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
 
     import torch
 
     pinned = "unpinned" if cpu is None else f"call loops pinned to CPU {cpu}"
-    print(f"torch {torch.__version__}, backend={args.backend}, {args.rounds} alternating rounds, medians, {pinned}")
+    layout = "fixed heap layout" if args.fixed_layout else "heap layout randomised per round"
+    print(f"torch {torch.__version__}, backend={args.backend}, {args.rounds} alternating rounds, medians, {pinned}, "
+          f"{layout}")
     for threads in (1, 4):
         r = results[f"calls_per_s_{threads}_threads"]
         print(f"compiled calls/s, {threads} thread(s): plain {r['plain']:,.0f}  patched {r['patched']:,.0f}  "
               f"ratio {r['ratio']:.3f}  (goal >= 0.98)")
+    r = results["calls_per_s_1_thread_a_a"]
+    print(f"A/A control, 1 thread, plain vs plain: {r['plain']:,.0f} vs {r['plain_again']:,.0f}  "
+          f"ratio {r['ratio']:.3f}  (the resolution of the ratios above)")
     r = results["python_c_pass_s"]
     print(f"python -c pass: hook off {r['plain'] * 1000:.1f} ms  hook on {r['patched'] * 1000:.1f} ms  "
           f"added {r['added_ms']:.1f} ms; hook modules' import time {results['hook_import_ms']:.2f} ms  (goal <= 5 ms)")
