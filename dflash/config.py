@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -120,6 +121,10 @@ class TrainConfig:
     recompiles, for benchmarks and soak runs; 0 = off."""
 
     def __post_init__(self) -> None:
+        # Absolute, so train_config.json and a resume from another directory (or host) name the same files.
+        for name in ("target", "data"):
+            if getattr(self, name):
+                setattr(self, name, os.path.abspath(os.path.expanduser(getattr(self, name))))
         positive = ("block_size", "num_draft_layers", "num_target_layers", "seq_len", "batch_size",
                     "grad_accum", "max_anchors", "log_every", "keep_last", "loss_chunk_blocks")
         for name in positive:

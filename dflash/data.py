@@ -96,6 +96,19 @@ class Batch:
 # ---------------------------------------------------------------------------------------
 
 
+def require_data_file(path: str | Path) -> Path:
+    """``path`` as a Path, checked to be a file before any expensive work reads it.
+
+    Raises:
+        DatasetError: it does not exist or is a directory.
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "a directory, not a file" if path.is_dir() else "no such data file"
+        raise DatasetError(f"{path}: {what}; pass --data with a JSONL chat file")
+    return path
+
+
 def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     """Read a JSONL chat file into conversations of ``{"role", "content"}`` messages.
 
@@ -108,9 +121,7 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
             text key, a non-string content, or an unknown role. The message names the file and
             the 1-based line number.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such data file; pass --data with a JSONL chat file")
+    path = require_data_file(path)
     conversations = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):

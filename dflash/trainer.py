@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 from dflash import checkpoint
 from dflash.config import TrainConfig
-from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, read_conversations
+from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, read_conversations, require_data_file
 from dflash.loss import LossOutput, acceptance_length_estimate, dflash_loss, per_position_accuracy, position_weights
 from dflash.masks import build_labels, draft_input_ids, sample_anchors
 from dflash.target import Target, TargetStates, load_target, resolve_device
@@ -257,6 +258,7 @@ class Trainer:
         self.config = config
         self.out = Path(config.out)
         _refuse_to_overwrite(self.out, config.resume)
+        _check_inputs(config, self.out)  # before the target loads and replies are regenerated
         self.device = resolve_device(config.device)
         self.compiled = config.compile == "on" or (config.compile == "auto" and self.device.type == "cuda")
         if config.cpu_threads is not None:
@@ -536,12 +538,28 @@ def _refuse_to_overwrite(out: Path, resume: bool) -> None:
                          "it, or choose another --out (nothing was changed)")
 
 
+def _check_inputs(config: TrainConfig, out: Path) -> None:
+    """Fail fast on a missing data file or checkpoint, before minutes or hours of loading.
+
+    Raises:
+        DatasetError: ``--data`` is not a file.
+        CheckpointError: ``--resume`` without a complete checkpoint in ``out``.
+    """
+    if config.data:
+        require_data_file(config.data)
+    if config.resume:
+        checkpoint.find_checkpoint(out)
+
+
 # Fields that may change between a run and its resumption without changing the math.
 _RESUMABLE_CHANGES = {"out", "resume", "steps", "epochs", "progress", "log_every", "save_every", "keep_last",
                       "device", "compile", "cpu_threads", "peak_tflops", "target_devices", "prefetch_depth"}
 
 
 def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> None:
+    # Runs saved before input paths were made absolute hold them as typed: relative to where
+    # that run started, which a resume from the same directory reproduces.
+    saved = {**saved, **{k: os.path.abspath(saved[k]) for k in ("target", "data") if saved.get(k)}}
     changed = sorted(k for k, v in current.to_dict().items()
                      if k not in _RESUMABLE_CHANGES and saved.get(k) != v)
     if changed:

@@ -216,3 +216,39 @@ def test_resume_takes_unrepeated_flags_from_the_saved_run(tmp_path):
     (tmp_path / "train_config.json").write_text(json.dumps({"out": "/elsewhere", "steps": 80, "resume": False}))
     assert _saved_config(str(tmp_path)) == {"steps": 80}
     assert _saved_config(str(tmp_path / "missing")) == {}
+
+
+def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypatch):
+    import dflash.trainer as trainer_module
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the inputs were checked")
+
+    monkeypatch.setattr(trainer_module, "load_target", no_target)
+    with pytest.raises(CheckpointError, match="no checkpoint here"):
+        Trainer(_config(assets, tmp_path / "nothing", resume=True))
+    with pytest.raises(ValueError, match="a directory, not a file; pass --data"):
+        Trainer(_config(assets, tmp_path / "run", data=str(tmp_path)))
+    assert not (tmp_path / "nothing").exists() and not (tmp_path / "run").exists()
+
+
+def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets, tmp_path, monkeypatch):
+    monkeypatch.chdir(assets["data"].parent)
+    config = _config(assets, tmp_path / "run", steps=1, data=assets["data"].name)
+    assert config.data == str(assets["data"])
+    Trainer(config).train()
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert saved["data"] == str(assets["data"]) and saved["target"] == str(assets["qwen3"])
+    monkeypatch.chdir(tmp_path)
+    assert Trainer(TrainConfig.from_dict({**saved, "steps": 2, "resume": True})).step == 1
+
+
+def test_a_run_saved_with_relative_paths_resumes_from_its_own_directory(assets, tmp_path, monkeypatch):
+    from dflash.trainer import _check_resume_config
+
+    monkeypatch.chdir(assets["data"].parent)
+    saved = {**_config(assets, tmp_path).to_dict(), "data": assets["data"].name}
+    _check_resume_config(saved, _config(assets, tmp_path), tmp_path)  # same directory: accepted
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="different config \\(data:"):
+        _check_resume_config(saved, _config(assets, tmp_path), tmp_path)
