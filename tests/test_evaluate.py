@@ -1,5 +1,8 @@
 """dflash.evaluate: speculative output == greedy output; acceptance is counted right."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -102,3 +105,16 @@ def test_eval_command_reports_a_missing_drafter(tmp_path, caplog):
 
     assert main(["eval", "--drafter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
     assert "no checkpoint here" in caplog.text and "--out of dflash train" in caplog.text
+
+
+def test_eval_defaults_to_the_target_the_run_was_trained_against(tmp_path):
+    from dflash.commands.evaluate import _trained_target
+
+    step_dir = tmp_path / "run" / "checkpoints" / "step_00000003"
+    step_dir.mkdir(parents=True)
+    assert _trained_target(step_dir) is None  # no train_config.json: the embedded default
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps({"target": "/models/my-target"}))
+    for drafter in (tmp_path / "run", step_dir.parent, step_dir):
+        assert _trained_target(drafter) == Path("/models/my-target")
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps({"target": None}))
+    assert _trained_target(step_dir) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,8 @@ def register(subparsers) -> None:
     parser.add_argument("--drafter", required=True,
                         help="run directory of dflash train (--out), its checkpoints/ or a step_N directory")
     parser.add_argument("--target", default=None,
-                        help="local HF target directory (default: the embedded default target)")
+                        help="local HF target directory (default: the target the run was trained against, "
+                             "from its train_config.json; else the embedded default target)")
     parser.add_argument("--data", default=None,
                         help="JSONL chat file of held-out conversations (default: the embedded held-out set)")
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts to decode (default: 20)")
@@ -59,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace):
-    from pathlib import Path
-
     import torch
     from transformers import AutoTokenizer
 
@@ -71,7 +71,7 @@ def _evaluate(args: argparse.Namespace):
     device = resolve_device(args.device)
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
-    target_dir = Path(args.target) if args.target else default_target_dir()
+    target_dir = Path(args.target) if args.target else _trained_target(Path(args.drafter)) or default_target_dir()
     data = Path(args.data) if args.data else default_data_dir() / "heldout.jsonl"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
@@ -84,6 +84,18 @@ def _evaluate(args: argparse.Namespace):
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
     return evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens,
                     eos_ids={e for e in eos_ids if e is not None}, progress=True)
+
+
+def _trained_target(drafter: Path) -> Path | None:
+    """The --target of the run that ``drafter`` (run, checkpoints/ or step_N directory) belongs to, if recorded."""
+    for run in (drafter, drafter.parent, drafter.parent.parent):
+        config = run / "train_config.json"
+        if config.is_file():
+            target = json.loads(config.read_text()).get("target")
+            if target:
+                logger.info("target: %s (from %s; pass --target to use another)", target, config)
+            return Path(target) if target else None
+    return None
 
 
 def _as_list(value):
