@@ -224,8 +224,8 @@ def verify_checkpoint(step_dir: Path) -> None:
     Raises:
         CheckpointError: no manifest (incomplete save), or a missing/corrupt file, naming it.
     """
-    fix = (f"delete {step_dir} and resume from an earlier step directory in {step_dir.parent}, "
-           "or start again without --resume")
+    fix = (f"delete {step_dir}: `dflash train --resume` and `dflash eval --drafter` then take the newest "
+           f"step left in {step_dir.parent} (or pass one of its step_N directories to dflash eval)")
     manifest_path = step_dir / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -261,5 +261,5 @@ def load_training_state(step_dir: Path) -> dict[str, Any]:
     path = step_dir / STATE_NAME
     if not path.is_file():
         raise CheckpointError(f"{path}: no training state (weights-only export); it can be evaluated "
-                              "but not resumed; start a new run without --resume")
+                              "but not resumed; train into a new --out")
     return torch.load(path, map_location="cpu", weights_only=True)
