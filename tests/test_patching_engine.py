@@ -195,3 +195,15 @@ def test_mismatching_module_loads_unpatched_and_says_why(tmp_path):
     assert (compiler_type, st_type) == ("module", "_FxTracingFlagModule")
     assert outcome["state"] == "failed" and "does not match torch/compiler/__init__.py" in outcome["reason"]
     assert "PatchWarning" in proc.stderr and "Nothing was applied to torch.compiler" in proc.stderr
+
+
+def test_verify_rejects_unknown_classes_and_non_positive_budgets(capsys):
+    from dflash.cli import main
+
+    assert main(["patches", "verify", "Z"]) == 2
+    assert "unknown bug class Z; choose from A B C D E F G H" in capsys.readouterr().err
+    for bad in (["--seconds", "0"], ["--jobs", "0"], ["--jobs", "x"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["patches", "verify", *bad, "A"])
+        assert exit_info.value.code == 2
+        assert bad[0] in capsys.readouterr().err

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _status(args) -> int:
@@ -24,7 +40,12 @@ def _verify(args) -> int:
 
     from dflash.patching import races
 
-    classes = args.classes or list(races.BUG_CLASSES)
+    classes = [c.upper() for c in args.classes] or list(races.BUG_CLASSES)
+    unknown = [c for c in classes if c not in races.BUG_CLASSES]
+    if unknown:
+        print(f"dflash patches verify: unknown bug class {', '.join(unknown)}; choose from "
+              f"{' '.join(races.BUG_CLASSES)} or give none for all", file=sys.stderr)
+        return 2
     runs = [(c, patched) for c in classes for patched in (False, True)]
     print(f"torch {torch.__version__}: {len(classes)} bug classes x (plain, patched), "
           f"{args.seconds:g} s each, fresh interpreters, {args.jobs} at a time")
@@ -104,8 +125,8 @@ def register(subparsers) -> None:
         "verify", help="two-thread check of each bug class, with and without the patches, in fresh interpreters"
     )
     verify.add_argument("classes", nargs="*", metavar="CLASS", help="bug classes to check (default: all, A-H)")
-    verify.add_argument("--seconds", type=float, default=1.5, help="race duration per check (default 1.5)")
-    verify.add_argument("--jobs", type=int, default=2, help="checks run at once (default 2)")
+    verify.add_argument("--seconds", type=_positive(float), default=1.5, help="race duration per check (default 1.5)")
+    verify.add_argument("--jobs", type=_positive(int), default=2, help="checks run at once (default 2)")
     verify.set_defaults(func=_verify)
 
     build = commands.add_parser(
