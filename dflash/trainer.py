@@ -562,6 +562,10 @@ def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> N
     saved = {**saved, **{k: os.path.abspath(saved[k]) for k in ("target", "data") if saved.get(k)}}
     changed = sorted(k for k, v in current.to_dict().items()
                      if k not in _RESUMABLE_CHANGES and saved.get(k) != v)
+    if (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):
+        logger.warning("%s: resuming with a different length (steps %s -> %s, epochs %s -> %s): the learning-rate "
+                       "schedule is recomputed for the new length, so the continuation is not the run it would have "
+                       "been", step_dir, saved.get("steps"), current.steps, saved.get("epochs"), current.epochs)
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(current, k)!r}" for k in changed)
         raise checkpoint.CheckpointError(

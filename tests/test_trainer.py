@@ -252,3 +252,30 @@ def test_a_run_saved_with_relative_paths_resumes_from_its_own_directory(assets, 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="different config \\(data:"):
         _check_resume_config(saved, _config(assets, tmp_path), tmp_path)
+
+
+def test_resuming_with_another_length_warns_that_the_schedule_changes(assets, tmp_path, caplog):
+    from dflash.trainer import _check_resume_config
+
+    saved = _config(assets, tmp_path, steps=6).to_dict()
+    with caplog.at_level(logging.WARNING):
+        _check_resume_config(saved, _config(assets, tmp_path, steps=6), tmp_path)
+        assert "schedule" not in caplog.text
+        _check_resume_config(saved, _config(assets, tmp_path, steps=8), tmp_path)
+    assert "steps 6 -> 8" in caplog.text and "learning-rate schedule is recomputed" in caplog.text
+
+
+def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(assets, tmp_path, capsys, caplog,
+                                                                               monkeypatch):
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "abc"])
+    assert "invalid int value: 'abc'" in capsys.readouterr().err
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train", interrupted)
+    args = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path),
+            "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--no-progress"]
+    assert main(args) == 130
+    assert f"dflash train --resume --out {tmp_path}" in caplog.text

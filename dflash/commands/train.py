@@ -37,6 +37,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
         convert, metavar = base, f.name.upper()
         if optional:  # an empty string means None ("use the default rule")
             convert = lambda text, base=base: None if text == "" else base(text)  # noqa: E731
+            convert.__name__ = base.__name__  # argparse names it in "invalid int value: 'abc'"
     default = f.default if f.default is not dataclasses.MISSING else None
     parser.add_argument(flag, type=convert, metavar=metavar, default=argparse.SUPPRESS,
                         help=f"{help_text} (default: {'empty' if default is None else default})")
@@ -97,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
+    except KeyboardInterrupt:
+        # Checkpoints are written atomically, so the newest one on disk is complete.
+        out = values.get("out", TrainConfig.out)
+        logger.error("interrupted; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
+                     out, out)
+        return 130
     if not metrics:
         print(f"nothing to train: {trainer.out} is already at step {trainer.step} of {trainer.total_steps} "
               "(pass a larger --steps to continue)")
