@@ -355,6 +355,16 @@ def compiled_step_fn(index: int, backend: str = "inductor"):
     return torch.compile(fresh_function(drafter_forward_loss, index), backend=CountingBackend(backend), dynamic=False)
 
 
+def _warn_if_unpatched(compiled: bool, threads: int) -> None:
+    """Compiling from several threads of one process is what plain torch gets wrong (torch_races.md)."""
+    from dflash.patching.importhook import active_finder
+
+    if compiled and threads > 1 and active_finder() is None:
+        logger.warning("the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported "
+                       "before the hook): %d threads compiling in this process can crash or fall back to eager; "
+                       "`dflash patches status` says why", threads)
+
+
 def raise_recompile_limit(limit: int) -> None:
     """Set dynamo's recompile limit to at least ``limit`` *in the calling thread*: on torch 2.12+
     a plain assignment on the main thread is not seen by worker threads (torch_races.md class F)
@@ -641,6 +651,7 @@ class PipelineTrainer(Trainer):
         self._replicas_ready = True
         if config.resume:
             self.load_checkpoint()
+        _warn_if_unpatched(self.compiled, len(self.layout.targets) + len(self.layout.drafters))
         logger.info("threaded layout (process %d/%d): target threads %s, drafter threads %s, prefetch depth %d%s",
                     self.process.rank, self.process.world_size, [s.name for s in self.layout.targets],
                     [s.name for s in self.layout.drafters], config.prefetch_depth,

@@ -222,3 +222,18 @@ def test_scaling_benchmark_smoke_on_cpu():
     assert result["solo"]["threads"] == 1 and result["multi"]["threads"] == 2
     assert result["multi"]["tokens_per_s_per_device"] > 0 and result["scaling"] > 0
     assert "scaling: W=2 per-device / solo" in done.stdout
+
+
+def test_threads_compiling_without_the_patches_are_warned_about(monkeypatch, caplog):
+    import dflash.patching.importhook as importhook
+    from dflash.pipeline import _warn_if_unpatched
+
+    with caplog.at_level(logging.WARNING):
+        monkeypatch.setattr(importhook, "active_finder", lambda: object())
+        _warn_if_unpatched(compiled=True, threads=3)
+        monkeypatch.setattr(importhook, "active_finder", lambda: None)
+        _warn_if_unpatched(compiled=False, threads=3)
+        _warn_if_unpatched(compiled=True, threads=1)
+        assert "patches are not active" not in caplog.text
+        _warn_if_unpatched(compiled=True, threads=3)
+    assert "patches are not active" in caplog.text and "3 threads compiling" in caplog.text
