@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def _settled_plan() -> Plan:
     if env_disabled():
         for outcome in plan.outcomes.values():
             if outcome.state in (PENDING, FAILED):
-                outcome.state, outcome.reason = DISABLED, f"{DISABLE_ENV}=0 is set in the environment"
+                outcome.state, outcome.reason = DISABLED, f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set in the environment"
     else:
         plan.refuse_all("the startup hook is not active in this interpreter. " + importhook.TORCH_FIRST_MESSAGE)
     return plan
