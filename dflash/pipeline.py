@@ -355,6 +355,19 @@ def compiled_step_fn(index: int, backend: str = "inductor"):
     return torch.compile(fresh_function(drafter_forward_loss, index), backend=CountingBackend(backend), dynamic=False)
 
 
+# Below this share of wall time spent waiting, neither side is said to hold the other up.
+BOTTLENECK_WAIT_SHARE = 0.05
+
+
+def _bottleneck(side: dict[str, float]) -> str:
+    """Which side holds the pipeline up, from the mean wait shares (0-1) of :meth:`_side_means`."""
+    if max(side["drafter_wait"], side["target_blocked"]) < BOTTLENECK_WAIT_SHARE:
+        return "none (both sides wait under 5% of the time)"
+    if side["drafter_wait"] > side["target_blocked"]:
+        return "target side (drafters wait for data)"
+    return "drafter side (targets wait for room in the prefetch buffers)"
+
+
 def _warn_if_unpatched(compiled: bool, threads: int) -> None:
     """Compiling from several threads of one process is what plain torch gets wrong (torch_races.md)."""
     from dflash.patching.importhook import active_finder
@@ -853,8 +866,7 @@ class PipelineTrainer(Trainer):
 
     def _log_threads(self, stats) -> None:
         side = self._side_means(stats)
-        verdict = ("target side (drafters wait for data)" if side["drafter_wait"] > side["target_blocked"]
-                   else "drafter side (targets wait for room in the prefetch buffers)")
+        verdict = _bottleneck(side)
         rows = "; ".join(f"{name}: busy {100 * s['busy']:.0f}% wait {100 * s['wait']:.0f}%"
                          + (f" blocked {100 * s['blocked']:.0f}%" if name.startswith("target") else
                             f" queue {s['queue']:.0f}" + (f" mfu {100 * s['mfu']:.1f}%" if "mfu" in s else ""))

@@ -237,3 +237,12 @@ def test_threads_compiling_without_the_patches_are_warned_about(monkeypatch, cap
         assert "patches are not active" not in caplog.text
         _warn_if_unpatched(compiled=True, threads=3)
     assert "patches are not active" in caplog.text and "3 threads compiling" in caplog.text
+
+
+@pytest.mark.parametrize("drafter_wait,target_blocked,verdict", [
+    (0.0, 0.01, "none"), (0.30, 0.01, "target side"), (0.01, 0.30, "drafter side"), (0.04, 0.0, "none"),
+])
+def test_bottleneck_is_named_only_when_a_side_really_waits(drafter_wait, target_blocked, verdict):
+    from dflash.pipeline import _bottleneck
+
+    assert _bottleneck({"drafter_wait": drafter_wait, "target_blocked": target_blocked}).startswith(verdict)
