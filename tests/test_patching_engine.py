@@ -207,3 +207,15 @@ def test_verify_rejects_unknown_classes_and_non_positive_budgets(capsys):
             main(["patches", "verify", *bad, "A"])
         assert exit_info.value.code == 2
         assert bad[0] in capsys.readouterr().err
+
+
+def test_status_prints_a_long_reason_shared_by_several_patches_once():
+    # -S: no startup hook, so torch loads unpatched and every applicable patch gets the same long reason.
+    site = sysconfig.get_paths()["purelib"]
+    code = (f"import sys; sys.path.append({site!r}); import torch; "
+            "from dflash.cli import main; main(['patches', 'status'])")
+    proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[1])})
+    lines = proc.stdout.splitlines()
+    assert sum("see [1] below" in line for line in lines) >= 2, proc.stdout
+    footnotes = [line for line in lines if line.startswith("[1] ")]
+    assert len(footnotes) == 1 and "torch was imported before" in footnotes[0]

@@ -30,8 +30,15 @@ def _status(args) -> int:
     else:
         print(f"torch {report['torch_version']}; startup hook {'active' if report['hook_active'] else 'NOT active'}")
         width = max(len(p["name"]) for p in report["patches"])
+        reasons = [p["reason"] for p in report["patches"]]
+        # A long reason shared by several patches (torch imported first, hook disabled) is printed once.
+        shared = [r for r in dict.fromkeys(reasons) if reasons.count(r) > 1 and len(r) > 80]
         for patch in report["patches"]:
-            print(f"  {patch['name']:<{width}}  {patch['state']:<14}  {patch['reason']}")
+            reason = patch["reason"]
+            shown = f"see [{shared.index(reason) + 1}] below" if reason in shared else reason
+            print(f"  {patch['name']:<{width}}  {patch['state']:<14}  {shown}")
+        for number, reason in enumerate(shared, start=1):
+            print(f"[{number}] {reason}")
     return 1 if any(p["state"] == "failed" for p in report["patches"]) else 0
 
 
