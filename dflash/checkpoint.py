@@ -188,9 +188,10 @@ def _prune(root: Path, keep_last: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def find_checkpoint(path: str | Path) -> Path:
+def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     """Resolve a run directory, its ``checkpoints/`` folder or a step directory to a
-    verified step directory (via ``latest`` where needed).
+    step directory (via ``latest`` where needed), checked against its manifest unless
+    ``verify`` is off (a cheap look before loading that checks it anyway).
 
     Raises:
         CheckpointError: nothing there, ``latest`` names a missing directory, or a file is
@@ -214,7 +215,8 @@ def find_checkpoint(path: str | Path) -> Path:
     if not (path / CONFIG_NAME).is_file():
         raise CheckpointError(f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
                               "pass a run directory (--out of dflash train) or a step_N directory")
-    verify_checkpoint(path)
+    if verify:
+        verify_checkpoint(path)
     return path
 
 

@@ -16,6 +16,14 @@ from dataclasses import dataclass
 from functools import cache
 
 
+# Saved absolute, so train_config.json and a resume from another directory name the same files.
+INPUT_PATHS = ("target", "data")
+
+
+def absolute_path(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     # ---- inputs and outputs -------------------------------------------------------------
@@ -121,10 +129,9 @@ class TrainConfig:
     recompiles, for benchmarks and soak runs; 0 = off."""
 
     def __post_init__(self) -> None:
-        # Absolute, so train_config.json and a resume from another directory (or host) name the same files.
-        for name in ("target", "data"):
+        for name in INPUT_PATHS:
             if getattr(self, name):
-                setattr(self, name, os.path.abspath(os.path.expanduser(getattr(self, name))))
+                setattr(self, name, absolute_path(getattr(self, name)))
         positive = ("block_size", "num_draft_layers", "num_target_layers", "seq_len", "batch_size",
                     "grad_accum", "max_anchors", "log_every", "keep_last", "loss_chunk_blocks")
         for name in positive:

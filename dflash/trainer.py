@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash import checkpoint
-from dflash.config import TrainConfig
+from dflash.config import INPUT_PATHS, TrainConfig, absolute_path
 from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, read_conversations, require_data_file
 from dflash.loss import LossOutput, acceptance_length_estimate, dflash_loss, per_position_accuracy, position_weights
 from dflash.masks import build_labels, draft_input_ids, sample_anchors
@@ -548,7 +548,7 @@ def _check_inputs(config: TrainConfig, out: Path) -> None:
     if config.data:
         require_data_file(config.data)
     if config.resume:
-        checkpoint.find_checkpoint(out)
+        checkpoint.find_checkpoint(out, verify=False)  # load_checkpoint verifies it
 
 
 # Fields that may change between a run and its resumption without changing the math.
@@ -556,18 +556,35 @@ _RESUMABLE_CHANGES = {"out", "resume", "steps", "epochs", "progress", "log_every
                       "device", "compile", "cpu_threads", "peak_tflops", "target_devices", "prefetch_depth"}
 
 
+def _same_input(saved: str | None, current: str | None) -> bool:
+    """Whether a saved --target/--data names the file or directory given now.
+
+    Runs saved before input paths were made absolute hold them as typed, relative to where
+    that run started. A saved path that does not exist here (another host's mount point) is
+    taken as the same input, with a warning, rather than failing only on some ranks.
+    """
+    if not saved or not current:
+        return saved == current
+    if absolute_path(saved) == current:
+        return True
+    if not os.path.exists(saved):
+        logger.warning("the run was trained on %s, which does not exist here; taking %s as the same input",
+                       saved, current)
+        return True
+    return os.path.exists(current) and os.path.samefile(saved, current)
+
+
 def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> None:
-    # Runs saved before input paths were made absolute hold them as typed: relative to where
-    # that run started, which a resume from the same directory reproduces.
-    saved = {**saved, **{k: os.path.abspath(saved[k]) for k in ("target", "data") if saved.get(k)}}
     changed = sorted(k for k, v in current.to_dict().items()
-                     if k not in _RESUMABLE_CHANGES and saved.get(k) != v)
-    if (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):
-        logger.warning("%s: resuming with a different length (steps %s -> %s, epochs %s -> %s): the learning-rate "
-                       "schedule is recomputed for the new length, so the continuation is not the run it would have "
-                       "been", step_dir, saved.get("steps"), current.steps, saved.get("epochs"), current.epochs)
+                     if k not in _RESUMABLE_CHANGES and k not in INPUT_PATHS and saved.get(k) != v)
+    changed += [k for k in INPUT_PATHS if not _same_input(saved.get(k), getattr(current, k))]
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(current, k)!r}" for k in changed)
         raise checkpoint.CheckpointError(
             f"{step_dir} was trained with a different config ({details}); resume with the same flags "
-            "(see train_config.json in --out) or train into a new --out")
+            "(see train_config.json in --out; relative paths there are relative to where the run started) "
+            "or train into a new --out")
+    if (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):
+        logger.warning("%s: resuming with a different length (steps %s -> %s, epochs %s -> %s): the learning-rate "
+                       "schedule is recomputed for the new length, so the continuation is not the run it would have "
+                       "been", step_dir, saved.get("steps"), current.steps, saved.get("epochs"), current.epochs)

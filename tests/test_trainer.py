@@ -243,15 +243,23 @@ def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets
     assert Trainer(TrainConfig.from_dict({**saved, "steps": 2, "resume": True})).step == 1
 
 
-def test_a_run_saved_with_relative_paths_resumes_from_its_own_directory(assets, tmp_path, monkeypatch):
+def test_resume_compares_inputs_as_files_not_strings(assets, tmp_path, monkeypatch, caplog):
     from dflash.trainer import _check_resume_config
 
+    # A run saved with a relative --data (before paths were saved absolute) resumes from its own directory...
     monkeypatch.chdir(assets["data"].parent)
     saved = {**_config(assets, tmp_path).to_dict(), "data": assets["data"].name}
-    _check_resume_config(saved, _config(assets, tmp_path), tmp_path)  # same directory: accepted
+    _check_resume_config(saved, _config(assets, tmp_path), tmp_path)
+    # ... and from elsewhere, where the saved path names nothing (as on another host), with a warning.
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match="different config \\(data:"):
+    with caplog.at_level(logging.WARNING):
         _check_resume_config(saved, _config(assets, tmp_path), tmp_path)
+    assert "which does not exist here" in caplog.text
+    # Two existing, different files are a different config.
+    other = tmp_path / "other.jsonl"
+    other.write_text(assets["data"].read_text())
+    with pytest.raises(CheckpointError, match="different config \\(data:"):
+        _check_resume_config(_config(assets, tmp_path).to_dict(), _config(assets, tmp_path, data=str(other)), tmp_path)
 
 
 def test_resuming_with_another_length_warns_that_the_schedule_changes(assets, tmp_path, caplog):
@@ -278,4 +286,18 @@ def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(
     args = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path),
             "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--no-progress"]
     assert main(args) == 130
-    assert f"dflash train --resume --out {tmp_path}" in caplog.text
+    assert "interrupted before the first checkpoint; nothing to resume" in caplog.text
+
+
+def test_ctrl_c_after_a_checkpoint_says_how_to_resume_once_per_job(tmp_path, caplog, monkeypatch):
+    from dflash.commands.train import _report_interrupt
+
+    out = tmp_path / "my run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step_00000003\n")
+    monkeypatch.setenv("RANK", "1")
+    _report_interrupt(str(out))
+    assert not caplog.text
+    monkeypatch.setenv("RANK", "0")
+    _report_interrupt(str(out))
+    assert f"continue with `dflash train --resume --out '{out}'`" in caplog.text
