@@ -55,6 +55,21 @@ def _saved_config(out: str) -> dict:
     return {k: v for k, v in saved.items() if k not in ("out", "resume")}
 
 
+def _report_interrupt(out: str) -> None:
+    """After Ctrl-C: how to go on (once per job, from rank 0)."""
+    import shlex
+    from pathlib import Path
+
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    if (Path(out) / "checkpoints" / "latest").is_file():
+        # Checkpoints are written atomically, so the newest one on disk is complete.
+        logger.error("interrupted; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
+                     out, shlex.quote(out))
+    else:
+        logger.error("interrupted before the first checkpoint; nothing to resume in %s", out)
+
+
 def register(subparsers) -> None:
     from dflash.config import TrainConfig, field_docs
 
@@ -99,10 +114,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     except KeyboardInterrupt:
-        # Checkpoints are written atomically, so the newest one on disk is complete.
-        out = values.get("out", TrainConfig.out)
-        logger.error("interrupted; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
-                     out, out)
+        _report_interrupt(values.get("out", TrainConfig.out))
         return 130
     if not metrics:
         print(f"nothing to train: {trainer.out} is already at step {trainer.step} of {trainer.total_steps} "
