@@ -362,20 +362,20 @@ BOTTLENECK_WAIT_SHARE = 0.05
 def _bottleneck(side: dict[str, float]) -> str:
     """Which side holds the pipeline up, from the mean wait shares (0-1) of :meth:`_side_means`."""
     if max(side["drafter_wait"], side["target_blocked"]) < BOTTLENECK_WAIT_SHARE:
-        return "none (both sides wait under 5% of the time)"
+        return f"none (both sides wait under {BOTTLENECK_WAIT_SHARE:.0%} of the time)"
     if side["drafter_wait"] > side["target_blocked"]:
         return "target side (drafters wait for data)"
     return "drafter side (targets wait for room in the prefetch buffers)"
 
 
-def _warn_if_unpatched(compiled: bool, threads: int) -> None:
+def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
     """Compiling from several threads of one process is what plain torch gets wrong (torch_races.md)."""
     from dflash.patching.importhook import active_finder
 
-    if compiled and threads > 1 and active_finder() is None:
+    if compiled and drafter_threads > 1 and active_finder() is None:
         logger.warning("the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported "
-                       "before the hook): %d threads compiling in this process can crash or fall back to eager; "
-                       "`dflash patches status` says why", threads)
+                       "before the hook): %d drafter threads compiling in this process can crash or fall back to "
+                       "eager; `dflash patches status` says why", drafter_threads)
 
 
 def raise_recompile_limit(limit: int) -> None:
@@ -664,7 +664,7 @@ class PipelineTrainer(Trainer):
         self._replicas_ready = True
         if config.resume:
             self.load_checkpoint()
-        _warn_if_unpatched(self.compiled, len(self.layout.targets) + len(self.layout.drafters))
+        _warn_if_unpatched(self.compiled, len(self.layout.drafters))
         logger.info("threaded layout (process %d/%d): target threads %s, drafter threads %s, prefetch depth %d%s",
                     self.process.rank, self.process.world_size, [s.name for s in self.layout.targets],
                     [s.name for s in self.layout.drafters], config.prefetch_depth,

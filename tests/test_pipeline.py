@@ -230,13 +230,13 @@ def test_threads_compiling_without_the_patches_are_warned_about(monkeypatch, cap
 
     with caplog.at_level(logging.WARNING):
         monkeypatch.setattr(importhook, "active_finder", lambda: object())
-        _warn_if_unpatched(compiled=True, threads=3)
+        _warn_if_unpatched(compiled=True, drafter_threads=3)
         monkeypatch.setattr(importhook, "active_finder", lambda: None)
-        _warn_if_unpatched(compiled=False, threads=3)
-        _warn_if_unpatched(compiled=True, threads=1)
+        _warn_if_unpatched(compiled=False, drafter_threads=3)
+        _warn_if_unpatched(compiled=True, drafter_threads=1)
         assert "patches are not active" not in caplog.text
-        _warn_if_unpatched(compiled=True, threads=3)
-    assert "patches are not active" in caplog.text and "3 threads compiling" in caplog.text
+        _warn_if_unpatched(compiled=True, drafter_threads=3)
+    assert "patches are not active" in caplog.text and "3 drafter threads compiling" in caplog.text
 
 
 @pytest.mark.parametrize("drafter_wait,target_blocked,verdict", [
