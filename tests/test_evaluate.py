@@ -118,3 +118,10 @@ def test_eval_defaults_to_the_target_the_run_was_trained_against(tmp_path):
         assert _trained_target(drafter) == Path("/models/my-target")
     (tmp_path / "run" / "train_config.json").write_text(json.dumps({"target": None}))
     assert _trained_target(step_dir) is None
+    export = tmp_path / "run" / "export"  # not inside checkpoints/: the run's file is not its
+    export.mkdir()
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps({"target": "/models/my-target"}))
+    assert _trained_target(export) is None
+    (tmp_path / "run" / "train_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="train_config.json: not valid JSON"):
+        _trained_target(step_dir)

@@ -87,11 +87,23 @@ def _evaluate(args: argparse.Namespace):
 
 
 def _trained_target(drafter: Path) -> Path | None:
-    """The --target of the run that ``drafter`` (run, checkpoints/ or step_N directory) belongs to, if recorded."""
-    for run in (drafter, drafter.parent, drafter.parent.parent):
+    """The --target of the run that ``drafter`` (run, checkpoints/ or step_N directory) belongs to, if recorded.
+
+    Raises:
+        ValueError: the run's train_config.json is not valid JSON.
+    """
+    runs = [drafter]
+    if drafter.name == "checkpoints":
+        runs.append(drafter.parent)
+    if drafter.parent.name == "checkpoints":
+        runs.append(drafter.parent.parent)
+    for run in runs:
         config = run / "train_config.json"
         if config.is_file():
-            target = json.loads(config.read_text()).get("target")
+            try:
+                target = json.loads(config.read_text()).get("target")
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config}: not valid JSON ({e}); pass --target") from None
             if target:
                 logger.info("target: %s (from %s; pass --target to use another)", target, config)
             return Path(target) if target else None
