@@ -202,7 +202,7 @@ def test_verify_rejects_unknown_classes_and_non_positive_budgets(capsys):
 
     assert main(["patches", "verify", "Z"]) == 2
     assert "unknown bug class Z; choose from A B C D E F G H" in capsys.readouterr().err
-    for bad in (["--seconds", "0"], ["--jobs", "0"], ["--jobs", "x"]):
+    for bad in (["--seconds", "0"], ["--seconds", "nan"], ["--jobs", "0"], ["--jobs", "x"]):
         with pytest.raises(SystemExit) as exit_info:
             main(["patches", "verify", *bad, "A"])
         assert exit_info.value.code == 2
@@ -214,7 +214,8 @@ def test_status_prints_a_long_reason_shared_by_several_patches_once():
     site = sysconfig.get_paths()["purelib"]
     code = (f"import sys; sys.path.append({site!r}); import torch; "
             "from dflash.cli import main; main(['patches', 'status'])")
-    proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[1])})
+    proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[1]), "DFLASH_PATCHES": "1"})
+    assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert sum("see [1] below" in line for line in lines) >= 2, proc.stdout
     footnotes = [line for line in lines if line.startswith("[1] ")]
