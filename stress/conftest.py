@@ -104,6 +104,6 @@ def pytest_terminal_summary(terminalreporter):
         return
     rows.sort()
     widths = [max(len(str(row[i])) for row in [_HEADER, *rows]) for i in range(len(_HEADER))]
-    terminalreporter.section("plain torch (DFLASH_PATCHES=0) vs patched, fresh interpreters")
+    terminalreporter.section("plain torch (DFLASH_PATCHES=0) vs patched (classes, teeth: fresh interpreters)")
     for row in [_HEADER, *rows]:
         terminalreporter.write_line("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)))
