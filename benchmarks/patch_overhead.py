@@ -14,13 +14,14 @@ CPU (the last this process may use; ``--no-pin`` turns that off): cores of a VM
 differ in speed by up to 10%, which otherwise lands on one side at random.
 
 Each call-loop child first allocates a random amount of padding (seeded per round,
-the same for both sides), so torch and the compiled function land at a different
+the same for plain and patched), so torch and the compiled function land at a different
 heap layout every round (the layout bias of Mytkowicz et al., "Producing wrong data
 without doing anything obviously wrong", ASPLOS 2009). Without it, what a process
 allocates before importing torch shifts its call rate by ~2% either way: plain
 torch after importing only the hook's modules ran 1.7% *faster* on a 2-core VM like CI's,
 a bias as large as the effect measured. ``--fixed-layout`` turns the padding off.
-An A/A run (plain vs plain) prints the resolution of the 1-thread ratio.
+An A/A run (plain vs plain, each side with its own layouts) prints the resolution of
+the 1-thread ratio.
 
     python benchmarks/patch_overhead.py [--rounds 5] [--seconds 1] [--backend eager] [--no-pin]
                                         [--fixed-layout] [--json out.json]
@@ -77,13 +78,18 @@ def _run(code: str, args: list[str], patched: bool, cpu: int | None = None) -> f
     return float(out.stdout.split()[-1])
 
 
-def _alternate(rounds: int, measure, sides: tuple[bool, bool] = (False, True)) -> tuple[float, float]:
-    """Medians of ``measure(patched, round)`` for the two sides (plain, patched), alternating ``rounds`` times."""
-    first, second = [], []
+def _alternate(rounds: int, first, second) -> tuple[float, float]:
+    """Medians of ``first(round)`` and ``second(round)``, alternating ``rounds`` times."""
+    a, b = [], []
     for round_ in range(rounds):
-        first.append(measure(sides[0], round_))
-        second.append(measure(sides[1], round_))
-    return statistics.median(first), statistics.median(second)
+        a.append(first(round_))
+        b.append(second(round_))
+    return statistics.median(a), statistics.median(b)
+
+
+def _plain_vs_patched(rounds: int, measure) -> tuple[float, float]:
+    """``_alternate`` of ``measure(patched, round)`` with patched False, then True."""
+    return _alternate(rounds, lambda r: measure(False, r), lambda r: measure(True, r))
 
 
 def _startup_seconds(patched: bool, round_: int) -> float:
@@ -118,22 +124,24 @@ def main() -> int:
 
     _run(IMPORT_CHILD, [], True)  # fill the patch cache once, as any earlier run would have
 
-    def calls(threads: int):
+    def calls(threads: int, seed_offset: int = 0):
         def measure(patched: bool, round_: int) -> float:
-            seed = -1 if args.fixed_layout else round_
+            seed = -1 if args.fixed_layout else round_ + seed_offset
             return _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend, str(seed)], patched, cpu)
         return measure
 
     results = {}
     for threads in (1, 4):
-        plain, patched = _alternate(args.rounds, calls(threads))
+        plain, patched = _plain_vs_patched(args.rounds, calls(threads))
         results[f"calls_per_s_{threads}_threads"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
-    plain, plain_again = _alternate(args.rounds, calls(1), sides=(False, False))
+    # The A/A sides get different layouts, so it bounds layout spread as well as drift over time.
+    plain, plain_again = _alternate(args.rounds, lambda r: calls(1)(False, r),
+                                    lambda r: calls(1, seed_offset=args.rounds)(False, r))
     results["calls_per_s_1_thread_a_a"] = {"plain": plain, "plain_again": plain_again, "ratio": plain_again / plain}
-    plain, patched = _alternate(args.rounds * 2, _startup_seconds)
+    plain, patched = _plain_vs_patched(args.rounds * 2, _startup_seconds)
     results["python_c_pass_s"] = {"plain": plain, "patched": patched, "added_ms": (patched - plain) * 1000}
     results["hook_import_ms"] = _hook_import_ms()
-    plain, patched = _alternate(args.rounds, lambda p, _: _run(IMPORT_CHILD, [], p))
+    plain, patched = _plain_vs_patched(args.rounds, lambda p, _: _run(IMPORT_CHILD, [], p))
     results["import_torch_s"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
 
     import torch
