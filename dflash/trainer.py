@@ -543,7 +543,7 @@ def _check_inputs(config: TrainConfig, out: Path) -> None:
 
     Raises:
         DatasetError: ``--data`` is not a file.
-        CheckpointError: ``--resume`` without a complete checkpoint in ``out``.
+        CheckpointError: ``--resume`` without a checkpoint in ``out`` (load_checkpoint verifies its files).
     """
     if config.data:
         require_data_file(config.data)

@@ -25,9 +25,10 @@ def _settled_plan() -> Plan:
         return finder.plan
     plan = make_plan(Path(sys.modules["torch"].__file__).parent, allow_unverified=False)
     if env_disabled():
+        reason = f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set in the environment"
         for outcome in plan.outcomes.values():
             if outcome.state in (PENDING, FAILED):
-                outcome.state, outcome.reason = DISABLED, f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set in the environment"
+                outcome.state, outcome.reason = DISABLED, reason
     else:
         plan.refuse_all("the startup hook is not active in this interpreter. " + importhook.TORCH_FIRST_MESSAGE)
     return plan
