@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import os
 import textwrap
 from dataclasses import dataclass
@@ -18,6 +19,24 @@ from functools import cache
 
 # Saved absolute, so train_config.json and a resume from another directory name the same files.
 INPUT_PATHS = ("target", "data")
+#: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
+SAVED_CONFIG_NAME = "train_config.json"
+
+
+def read_saved_config(run_dir: str | os.PathLike) -> dict:
+    """The flags saved in ``run_dir/train_config.json``; {} if there is none.
+
+    Raises:
+        ValueError: the file is not valid JSON (the message names it).
+    """
+    path = os.path.join(run_dir, SAVED_CONFIG_NAME)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); fix or delete it, or pass the flags explicitly") from None
 
 
 def absolute_path(path: str) -> str:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash import checkpoint
-from dflash.config import INPUT_PATHS, TrainConfig, absolute_path
+from dflash.config import INPUT_PATHS, SAVED_CONFIG_NAME, TrainConfig, absolute_path
 from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, read_conversations, require_data_file
 from dflash.loss import LossOutput, acceptance_length_estimate, dflash_loss, per_position_accuracy, position_weights
 from dflash.masks import build_labels, draft_input_ids, sample_anchors
@@ -363,7 +363,7 @@ class Trainer:
         cfg = self.config
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (self.out / SAVED_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main),
                    desc="train")

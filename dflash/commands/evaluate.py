@@ -92,20 +92,18 @@ def _trained_target(drafter: Path) -> Path | None:
     Raises:
         ValueError: the run's train_config.json is not valid JSON.
     """
+    from dflash.config import SAVED_CONFIG_NAME, read_saved_config
+
     runs = [drafter]
     if drafter.name == "checkpoints":
         runs.append(drafter.parent)
     if drafter.parent.name == "checkpoints":
         runs.append(drafter.parent.parent)
     for run in runs:
-        config = run / "train_config.json"
-        if config.is_file():
-            try:
-                target = json.loads(config.read_text()).get("target")
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{config}: not valid JSON ({e}); pass --target") from None
+        if (run / SAVED_CONFIG_NAME).is_file():
+            target = read_saved_config(run).get("target")
             if target:
-                logger.info("target: %s (from %s; pass --target to use another)", target, config)
+                logger.info("target: %s (from %s; pass --target to use another)", target, run / SAVED_CONFIG_NAME)
             return Path(target) if target else None
     return None
 

@@ -45,14 +45,9 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
 
 def _saved_config(out: str) -> dict:
     """The flags of the run in ``out`` (its train_config.json), less where it lives; {} if none."""
-    import json
-    from pathlib import Path
+    from dflash.config import read_saved_config
 
-    path = Path(out) / "train_config.json"
-    if not path.is_file():
-        return {}
-    saved = json.loads(path.read_text())
-    return {k: v for k, v in saved.items() if k not in ("out", "resume")}
+    return {k: v for k, v in read_saved_config(out).items() if k not in ("out", "resume")}
 
 
 def _report_interrupt(out: str) -> None:
@@ -91,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "epochs" in values and "steps" not in values:
         values["steps"] = None  # --epochs alone means "train by epochs"
-    if values.get("resume"):
-        # Flags not given again come from the run being resumed, not from the defaults.
-        values = {**_saved_config(values.get("out", TrainConfig.out)), **values}
     try:
+        if values.get("resume"):
+            # Flags not given again come from the run being resumed, not from the defaults.
+            values = {**_saved_config(values.get("out", TrainConfig.out)), **values}
         config = TrainConfig.from_dict(values)
         if config.drafter_devices is not None:  # threaded multi-device layout, torchrun-aware
             from dflash.pipeline import PipelineTrainer
