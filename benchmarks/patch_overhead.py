@@ -8,10 +8,11 @@ Prints four ratios (goals from the patch-engine issue):
 - added start-up time of ``python -c pass`` with the hook            (goal <= 5 ms)
 - ``import torch`` time, patched / plain                             (goal <= 1.03)
 
-Plain and patched runs alternate (``--rounds`` each) and medians are compared, so
-drift in machine load hits both sides alike. The call-loop runs are pinned to one
-CPU (the last this process may use; ``--no-pin`` turns that off): cores of a VM
-differ in speed by up to 10%, which otherwise lands on one side at random.
+Plain and patched runs alternate (``--rounds`` each) and medians are compared, so drift
+in machine load hits both sides alike; each ratio comes with a 95% bootstrap interval
+over the rounds. The call-loop runs are pinned to one CPU (the last this process may
+use; ``--no-pin`` turns that off): cores of a VM differ in speed by up to 10%, which
+otherwise lands on one side at random.
 
 Each call-loop child first allocates a random amount of padding (seeded per round,
 the same for plain and patched), so torch and the compiled function land at a different
@@ -32,11 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 
 CALLS_CHILD = r"""
 import random, sys, threading, time
@@ -67,6 +70,8 @@ barrier.wait()
 print(sum(counts) / seconds)
 """
 
+BOOTSTRAP_SAMPLES = 2000
+
 IMPORT_CHILD = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
 
 
@@ -78,18 +83,80 @@ def _run(code: str, args: list[str], patched: bool, cpu: int | None = None) -> f
     return float(out.stdout.split()[-1])
 
 
-def _alternate(rounds: int, first, second) -> tuple[float, float]:
-    """Medians of ``first(round)`` and ``second(round)``, alternating ``rounds`` times."""
+def _alternate(rounds: int, first, second) -> tuple[list[float], list[float]]:
+    """``first(round)`` and ``second(round)`` for each round, alternating."""
     a, b = [], []
     for round_ in range(rounds):
         a.append(first(round_))
         b.append(second(round_))
-    return statistics.median(a), statistics.median(b)
+    return a, b
 
 
-def _plain_vs_patched(rounds: int, measure) -> tuple[float, float]:
+def _plain_vs_patched(rounds: int, measure) -> tuple[list[float], list[float]]:
     """``_alternate`` of ``measure(patched, round)`` with patched False, then True."""
     return _alternate(rounds, lambda r: measure(False, r), lambda r: measure(True, r))
+
+
+def _compare(a: list[float], b: list[float], a_name: str = "plain", b_name: str = "patched") -> dict:
+    """Medians of both sides, median(b) / median(a), and its 95% bootstrap interval over the
+    rounds (resampled in pairs, as each round's two runs ran back to back); the runs too."""
+    rng = random.Random(0)
+    pairs = list(zip(a, b))
+    ratios = sorted(
+        statistics.median(y for _, y in sample) / statistics.median(x for x, _ in sample)
+        for sample in (rng.choices(pairs, k=len(pairs)) for _ in range(BOOTSTRAP_SAMPLES))
+    )
+    return {
+        a_name: statistics.median(a), b_name: statistics.median(b),
+        "ratio": statistics.median(b) / statistics.median(a),
+        "ratio_ci95": [ratios[int(0.025 * BOOTSTRAP_SAMPLES)], ratios[int(0.975 * BOOTSTRAP_SAMPLES) - 1]],
+        "runs": {a_name: a, b_name: b},
+    }
+
+
+def _ratio_text(result: dict) -> str:
+    low, high = result["ratio_ci95"]
+    return f"ratio {result['ratio']:.3f} (95% CI {low:.3f}-{high:.3f})"
+
+
+BOOTSTRAP_SAMPLES = 2000
+
+IMPORT_CHILD = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
+
+
+def _run(code: str, args: list[str], patched: bool, cpu: int | None = None) -> float:
+    env = {**os.environ, "DFLASH_PATCHES": "1" if patched else "0"}
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, capture_output=True, text=True,
+                         preexec_fn=pin)
+    return float(out.stdout.split()[-1])
+
+
+def _alternate(rounds: int, first, second) -> tuple[list[float], list[float]]:
+    """``first(round)`` and ``second(round)`` for each round, alternating."""
+    a, b = [], []
+    for round_ in range(rounds):
+        a.append(first(round_))
+        b.append(second(round_))
+    return a, b
+
+
+def _plain_vs_patched(rounds: int, measure) -> tuple[list[float], list[float]]:
+    """``_alternate`` of ``measure(patched, round)`` with patched False, then True."""
+    return _alternate(rounds, lambda r: measure(False, r), lambda r: measure(True, r))
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    """median(b) / median(a) with a 95% bootstrap interval over the rounds (resampled in pairs,
+    as each round's two runs ran back to back)."""
+    rng = random.Random(0)
+    pairs = list(zip(a, b))
+    ratios = sorted(
+        statistics.median(y for _, y in sample) / statistics.median(x for x, _ in sample)
+        for sample in (rng.choices(pairs, k=len(pairs)) for _ in range(BOOTSTRAP_SAMPLES))
+    )
+    low, high = ratios[int(0.025 * BOOTSTRAP_SAMPLES)], ratios[int(0.975 * BOOTSTRAP_SAMPLES) - 1]
+    return f"ratio {statistics.median(b) / statistics.median(a):.3f} (95% CI {low:.3f}-{high:.3f})"
 
 
 def _startup_seconds(patched: bool, round_: int) -> float:
@@ -130,41 +197,35 @@ def main() -> int:
             return _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend, str(seed)], patched, cpu)
         return measure
 
-    results = {}
-    for threads in (1, 4):
-        plain, patched = _plain_vs_patched(args.rounds, calls(threads))
-        results[f"calls_per_s_{threads}_threads"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
-    # The A/A sides get different layouts, so it bounds layout spread as well as drift over time.
-    plain, plain_again = _alternate(args.rounds, lambda r: calls(1)(False, r),
-                                    lambda r: calls(1, seed_offset=args.rounds)(False, r))
-    results["calls_per_s_1_thread_a_a"] = {"plain": plain, "plain_again": plain_again, "ratio": plain_again / plain}
-    plain, patched = _plain_vs_patched(args.rounds * 2, _startup_seconds)
-    results["python_c_pass_s"] = {"plain": plain, "patched": patched, "added_ms": (patched - plain) * 1000}
-    results["hook_import_ms"] = _hook_import_ms()
-    plain, patched = _plain_vs_patched(args.rounds, lambda p, _: _run(IMPORT_CHILD, [], p))
-    results["import_torch_s"] = {"plain": plain, "patched": patched, "ratio": patched / plain}
-
-    import torch
-
     pinned = "unpinned" if cpu is None else f"call loops pinned to CPU {cpu}"
     layout = "fixed heap layout" if args.fixed_layout else "heap layout randomised per round"
-    print(f"torch {torch.__version__}, backend={args.backend}, {args.rounds} alternating rounds, medians, {pinned}, "
-          f"{layout}")
+    # Each line is printed as soon as it is measured, so a run cut short still reports.
+    print(f"torch {version('torch')}, backend={args.backend}, {args.rounds} alternating rounds, medians, "
+          f"{pinned}, {layout}", flush=True)
+    results = {"torch": version("torch"), "backend": args.backend}
     for threads in (1, 4):
-        r = results[f"calls_per_s_{threads}_threads"]
+        r = results[f"calls_per_s_{threads}_threads"] = _compare(*_plain_vs_patched(args.rounds, calls(threads)))
         print(f"compiled calls/s, {threads} thread(s): plain {r['plain']:,.0f}  patched {r['patched']:,.0f}  "
-              f"ratio {r['ratio']:.3f}  (goal >= 0.98)")
-    r = results["calls_per_s_1_thread_a_a"]
-    print(f"A/A control, 1 thread, plain vs plain: {r['plain']:,.0f} vs {r['plain_again']:,.0f}  "
-          f"ratio {r['ratio']:.3f}  (the resolution of the ratios above)")
-    r = results["python_c_pass_s"]
+              f"{_ratio_text(r)}  (goal >= 0.98)", flush=True)
+    # The A/A sides get different layouts, so it bounds layout spread as well as drift over time.
+    r = results["calls_per_s_1_thread_a_a"] = _compare(
+        *_alternate(args.rounds, lambda i: calls(1)(False, i), lambda i: calls(1, seed_offset=args.rounds)(False, i)),
+        b_name="plain_again",
+    )
+    print(f"A/A control, 1 thread, plain vs plain: {r['plain']:,.0f} vs {r['plain_again']:,.0f}  {_ratio_text(r)}  "
+          "(the resolution of the ratios above)", flush=True)
+    r = results["python_c_pass_s"] = _compare(*_plain_vs_patched(args.rounds * 2, _startup_seconds))
+    r["added_ms"] = (r["patched"] - r["plain"]) * 1000
+    results["hook_import_ms"] = _hook_import_ms()
     print(f"python -c pass: hook off {r['plain'] * 1000:.1f} ms  hook on {r['patched'] * 1000:.1f} ms  "
-          f"added {r['added_ms']:.1f} ms; hook modules' import time {results['hook_import_ms']:.2f} ms  (goal <= 5 ms)")
-    r = results["import_torch_s"]
-    print(f"import torch: plain {r['plain']:.3f} s  patched {r['patched']:.3f} s  ratio {r['ratio']:.3f}  (goal <= 1.03)")
+          f"added {r['added_ms']:.1f} ms; hook modules' import time {results['hook_import_ms']:.2f} ms  "
+          "(goal <= 5 ms)", flush=True)
+    r = results["import_torch_s"] = _compare(*_plain_vs_patched(args.rounds, lambda p, _: _run(IMPORT_CHILD, [], p)))
+    print(f"import torch: plain {r['plain']:.3f} s  patched {r['patched']:.3f} s  {_ratio_text(r)}  (goal <= 1.03)",
+          flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"torch": torch.__version__, "backend": args.backend, **results}, out, indent=2)
+            json.dump(results, out, indent=2)
     return 0
 
 

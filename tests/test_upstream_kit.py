@@ -114,12 +114,13 @@ def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({
         "torch": "2.13.0+cpu", "backend": "eager",
-        "calls_per_s_1_threads": {"plain": 51234.0, "patched": 50987.0, "ratio": 0.9952},
+        "calls_per_s_1_threads": {"plain": 51234.0, "patched": 50987.0, "ratio": 0.9952, "ratio_ci95": [0.9901, 0.9987]},
         "calls_per_s_4_threads": {"plain": 60111.0, "patched": 59876.0, "ratio": 0.9961},
     }))
     make_kit(tree, tmp_path / "kit", benchmark_json=bench)
     description = (tmp_path / "kit" / "PR_DESCRIPTION.md").read_text()
-    assert "| 1 | 51,234 | 50,987 | 0.995 |" in description and "| 4 | 60,111 | 59,876 | 0.996 |" in description
+    assert "| 1 | 51,234 | 50,987 | 0.995 (0.990-0.999) |" in description
+    assert "| 4 | 60,111 | 59,876 | 0.996 |" in description  # JSON from before the interval was added
     assert "Not measured." not in description
     bench.write_text(json.dumps({"torch": "2.13.0"}))
     with pytest.raises(UpstreamKitError, match="no calls_per_s_<N>_threads entries"):

@@ -222,11 +222,19 @@ def _benchmark_text(benchmark_json: Path | None) -> str:
         f"Calls per second of a small `torch.compile`d function (backend `{data.get('backend', '?')}`), "
         f"torch {data.get('torch', '?')}, medians of alternating runs (`benchmarks/patch_overhead.py` in dflash):",
         "",
-        "| threads | without the fix | with the fix | ratio |",
+        "| threads | without the fix | with the fix | ratio (95% CI) |",
         "|---:|---:|---:|---:|",
     ]
-    lines += [f"| {n} | {r['plain']:,.0f} | {r['patched']:,.0f} | {r['ratio']:.3f} |" for n, r in rows]
+    lines += [f"| {n} | {r['plain']:,.0f} | {r['patched']:,.0f} | {_ratio_cell(r)} |" for n, r in rows]
     return "\n".join(lines)
+
+
+def _ratio_cell(result: dict) -> str:
+    # Benchmark JSON written before the interval was added has only the ratio.
+    if "ratio_ci95" not in result:
+        return f"{result['ratio']:.3f}"
+    low, high = result["ratio_ci95"]
+    return f"{result['ratio']:.3f} ({low:.3f}-{high:.3f})"
 
 
 def _first_test_source(test_source: str) -> str:
