@@ -90,9 +90,16 @@ def test_every_thread_inside_a_call_sees_its_values(seed):
     assert globals_.applied > 1  # the values did change during the run: the waits were exercised
 
 
-def test_steady_calls_apply_the_values_once():
+def test_steady_calls_take_no_lock_and_apply_the_values_once(monkeypatch):
     globals_ = _CGlobals()
     gate = Gate(globals_.apply)
+    locked, enter = [], Gate.enter
+
+    def counting_enter(self, depth, value) -> None:
+        locked.append(value)
+        enter(self, depth, value)
+
+    monkeypatch.setattr(Gate, "enter", counting_enter)
 
     def run() -> None:
         for _ in range(2000):
@@ -104,3 +111,22 @@ def test_steady_calls_apply_the_values_once():
     for thread in threads:
         thread.join()
     assert globals_.applied == 1
+    # The first call sets the values; a thread starting meanwhile may see it as a changer.
+    assert 1 <= len(locked) <= len(threads), f"{len(locked)} of 8000 steady calls took the lock"
+
+
+def test_a_call_that_raises_before_its_try_is_uncounted(monkeypatch):
+    """compile_wrapper counts the call before it installs the eval-frame callback; if that raises,
+    the count must still drop, or every later change of the values waits forever."""
+    torch = pytest.importorskip("torch")
+    compiled = torch.compile(lambda x: x + 1, backend="eager")
+    compiled(torch.ones(2))
+    depth = eval_frame._eval_frame_settings.calls.depth
+
+    def broken_callback_from_stance(callback):
+        raise RuntimeError("callback lookup failed")
+
+    monkeypatch.setattr(eval_frame, "_callback_from_stance", broken_callback_from_stance)
+    with pytest.raises(RuntimeError, match="callback lookup failed"):
+        compiled(torch.ones(2))
+    assert depth.n == 0
