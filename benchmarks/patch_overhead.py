@@ -8,11 +8,12 @@ Prints four ratios (goals from the patch-engine issue):
 - added start-up time of ``python -c pass`` with the hook            (goal <= 5 ms)
 - ``import torch`` time, patched / plain                             (goal <= 1.03)
 
-Plain and patched runs alternate (``--rounds`` each) and medians are compared, so drift
-in machine load hits both sides alike; each ratio comes with a 95% bootstrap interval
-over the rounds. The call-loop runs are pinned to one CPU (the last this process may
-use; ``--no-pin`` turns that off): cores of a VM differ in speed by up to 10%, which
-otherwise lands on one side at random.
+Plain and patched runs alternate (``--rounds`` each); each ratio is the median of the
+per-round ratios, so drift in machine load cancels within a round, with a
+distribution-free 95% interval (order statistics of the median; 6 rounds or more). The
+call-loop runs are pinned to one CPU (the last this process may use; ``--no-pin`` turns
+that off): cores of a VM differ in speed by up to 10%, which otherwise lands on one side
+at random.
 
 Each call-loop child first allocates a random amount of padding (seeded per round,
 the same for plain and patched), so torch and the compiled function land at a different
@@ -24,7 +25,7 @@ a bias as large as the effect measured. ``--fixed-layout`` turns the padding off
 An A/A run (plain vs plain, each side with its own layouts) prints the resolution of
 the 1-thread ratio.
 
-    python benchmarks/patch_overhead.py [--rounds 5] [--seconds 1] [--backend eager] [--no-pin]
+    python benchmarks/patch_overhead.py [--rounds 7] [--seconds 1] [--backend eager] [--no-pin]
                                         [--fixed-layout] [--json out.json]
 """
 
@@ -32,8 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import random
 import re
 import statistics
 import subprocess
@@ -70,8 +71,6 @@ barrier.wait()
 print(sum(counts) / seconds)
 """
 
-BOOTSTRAP_SAMPLES = 2000
-
 IMPORT_CHILD = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
 
 
@@ -97,66 +96,32 @@ def _plain_vs_patched(rounds: int, measure) -> tuple[list[float], list[float]]:
     return _alternate(rounds, lambda r: measure(False, r), lambda r: measure(True, r))
 
 
-def _compare(a: list[float], b: list[float], a_name: str = "plain", b_name: str = "patched") -> dict:
-    """Medians of both sides, median(b) / median(a), and its 95% bootstrap interval over the
-    rounds (resampled in pairs, as each round's two runs ran back to back); the runs too."""
-    rng = random.Random(0)
-    pairs = list(zip(a, b))
-    ratios = sorted(
-        statistics.median(y for _, y in sample) / statistics.median(x for x, _ in sample)
-        for sample in (rng.choices(pairs, k=len(pairs)) for _ in range(BOOTSTRAP_SAMPLES))
-    )
+def _median_interval(values: list[float]) -> list[float] | None:
+    """Distribution-free 95% interval of the median: order statistics k and n+1-k, with the
+    largest k whose binomial(n, 1/2) tail leaves coverage >= 95% (None: too few values)."""
+    n, k, below = len(values), 0, 0.0
+    while k < n and (below := below + math.comb(n, k) / 2**n) <= 0.025:
+        k += 1
+    return None if k == 0 else [sorted(values)[k - 1], sorted(values)[n - k]]
+
+
+def _compare(a: list[float], b: list[float], b_name: str = "patched", *, difference: bool = False) -> dict:
+    """Both sides' medians and the median of the per-round ``b / a`` (or ``b - a``), with its
+    95% interval: each round's two runs ran back to back, so drift cancels within a pair."""
+    per_round = [y - x if difference else y / x for x, y in zip(a, b)]
+    key = "difference" if difference else "ratio"
     return {
-        a_name: statistics.median(a), b_name: statistics.median(b),
-        "ratio": statistics.median(b) / statistics.median(a),
-        "ratio_ci95": [ratios[int(0.025 * BOOTSTRAP_SAMPLES)], ratios[int(0.975 * BOOTSTRAP_SAMPLES) - 1]],
-        "runs": {a_name: a, b_name: b},
+        "plain": statistics.median(a), b_name: statistics.median(b),
+        key: statistics.median(per_round), f"{key}_ci95": _median_interval(per_round),
+        "runs": {"plain": a, b_name: b},
     }
 
 
-def _ratio_text(result: dict) -> str:
-    low, high = result["ratio_ci95"]
-    return f"ratio {result['ratio']:.3f} (95% CI {low:.3f}-{high:.3f})"
-
-
-BOOTSTRAP_SAMPLES = 2000
-
-IMPORT_CHILD = "import time; t = time.perf_counter(); import torch; print(time.perf_counter() - t)"
-
-
-def _run(code: str, args: list[str], patched: bool, cpu: int | None = None) -> float:
-    env = {**os.environ, "DFLASH_PATCHES": "1" if patched else "0"}
-    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-    out = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, capture_output=True, text=True,
-                         preexec_fn=pin)
-    return float(out.stdout.split()[-1])
-
-
-def _alternate(rounds: int, first, second) -> tuple[list[float], list[float]]:
-    """``first(round)`` and ``second(round)`` for each round, alternating."""
-    a, b = [], []
-    for round_ in range(rounds):
-        a.append(first(round_))
-        b.append(second(round_))
-    return a, b
-
-
-def _plain_vs_patched(rounds: int, measure) -> tuple[list[float], list[float]]:
-    """``_alternate`` of ``measure(patched, round)`` with patched False, then True."""
-    return _alternate(rounds, lambda r: measure(False, r), lambda r: measure(True, r))
-
-
-def _ratio(a: list[float], b: list[float]) -> str:
-    """median(b) / median(a) with a 95% bootstrap interval over the rounds (resampled in pairs,
-    as each round's two runs ran back to back)."""
-    rng = random.Random(0)
-    pairs = list(zip(a, b))
-    ratios = sorted(
-        statistics.median(y for _, y in sample) / statistics.median(x for x, _ in sample)
-        for sample in (rng.choices(pairs, k=len(pairs)) for _ in range(BOOTSTRAP_SAMPLES))
-    )
-    low, high = ratios[int(0.025 * BOOTSTRAP_SAMPLES)], ratios[int(0.975 * BOOTSTRAP_SAMPLES) - 1]
-    return f"ratio {statistics.median(b) / statistics.median(a):.3f} (95% CI {low:.3f}-{high:.3f})"
+def _interval_text(result: dict, key: str = "ratio", scale: float = 1, digits: int = 3) -> str:
+    interval = result[f"{key}_ci95"]
+    ci = ("too few rounds for a 95% CI" if interval is None
+          else f"95% CI {interval[0] * scale:.{digits}f} to {interval[1] * scale:.{digits}f}")
+    return f"{result[key] * scale:.{digits}f} ({ci})"
 
 
 def _startup_seconds(patched: bool, round_: int) -> float:
@@ -180,7 +145,7 @@ def _hook_import_ms() -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating plain/patched runs per measure")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating plain/patched runs per measure")
     parser.add_argument("--seconds", type=float, default=1.0, help="call-loop duration per run")
     parser.add_argument("--backend", default="eager", help="torch.compile backend of the small function")
     parser.add_argument("--no-pin", action="store_true", help="let the call-loop runs float across CPUs")
@@ -200,29 +165,28 @@ def main() -> int:
     pinned = "unpinned" if cpu is None else f"call loops pinned to CPU {cpu}"
     layout = "fixed heap layout" if args.fixed_layout else "heap layout randomised per round"
     # Each line is printed as soon as it is measured, so a run cut short still reports.
-    print(f"torch {version('torch')}, backend={args.backend}, {args.rounds} alternating rounds, medians, "
-          f"{pinned}, {layout}", flush=True)
-    results = {"torch": version("torch"), "backend": args.backend}
+    print(f"torch {version('torch')}, backend={args.backend}, {args.rounds} alternating rounds, medians of "
+          f"per-round ratios, {pinned}, {layout}", flush=True)
+    results = {"torch": version("torch"), "backend": args.backend, "rounds": args.rounds, "seconds": args.seconds}
     for threads in (1, 4):
         r = results[f"calls_per_s_{threads}_threads"] = _compare(*_plain_vs_patched(args.rounds, calls(threads)))
         print(f"compiled calls/s, {threads} thread(s): plain {r['plain']:,.0f}  patched {r['patched']:,.0f}  "
-              f"{_ratio_text(r)}  (goal >= 0.98)", flush=True)
+              f"ratio {_interval_text(r)}  (goal >= 0.98)", flush=True)
     # The A/A sides get different layouts, so it bounds layout spread as well as drift over time.
     r = results["calls_per_s_1_thread_a_a"] = _compare(
         *_alternate(args.rounds, lambda i: calls(1)(False, i), lambda i: calls(1, seed_offset=args.rounds)(False, i)),
-        b_name="plain_again",
+        "plain_again",
     )
-    print(f"A/A control, 1 thread, plain vs plain: {r['plain']:,.0f} vs {r['plain_again']:,.0f}  {_ratio_text(r)}  "
-          "(the resolution of the ratios above)", flush=True)
-    r = results["python_c_pass_s"] = _compare(*_plain_vs_patched(args.rounds * 2, _startup_seconds))
-    r["added_ms"] = (r["patched"] - r["plain"]) * 1000
+    print(f"A/A control, 1 thread, plain vs plain: {r['plain']:,.0f} vs {r['plain_again']:,.0f}  "
+          f"ratio {_interval_text(r)}  (the resolution of the ratios above)", flush=True)
+    r = results["python_c_pass_s"] = _compare(*_plain_vs_patched(args.rounds * 2, _startup_seconds), difference=True)
     results["hook_import_ms"] = _hook_import_ms()
     print(f"python -c pass: hook off {r['plain'] * 1000:.1f} ms  hook on {r['patched'] * 1000:.1f} ms  "
-          f"added {r['added_ms']:.1f} ms; hook modules' import time {results['hook_import_ms']:.2f} ms  "
-          "(goal <= 5 ms)", flush=True)
+          f"added {_interval_text(r, 'difference', 1000, 1)} ms; hook modules' import time "
+          f"{results['hook_import_ms']:.2f} ms  (goal <= 5 ms)", flush=True)
     r = results["import_torch_s"] = _compare(*_plain_vs_patched(args.rounds, lambda p, _: _run(IMPORT_CHILD, [], p)))
-    print(f"import torch: plain {r['plain']:.3f} s  patched {r['patched']:.3f} s  {_ratio_text(r)}  (goal <= 1.03)",
-          flush=True)
+    print(f"import torch: plain {r['plain']:.3f} s  patched {r['patched']:.3f} s  ratio {_interval_text(r)}  "
+          "(goal <= 1.03)", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)

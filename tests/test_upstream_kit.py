@@ -119,7 +119,7 @@ def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
     }))
     make_kit(tree, tmp_path / "kit", benchmark_json=bench)
     description = (tmp_path / "kit" / "PR_DESCRIPTION.md").read_text()
-    assert "| 1 | 51,234 | 50,987 | 0.995 (0.990-0.999) |" in description
+    assert "| 1 | 51,234 | 50,987 | 0.995 (95% CI 0.990 to 0.999) |" in description
     assert "| 4 | 60,111 | 59,876 | 0.996 |" in description  # JSON from before the interval was added
     assert "Not measured." not in description
     bench.write_text(json.dumps({"torch": "2.13.0"}))

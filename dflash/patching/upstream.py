@@ -220,9 +220,10 @@ def _benchmark_text(benchmark_json: Path | None) -> str:
         )
     lines = [
         f"Calls per second of a small `torch.compile`d function (backend `{data.get('backend', '?')}`), "
-        f"torch {data.get('torch', '?')}, medians of alternating runs (`benchmarks/patch_overhead.py` in dflash):",
+        f"torch {data.get('torch', '?')}, medians of alternating runs, ratio = median of the per-round ratios "
+        "(`benchmarks/patch_overhead.py` in dflash):",
         "",
-        "| threads | without the fix | with the fix | ratio (95% CI) |",
+        "| threads | without the fix | with the fix | ratio |",
         "|---:|---:|---:|---:|",
     ]
     lines += [f"| {n} | {r['plain']:,.0f} | {r['patched']:,.0f} | {_ratio_cell(r)} |" for n, r in rows]
@@ -230,11 +231,11 @@ def _benchmark_text(benchmark_json: Path | None) -> str:
 
 
 def _ratio_cell(result: dict) -> str:
-    # Benchmark JSON written before the interval was added has only the ratio.
-    if "ratio_ci95" not in result:
+    # JSON from before the interval was added, or from too few rounds, has no interval.
+    if not result.get("ratio_ci95"):
         return f"{result['ratio']:.3f}"
     low, high = result["ratio_ci95"]
-    return f"{result['ratio']:.3f} ({low:.3f}-{high:.3f})"
+    return f"{result['ratio']:.3f} (95% CI {low:.3f} to {high:.3f})"
 
 
 def _first_test_source(test_source: str) -> str:
