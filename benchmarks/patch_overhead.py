@@ -99,10 +99,11 @@ def _plain_vs_patched(rounds: int, measure) -> tuple[list[float], list[float]]:
 def _median_interval(values: list[float]) -> list[float] | None:
     """Distribution-free 95% interval of the median: order statistics k and n+1-k, with the
     largest k whose binomial(n, 1/2) tail leaves coverage >= 95% (None: too few values)."""
-    n, k, below = len(values), 0, 0.0
+    ordered, k, below = sorted(values), 0, 0.0
+    n = len(ordered)
     while k < n and (below := below + math.comb(n, k) / 2**n) <= 0.025:
         k += 1
-    return None if k == 0 else [sorted(values)[k - 1], sorted(values)[n - k]]
+    return None if k == 0 else [ordered[k - 1], ordered[n - k]]
 
 
 def _compare(a: list[float], b: list[float], b_name: str = "patched", *, difference: bool = False) -> dict:
