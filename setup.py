@@ -2,9 +2,9 @@
 
 The hook is a ``.pth`` file (plus a PEP 829 ``.start`` file for Python 3.15+)
 placed at the root of site-packages. ``build_py`` below puts it where both a
-regular and an editable (PEP 660) wheel pick it up; see
-``../shared/packaging_notes.md`` for why neither ``data_files`` nor copying it
-into ``build_lib`` alone works for ``pip install -e .``.
+regular and an editable (PEP 660) wheel pick it up; ``docs/packaging.md`` says
+why neither ``data_files`` nor copying it into ``build_lib`` alone works for
+``pip install -e .``.
 """
 
 from pathlib import Path
@@ -35,18 +35,11 @@ class BuildPyWithStartupHook(build_py):
             self.copy_file(str(HERE / "dflash" / "patching" / name), str(target / name))
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [
-            str(Path(self.build_lib) / name) for name in STARTUP_FILES
-        ]
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / name) for name in STARTUP_FILES]
 
 
 setup(
-    name="dflash",
-    version="0.1.0",
-    description="DFlash drafter trainer on thread-safe torch.compile (patch series, trainer, stress suite)",
-    long_description=(HERE / "README.md").read_text(encoding="utf-8") if (HERE / "README.md").exists() else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # Metadata and dependencies are in pyproject.toml; the package layout and the hook stay here.
     packages=find_packages(include=["dflash", "dflash.*"]) + ["dflash.patch_series"],
     # patches/ is the single source of truth for the series; shipping it as a
     # package lets the engine, the wheel builder and the PR kit read it alike.
@@ -57,18 +50,5 @@ setup(
         # The embedded default target and chat corpus (scripts/make_default_target.py).
         "dflash.assets": ["*/*.json", "*/*.jinja", "*/*.safetensors", "*/*.jsonl", "*/*.md", "*/*.txt"],
     },
-    install_requires=[
-        "torch>=2.5",
-        "transformers>=4.56",
-        "safetensors>=0.4",
-        "tqdm>=4.66",
-        "tensorboard>=2.15",
-        "unidiff>=0.7.5",
-        "wheel>=0.48",  # `wheel pack --local-version` (dflash patches build-wheel)
-    ],
-    extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100"],
-    },
-    entry_points={"console_scripts": ["dflash = dflash.cli:main"]},
     cmdclass={"build_py": BuildPyWithStartupHook},
 )

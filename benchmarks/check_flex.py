@@ -26,9 +26,15 @@ from dflash.model import DFlashDraftModel, create_drafter_config
 
 
 def build(args, dtype):
-    target = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=36, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=max(1, args.hidden // 256), head_dim=64)
+    target = Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=36,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=64,
+    )
     config = create_drafter_config(target, args.layers, block_size=args.block_size, mask_token_id=args.vocab - 1)
     torch.manual_seed(0)
     model = DFlashDraftModel._from_config(config, attn_implementation="flex_attention", dtype=dtype)
@@ -47,7 +53,10 @@ def batch(args, model, dtype, seed):
     return dict(
         draft_embeds=(torch.randn(args.vocab, args.hidden, generator=gen)[draft_ids] * 0.02).to(dev, dtype),
         target_hidden=torch.randn(args.batch, args.seq_len, k_h, generator=gen).to(dev, dtype),
-        anchors=anchors.to(dev), valid=valid.to(dev), labels=labels.to(dev), label_mask=label_mask.to(dev),
+        anchors=anchors.to(dev),
+        valid=valid.to(dev),
+        labels=labels.to(dev),
+        label_mask=label_mask.to(dev),
     )
 
 
@@ -100,8 +109,10 @@ def main() -> int:
         ref = step(model, lm_head, weights, b, model.build_attention_mask(b["anchors"], b["valid"], args.seq_len), 16)
         ref.backward()
         model.set_attn_implementation("flex_attention")
-        gerr = max(((flex_grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()
-                   for n, p in model.named_parameters())
+        gerr = max(
+            ((flex_grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12)).item()
+            for n, p in model.named_parameters()
+        )
         print(f"train step: loss flex {loss.item():.6f} sdpa {ref.item():.6f}; max relative grad err {gerr:.2e}")
         print(f"graph breaks in the compiled step: {dict(counters['graph_break'])}")
         if abs(loss.item() - ref.item()) > 1e-4 * abs(ref.item()) or gerr > 1e-3:
@@ -111,8 +122,9 @@ def main() -> int:
         frames_before = counters["stats"]["unique_graphs"]
         for seed in (2, 3, 4):
             bb = batch(args, model, torch.float32, seed)
-            compiled_step(model, lm_head, weights, bb, model.build_attention_mask(bb["anchors"], bb["valid"],
-                                                                                  args.seq_len), 16).backward()
+            compiled_step(
+                model, lm_head, weights, bb, model.build_attention_mask(bb["anchors"], bb["valid"], args.seq_len), 16
+            ).backward()
         new_graphs = counters["stats"]["unique_graphs"] - frames_before
         print(f"new graphs compiled for 3 fresh batches: {new_graphs}")
         if new_graphs:
@@ -132,9 +144,11 @@ def main() -> int:
             compiled_step(model, lm_head, weights, bb, mask, 16).backward()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - start) / (len(batches) - 1) * 1e3
-        print(f"bf16 step (B={args.batch}, S={args.seq_len}, N={args.anchors}, Bs={args.block_size}, "
-              f"H={args.hidden}, layers={args.layers}, V={args.vocab}): {ms:.1f} ms, "
-              f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        print(
+            f"bf16 step (B={args.batch}, S={args.seq_len}, N={args.anchors}, Bs={args.block_size}, "
+            f"H={args.hidden}, layers={args.layers}, V={args.vocab}): {ms:.1f} ms, "
+            f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+        )
 
     print("FAIL: " + "; ".join(failures) if failures else "OK")
     return 1 if failures else 0

@@ -44,25 +44,66 @@ from dflash.distributed import FlatGradients
 from dflash.loss import position_weights
 from dflash.masks import sample_anchors
 from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.pipeline import (DrafterReplica, DrafterWorker, DynamoWarnings, Heads, Inbox, Job, Prefetched, _Control,
-                             compiled_step_fn, raise_recompile_limit, run_step, step_replicas, thread_compile_counts)
+from dflash.pipeline import (
+    DrafterReplica,
+    DrafterWorker,
+    DynamoWarnings,
+    Heads,
+    Inbox,
+    Job,
+    Prefetched,
+    _Control,
+    compiled_step_fn,
+    raise_recompile_limit,
+    run_step,
+    step_replicas,
+    thread_compile_counts,
+)
 from dflash.target import TargetStates
 from dflash.trainer import TargetBatch, detect_peak_tflops, drafter_forward_loss, drafter_step
 
 SIZES = {
-    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, layers=1, block=8,
-                 anchors=16, seq=64, batch=2),
-    "realistic": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, layers=1,
-                      block=16, anchors=512, seq=2048, batch=1),
+    "tiny": dict(
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        vocab=512,
+        layers=1,
+        block=8,
+        anchors=16,
+        seq=64,
+        batch=2,
+    ),
+    "realistic": dict(
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=12288,
+        vocab=151936,
+        layers=1,
+        block=16,
+        anchors=512,
+        seq=2048,
+        batch=1,
+    ),
 }
 RESULT_TAG = "RESULT "
 
 
 def build_replica(index: int, device: torch.device, s: dict, compiled: bool, backend: str) -> DrafterReplica:
     """A drafter replica plus random frozen heads on ``device``, same initial weights for every index."""
-    target = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-                         num_hidden_layers=36, num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                         head_dim=s["head_dim"])
+    target = Qwen3Config(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=36,
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+    )
     config = create_drafter_config(target, s["layers"], block_size=s["block"], mask_token_id=s["vocab"] - 1)
     torch.manual_seed(0)
     attention = "flex_attention" if device.type == "cuda" else "sdpa"
@@ -73,9 +114,16 @@ def build_replica(index: int, device: torch.device, s: dict, compiled: bool, bac
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     step_fn = compiled_step_fn(index, backend) if compiled else drafter_forward_loss
-    return DrafterReplica(Slot(f"{device.type}:{index}", device), model, Heads(embed, lm_head), optimizer, scheduler,
-                          FlatGradients(model, extra=2 + 2 * s["block"]),
-                          position_weights(s["block"], None, device=device), step_fn)
+    return DrafterReplica(
+        Slot(f"{device.type}:{index}", device),
+        model,
+        Heads(embed, lm_head),
+        optimizer,
+        scheduler,
+        FlatGradients(model, extra=2 + 2 * s["block"]),
+        position_weights(s["block"], None, device=device),
+        step_fn,
+    )
 
 
 def make_item(device: torch.device, s: dict, seq_len: int, seed: int, model) -> Prefetched:
@@ -114,9 +162,20 @@ def lockstep(devices: list[torch.device], s: dict, args) -> dict:
     items = [make_item(d, s, s["seq"], i, r.model) for i, (d, r) in enumerate(zip(devices, replicas))]
     control, warnings = _Control(), DynamoWarnings()
     inboxes = [Inbox(2, control) for _ in replicas]
-    workers = [DrafterWorker(r, inbox, control, grad_accum=1, compiled=compiled, recompile_limit=16,
-                             warnings=warnings, loss_kwargs=_loss_kwargs(r), max_anchors=s["anchors"])
-               for r, inbox in zip(replicas, inboxes)]
+    workers = [
+        DrafterWorker(
+            r,
+            inbox,
+            control,
+            grad_accum=1,
+            compiled=compiled,
+            recompile_limit=16,
+            warnings=warnings,
+            loss_kwargs=_loss_kwargs(r),
+            max_anchors=s["anchors"],
+        )
+        for r, inbox in zip(replicas, inboxes)
+    ]
     for i, w in enumerate(workers):
         control.on_stop(inboxes[i].wake)
         control.on_stop(w.wake)
@@ -140,10 +199,14 @@ def lockstep(devices: list[torch.device], s: dict, args) -> dict:
     tokens = args.steps * s["batch"] * s["seq"]  # per device
     flops = (sum(w.flops for w in workers) - flops0) / len(workers)
     peak = 1e12 * (args.peak_tflops or detect_peak_tflops(devices[0]) or 0.0)
-    return {"threads": len(devices), "tokens_per_s_per_device": tokens / elapsed,
-            "mfu": flops / elapsed / peak if peak else None, "tflops_per_device": flops / elapsed / 1e12,
-            "eager_fallbacks": sum(w.eager_fallbacks for w in workers),
-            "unexpected_recompiles": sum(w.unexpected_recompiles for w in workers)}
+    return {
+        "threads": len(devices),
+        "tokens_per_s_per_device": tokens / elapsed,
+        "mfu": flops / elapsed / peak if peak else None,
+        "tflops_per_device": flops / elapsed / 1e12,
+        "eager_fallbacks": sum(w.eager_fallbacks for w in workers),
+        "unexpected_recompiles": sum(w.unexpected_recompiles for w in workers),
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,18 +219,28 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
     replicas = [build_replica(i, d, s, True, args.backend) for i, d in enumerate(devices)]
     last = len(devices) - 1
     start_barrier, switch_barrier = threading.Barrier(len(devices)), threading.Barrier(len(devices))
-    stats = [dict(errors=0, first_error=None, eager=0, compiles=0, warm_tokens=0, warm_s=0.0, hot_tokens=0,
-                  hot_s=0.0) for _ in devices]
+    stats = [
+        dict(errors=0, first_error=None, eager=0, compiles=0, warm_tokens=0, warm_s=0.0, hot_tokens=0, hot_s=0.0)
+        for _ in devices
+    ]
 
     def one_step(i, replica, item) -> None:
         st = stats[i]
         before = thread_compile_counts()
         try:
-            drafter_step(replica.step_fn, replica.model, replica.heads, item.batch, max_anchors=s["anchors"],
-                         generator=None, position_weight=replica.position_weight,
-                         autocast=devices[i].type == "cuda", anchors=(item.anchors, item.valid),
-                         **_loss_kwargs(replica))
-        except Exception as e:  # noqa: BLE001 - counted and shown: this is what the benchmark measures
+            drafter_step(
+                replica.step_fn,
+                replica.model,
+                replica.heads,
+                item.batch,
+                max_anchors=s["anchors"],
+                generator=None,
+                position_weight=replica.position_weight,
+                autocast=devices[i].type == "cuda",
+                anchors=(item.anchors, item.valid),
+                **_loss_kwargs(replica),
+            )
+        except Exception as e:
             st["errors"] += 1
             st["first_error"] = st["first_error"] or f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             return
@@ -212,13 +285,19 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
     for t in threads:
         t.join()
     steady = [st for i, st in enumerate(stats) if i != last] or stats
-    ratio = (sum(st["hot_tokens"] / st["hot_s"] for st in steady) / sum(st["warm_tokens"] / st["warm_s"] for st in steady))
-    return {"patches": os.environ.get("DFLASH_PATCHES", "1") != "0", "torch": torch.__version__,
-            "errors": sum(st["errors"] for st in stats),
-            "first_error": next((st["first_error"] for st in stats if st["first_error"]), None),
-            "eager_fallbacks": sum(st["eager"] for st in stats), "recompiles": stats[last]["compiles"] - 1,
-            "steady_ratio": ratio,
-            "steady_tokens_per_s": sum(st["hot_tokens"] / st["hot_s"] for st in steady) / len(steady)}
+    ratio = sum(st["hot_tokens"] / st["hot_s"] for st in steady) / sum(
+        st["warm_tokens"] / st["warm_s"] for st in steady
+    )
+    return {
+        "patches": os.environ.get("DFLASH_PATCHES", "1") != "0",
+        "torch": torch.__version__,
+        "errors": sum(st["errors"] for st in stats),
+        "first_error": next((st["first_error"] for st in stats if st["first_error"]), None),
+        "eager_fallbacks": sum(st["eager"] for st in stats),
+        "recompiles": stats[last]["compiles"] - 1,
+        "steady_ratio": ratio,
+        "steady_tokens_per_s": sum(st["hot_tokens"] / st["hot_s"] for st in steady) / len(steady),
+    }
 
 
 def _child(args, plain: bool) -> dict:
@@ -228,17 +307,43 @@ def _child(args, plain: bool) -> dict:
     # A fresh inductor cache per run: the second run must compile as much as the first.
     cache = tempfile.mkdtemp(prefix="dflash-inductor-")
     env = {**os.environ, "DFLASH_PATCHES": "0" if plain else "1", "TORCHINDUCTOR_CACHE_DIR": cache}
-    cmd = [sys.executable, __file__, "--phase", "recompile-child", "--json", "--device", args.device, "--size", args.size,
-           "--threads", str(args.threads), "--seconds", str(seconds), "--warm-seconds", str(args.warm_seconds),
-           "--backend", args.backend,
-           "--layers", str(args.layers), "--seq", str(args.seq)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--phase",
+        "recompile-child",
+        "--json",
+        "--device",
+        args.device,
+        "--size",
+        args.size,
+        "--threads",
+        str(args.threads),
+        "--seconds",
+        str(seconds),
+        "--warm-seconds",
+        str(args.warm_seconds),
+        "--backend",
+        args.backend,
+        "--layers",
+        str(args.layers),
+        "--seq",
+        str(args.seq),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG) :])
     tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return {"patches": not plain, "errors": 1, "first_error": f"child exited {done.returncode}: {' | '.join(tail)}",
-            "eager_fallbacks": None, "recompiles": None, "steady_ratio": None, "steady_tokens_per_s": None}
+    return {
+        "patches": not plain,
+        "errors": 1,
+        "first_error": f"child exited {done.returncode}: {' | '.join(tail)}",
+        "eager_fallbacks": None,
+        "recompiles": None,
+        "steady_ratio": None,
+        "steady_tokens_per_s": None,
+    }
 
 
 def main() -> int:
@@ -252,15 +357,26 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed lockstep steps (compile)")
     p.add_argument("--seconds", type=float, default=10.0, help="length of the recompiling window (patched run)")
     p.add_argument("--warm-seconds", type=float, default=None, help="length of the warm window (default: --seconds)")
-    p.add_argument("--plain-seconds", type=float, default=None,
-                   help="length of the plain-torch run's recompiling window (default: --seconds)")
+    p.add_argument(
+        "--plain-seconds",
+        type=float,
+        default=None,
+        help="length of the plain-torch run's recompiling window (default: --seconds)",
+    )
     p.add_argument("--backend", default=None, help="dynamo backend (default: inductor on cuda, aot_eager on cpu)")
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: detect; H100/H200 989)")
-    p.add_argument("--phase", choices=("all", "scaling", "recompile", "recompile-child"), default="all",
-                   help="recompile = only the patched vs plain comparison; recompile-child = one such run here")
+    p.add_argument(
+        "--phase",
+        choices=("all", "scaling", "recompile", "recompile-child"),
+        default="all",
+        help="recompile = only the patched vs plain comparison; recompile-child = one such run here",
+    )
     p.add_argument("--no-plain", action="store_true", help="skip the DFLASH_PATCHES=0 run")
-    p.add_argument("--concurrent", action="store_true",
-                   help="run the patched and plain interpreters at the same time (their speeds are then not comparable)")
+    p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the patched and plain interpreters at the same time (their speeds are then not comparable)",
+    )
     p.add_argument("--child-timeout", type=float, default=540.0)
     p.add_argument("--json", action="store_true", help="print the phase's result as one JSON line")
     args = p.parse_args()
@@ -273,15 +389,21 @@ def main() -> int:
     s = dict(SIZES[args.size])
     s["layers"] = args.layers = args.layers or s["layers"]
     s["seq"] = args.seq = args.seq or s["seq"]
-    devices = ([torch.device("cuda", i % torch.cuda.device_count()) for i in range(args.threads)]
-               if args.device == "cuda" else [torch.device("cpu")] * args.threads)
+    devices = (
+        [torch.device("cuda", i % torch.cuda.device_count()) for i in range(args.threads)]
+        if args.device == "cuda"
+        else [torch.device("cpu")] * args.threads
+    )
     if args.device == "cuda" and args.threads > torch.cuda.device_count():
         print(f"note: {args.threads} threads on {torch.cuda.device_count()} GPU(s): threads share GPUs")
 
     if args.phase == "recompile-child":
         print(RESULT_TAG + json.dumps(free_running(devices, s, args)), flush=True)
         return 0
-    print(f"drafter {args.size}: {s}; W={args.threads} on {args.device}, backend {args.backend}; torch {torch.__version__}")
+    print(
+        f"drafter {args.size}: {s}; W={args.threads} on {args.device}, backend {args.backend}; "
+        f"torch {torch.__version__}"
+    )
     result = {}
     if args.phase in ("all", "scaling"):
         solo = lockstep(devices[:1], s, args)
@@ -289,9 +411,11 @@ def main() -> int:
         scaling = multi["tokens_per_s_per_device"] / solo["tokens_per_s_per_device"]
         for run in (solo, multi):
             mfu = f"{100 * run['mfu']:.1f}%" if run["mfu"] is not None else "n/a (no known peak)"
-            print(f"  {run['threads']} thread(s): {run['tokens_per_s_per_device']:.0f} tok/s per device, "
-                  f"{run['tflops_per_device']:.1f} TFLOP/s per device, MFU {mfu}, eager fallbacks "
-                  f"{run['eager_fallbacks']}, unexpected recompiles {run['unexpected_recompiles']}")
+            print(
+                f"  {run['threads']} thread(s): {run['tokens_per_s_per_device']:.0f} tok/s per device, "
+                f"{run['tflops_per_device']:.1f} TFLOP/s per device, MFU {mfu}, eager fallbacks "
+                f"{run['eager_fallbacks']}, unexpected recompiles {run['unexpected_recompiles']}"
+            )
         print(f"scaling: W={args.threads} per-device / solo = {scaling:.3f} (goal >= 0.95)")
         result.update(solo=solo, multi=multi, scaling=scaling)
     if args.phase in ("all", "recompile"):
@@ -302,14 +426,21 @@ def main() -> int:
         else:
             runs = [_child(args, plain) for plain in modes]
         plain = "" if args.no_plain or args.plain_seconds == args.seconds else f" (plain: {args.plain_seconds:.0f} s)"
-        print(f"recompile phase ({args.warm_seconds:.0f} s warm + {args.seconds:.0f} s{plain} with thread "
-              f"{args.threads - 1} recompiling every step):")
-        print(f"  {'torch':<10}{'errors':>8}{'eager':>8}{'recompiles':>12}{'steady tok/s':>14}{'vs warm':>9}  first error")
+        print(
+            f"recompile phase ({args.warm_seconds:.0f} s warm + {args.seconds:.0f} s{plain} with thread "
+            f"{args.threads - 1} recompiling every step):"
+        )
+        print(
+            f"  {'torch':<10}{'errors':>8}{'eager':>8}{'recompiles':>12}{'steady tok/s':>14}{'vs warm':>9}  first error"
+        )
         for run in runs:
-            fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-            print(f"  {'patched' if run['patches'] else 'plain':<10}{run['errors']:>8}{fmt(run['eager_fallbacks'], 'd'):>8}"
-                  f"{fmt(run['recompiles'], 'd'):>12}{fmt(run['steady_tokens_per_s'], '.0f'):>14}"
-                  f"{fmt(run['steady_ratio'], '.3f'):>9}  {run['first_error'] or ''}")
+            fmt = lambda v, spec: "-" if v is None else format(v, spec)
+            print(
+                f"  {'patched' if run['patches'] else 'plain':<10}{run['errors']:>8}"
+                f"{fmt(run['eager_fallbacks'], 'd'):>8}"
+                f"{fmt(run['recompiles'], 'd'):>12}{fmt(run['steady_tokens_per_s'], '.0f'):>14}"
+                f"{fmt(run['steady_ratio'], '.3f'):>9}  {run['first_error'] or ''}"
+            )
         result["recompile"] = runs
     if args.json:
         print(RESULT_TAG + json.dumps(result), flush=True)

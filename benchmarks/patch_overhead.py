@@ -77,8 +77,9 @@ IMPORT_CHILD = "import time; t = time.perf_counter(); import torch; print(time.p
 def _run(code: str, args: list[str], patched: bool, cpu: int | None = None) -> float:
     env = {**os.environ, "DFLASH_PATCHES": "1" if patched else "0"}
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-    out = subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, capture_output=True, text=True,
-                         preexec_fn=pin)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, check=True, capture_output=True, text=True, preexec_fn=pin
+    )
     return float(out.stdout.split()[-1])
 
 
@@ -112,16 +113,21 @@ def _compare(a: list[float], b: list[float], b_name: str = "patched", *, differe
     per_round = [y - x if difference else y / x for x, y in zip(a, b)]
     key = "difference" if difference else "ratio"
     return {
-        "plain": statistics.median(a), b_name: statistics.median(b),
-        key: statistics.median(per_round), f"{key}_ci95": _median_interval(per_round),
+        "plain": statistics.median(a),
+        b_name: statistics.median(b),
+        key: statistics.median(per_round),
+        f"{key}_ci95": _median_interval(per_round),
         "runs": {"plain": a, b_name: b},
     }
 
 
 def _interval_text(result: dict, key: str = "ratio", scale: float = 1, digits: int = 3) -> str:
     interval = result[f"{key}_ci95"]
-    ci = ("too few rounds for a 95% CI" if interval is None
-          else f"95% CI {interval[0] * scale:.{digits}f} to {interval[1] * scale:.{digits}f}")
+    ci = (
+        "too few rounds for a 95% CI"
+        if interval is None
+        else f"95% CI {interval[0] * scale:.{digits}f} to {interval[1] * scale:.{digits}f}"
+    )
     return f"{result[key] * scale:.{digits}f} ({ci})"
 
 
@@ -134,8 +140,12 @@ def _startup_seconds(patched: bool, round_: int) -> float:
 
 def _hook_import_ms() -> float:
     """Cumulative import time of the hook's modules at interpreter start (python -X importtime)."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True,
-                         env={**os.environ, "DFLASH_PATCHES": "1"}).stderr
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "pass"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DFLASH_PATCHES": "1"},
+    ).stderr
     total = 0
     for line in out.splitlines():
         match = re.match(r"import time:\s+\d+ \|\s+(\d+) \|\s+(\S+)$", line.replace(" ", " "))
@@ -161,33 +171,49 @@ def main() -> int:
         def measure(patched: bool, round_: int) -> float:
             seed = -1 if args.fixed_layout else round_ + seed_offset
             return _run(CALLS_CHILD, [str(threads), str(args.seconds), args.backend, str(seed)], patched, cpu)
+
         return measure
 
     pinned = "unpinned" if cpu is None else f"call loops pinned to CPU {cpu}"
     layout = "fixed heap layout" if args.fixed_layout else "heap layout randomised per round"
     # Each line is printed as soon as it is measured, so a run cut short still reports.
-    print(f"torch {version('torch')}, backend={args.backend}, {args.rounds} alternating rounds, medians of "
-          f"per-round ratios, {pinned}, {layout}", flush=True)
+    print(
+        f"torch {version('torch')}, backend={args.backend}, {args.rounds} alternating rounds, medians of "
+        f"per-round ratios, {pinned}, {layout}",
+        flush=True,
+    )
     results = {"torch": version("torch"), "backend": args.backend, "rounds": args.rounds, "seconds": args.seconds}
     for threads in (1, 4):
         r = results[f"calls_per_s_{threads}_threads"] = _compare(*_plain_vs_patched(args.rounds, calls(threads)))
-        print(f"compiled calls/s, {threads} thread(s): plain {r['plain']:,.0f}  patched {r['patched']:,.0f}  "
-              f"ratio {_interval_text(r)}  (goal >= 0.98)", flush=True)
+        print(
+            f"compiled calls/s, {threads} thread(s): plain {r['plain']:,.0f}  patched {r['patched']:,.0f}  "
+            f"ratio {_interval_text(r)}  (goal >= 0.98)",
+            flush=True,
+        )
     # The A/A sides get different layouts, so it bounds layout spread as well as drift over time.
     r = results["calls_per_s_1_thread_a_a"] = _compare(
         *_alternate(args.rounds, lambda i: calls(1)(False, i), lambda i: calls(1, seed_offset=args.rounds)(False, i)),
         "plain_again",
     )
-    print(f"A/A control, 1 thread, plain vs plain: {r['plain']:,.0f} vs {r['plain_again']:,.0f}  "
-          f"ratio {_interval_text(r)}  (the resolution of the ratios above)", flush=True)
+    print(
+        f"A/A control, 1 thread, plain vs plain: {r['plain']:,.0f} vs {r['plain_again']:,.0f}  "
+        f"ratio {_interval_text(r)}  (the resolution of the ratios above)",
+        flush=True,
+    )
     r = results["python_c_pass_s"] = _compare(*_plain_vs_patched(args.rounds * 2, _startup_seconds), difference=True)
     results["hook_import_ms"] = _hook_import_ms()
-    print(f"python -c pass: hook off {r['plain'] * 1000:.1f} ms  hook on {r['patched'] * 1000:.1f} ms  "
-          f"added {_interval_text(r, 'difference', 1000, 1)} ms; hook modules' import time "
-          f"{results['hook_import_ms']:.2f} ms  (goal <= 5 ms)", flush=True)
+    print(
+        f"python -c pass: hook off {r['plain'] * 1000:.1f} ms  hook on {r['patched'] * 1000:.1f} ms  "
+        f"added {_interval_text(r, 'difference', 1000, 1)} ms; hook modules' import time "
+        f"{results['hook_import_ms']:.2f} ms  (goal <= 5 ms)",
+        flush=True,
+    )
     r = results["import_torch_s"] = _compare(*_plain_vs_patched(args.rounds, lambda p, _: _run(IMPORT_CHILD, [], p)))
-    print(f"import torch: plain {r['plain']:.3f} s  patched {r['patched']:.3f} s  ratio {_interval_text(r)}  "
-          "(goal <= 1.03)", flush=True)
+    print(
+        f"import torch: plain {r['plain']:.3f} s  patched {r['patched']:.3f} s  ratio {_interval_text(r)}  "
+        "(goal <= 1.03)",
+        flush=True,
+    )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=2)

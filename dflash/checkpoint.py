@@ -109,8 +109,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         if len(state["cuda"]) != torch.cuda.device_count():
-            logger.warning("checkpoint has %d CUDA RNG states, this host has %d GPUs: CUDA RNG not restored",
-                           len(state["cuda"]), torch.cuda.device_count())
+            logger.warning(
+                "checkpoint has %d CUDA RNG states, this host has %d GPUs: CUDA RNG not restored",
+                len(state["cuda"]),
+                torch.cuda.device_count(),
+            )
         else:
             torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -125,9 +128,15 @@ def _as_tuples(value):
 # ---------------------------------------------------------------------------------------
 
 
-def save_checkpoint(out_dir: str | Path, step: int, *, weights: dict[str, torch.Tensor],
-                    drafter_config: dict[str, Any], training_state: dict[str, Any] | None,
-                    keep_last: int = 2) -> Path:
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    *,
+    weights: dict[str, torch.Tensor],
+    drafter_config: dict[str, Any],
+    training_state: dict[str, Any] | None,
+    keep_last: int = 2,
+) -> Path:
     """Atomically save a drafter (+ training state) as ``<out_dir>/checkpoints/step_<step>``.
 
     Args:
@@ -152,8 +161,11 @@ def save_checkpoint(out_dir: str | Path, step: int, *, weights: dict[str, torch.
     tmp.mkdir()
 
     (tmp / CONFIG_NAME).write_text(json.dumps(drafter_config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_NAME),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").contiguous() for k, v in weights.items()},
+        str(tmp / WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
     # safetensors writes 0600; serving engines often run as another user.
     os.chmod(tmp / WEIGHTS_NAME, 0o644)
     names = [CONFIG_NAME, WEIGHTS_NAME]
@@ -207,14 +219,18 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
             # E.g. the user deleted a corrupt newest step, as the verify error tells them to.
             steps = sorted(p for p in path.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
             if not steps:
-                raise CheckpointError(f"{path / LATEST_NAME} names {latest}, which does not exist, and no other "
-                                      f"step directory is left in {path}")
+                raise CheckpointError(
+                    f"{path / LATEST_NAME} names {latest}, which does not exist, and no other "
+                    f"step directory is left in {path}"
+                )
             logger.warning("%s names %s, which does not exist; using %s", path / LATEST_NAME, latest, steps[-1].name)
             step_dir = steps[-1]
         path = step_dir
     if not (path / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
-                              "pass a run directory (--out of dflash train) or a step_N directory")
+        raise CheckpointError(
+            f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
+            "pass a run directory (--out of dflash train) or a step_N directory"
+        )
     if verify:
         verify_checkpoint(path)
     return path
@@ -226,25 +242,28 @@ def verify_checkpoint(step_dir: Path) -> None:
     Raises:
         CheckpointError: no manifest (incomplete save), or a missing/corrupt file, naming it.
     """
-    fix = (f"delete {step_dir}: `dflash train --resume` and `dflash eval --drafter` then take the newest "
-           f"step left in {step_dir.parent} (or pass one of its step_N directories to dflash eval)")
+    fix = (
+        f"delete {step_dir}: `dflash train --resume` and `dflash eval --drafter` then take the newest "
+        f"step left in {step_dir.parent} (or pass one of its step_N directories to dflash eval)"
+    )
     manifest_path = step_dir / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{manifest_path}: missing or unreadable ({e}); the checkpoint is "
-                              f"incomplete: {fix}") from None
+        raise CheckpointError(
+            f"{manifest_path}: missing or unreadable ({e}); the checkpoint is incomplete: {fix}"
+        ) from None
     for name, expected in manifest.items():
         file = step_dir / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the checkpoint; {fix}")
         size = file.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, expected {expected['bytes']} (truncated or "
-                                  f"incomplete write); {fix}")
+            raise CheckpointError(
+                f"{file}: {size} bytes, expected {expected['bytes']} (truncated or incomplete write); {fix}"
+            )
         if _sha256(file) != expected["sha256"]:
-            raise CheckpointError(f"{file}: content does not match its sha256 in {MANIFEST_NAME} "
-                                  f"(corrupt); {fix}")
+            raise CheckpointError(f"{file}: content does not match its sha256 in {MANIFEST_NAME} (corrupt); {fix}")
 
 
 def load_drafter_files(step_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -262,6 +281,8 @@ def load_training_state(step_dir: Path) -> dict[str, Any]:
     """
     path = step_dir / STATE_NAME
     if not path.is_file():
-        raise CheckpointError(f"{path}: no training state (weights-only export); it can be evaluated "
-                              "but not resumed; train into a new --out")
+        raise CheckpointError(
+            f"{path}: no training state (weights-only export); it can be evaluated "
+            "but not resumed; train into a new --out"
+        )
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -16,7 +16,6 @@ import textwrap
 from dataclasses import dataclass
 from functools import cache
 
-
 # Saved absolute, so train_config.json and a resume from another directory name the same files.
 INPUT_PATHS = ("target", "data")
 #: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
@@ -151,8 +150,18 @@ class TrainConfig:
         for name in INPUT_PATHS:
             if getattr(self, name):
                 setattr(self, name, absolute_path(getattr(self, name)))
-        positive = ("block_size", "num_draft_layers", "num_target_layers", "seq_len", "batch_size",
-                    "grad_accum", "max_anchors", "log_every", "keep_last", "loss_chunk_blocks")
+        positive = (
+            "block_size",
+            "num_draft_layers",
+            "num_target_layers",
+            "seq_len",
+            "batch_size",
+            "grad_accum",
+            "max_anchors",
+            "log_every",
+            "keep_last",
+            "loss_chunk_blocks",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -177,8 +186,10 @@ class TrainConfig:
         from dflash.loss import PAPER_GAMMA
 
         if self.gamma is None and self.block_size not in PAPER_GAMMA:
-            raise ValueError(f"gamma: the paper gives no decay for block_size={self.block_size} (only for "
-                             f"{sorted(PAPER_GAMMA)}); pass --gamma (about block_size / 2)")
+            raise ValueError(
+                f"gamma: the paper gives no decay for block_size={self.block_size} (only for "
+                f"{sorted(PAPER_GAMMA)}); pass --gamma (about block_size / 2)"
+            )
         if not 0.0 <= self.soft_label_weight <= 1.0:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -193,13 +204,17 @@ class TrainConfig:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if (self.target_devices is None) != (self.drafter_devices is None):
-            raise ValueError("target_devices/drafter_devices: give both --target-devices and --drafter-devices "
-                             "(e.g. cuda:0 and cuda:1-3) or neither")
+            raise ValueError(
+                "target_devices/drafter_devices: give both --target-devices and --drafter-devices "
+                "(e.g. cuda:0 and cuda:1-3) or neither"
+            )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.vary_seq_len < 0 or (self.vary_seq_len and self.drafter_devices is None):
-            raise ValueError(f"vary_seq_len={self.vary_seq_len}: must be >= 0 and needs the threaded layout "
-                             "(--target-devices/--drafter-devices)")
+            raise ValueError(
+                f"vary_seq_len={self.vary_seq_len}: must be >= 0 and needs the threaded layout "
+                "(--target-devices/--drafter-devices)"
+            )
         if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):
             raise ValueError(f"target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
 
@@ -207,7 +222,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
+    def from_dict(cls, values: dict) -> TrainConfig:
         """Build from a dict (e.g. a checkpoint's saved config); unknown keys raise ValueError."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
@@ -223,9 +238,12 @@ def field_docs(cls: type = TrainConfig) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = after.value.value
     return docs
-

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class Batch:
     loss_mask: torch.Tensor
     lengths: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         return Batch(
             input_ids=self.input_ids.to(device, non_blocking=True),
             loss_mask=self.loss_mask.to(device, non_blocking=True),
@@ -130,7 +131,7 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DatasetError(
-                    f"{where}: not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                    f"{where}: not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r}); "
                     "re-encode the file as UTF-8"
                 ) from None
             if not line.strip():
@@ -138,8 +139,9 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); "
-                                   "expected one JSON object per line") from None
+                raise DatasetError(
+                    f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
+                ) from None
             conversations.append(_parse_record(record, where))
     if not conversations:
         raise DatasetError(f"{path}: file is empty; expected one JSON chat record per line")
@@ -163,15 +165,16 @@ def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
     parsed = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or role_key not in message or text_key not in message:
-            raise DatasetError(f"{where}: message {i} must be an object with keys "
-                               f"'{role_key}' and '{text_key}', got {message!r:.80}")
+            raise DatasetError(
+                f"{where}: message {i} must be an object with keys '{role_key}' and '{text_key}', got {message!r:.80}"
+            )
         role, content = message[role_key], message[text_key]
         if role not in _ROLE_ALIASES:
-            raise DatasetError(f"{where}: message {i} has unknown role {role!r}; expected one of "
-                               f"{sorted(_ROLE_ALIASES)}")
+            raise DatasetError(
+                f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(_ROLE_ALIASES)}"
+            )
         if not isinstance(content, str):
-            raise DatasetError(f"{where}: message {i} '{text_key}' must be a string, "
-                               f"got {type(content).__name__}")
+            raise DatasetError(f"{where}: message {i} '{text_key}' must be a string, got {type(content).__name__}")
         parsed.append({"role": _ROLE_ALIASES[role], "content": content})
     return parsed
 
@@ -191,9 +194,7 @@ def prompt_messages(conversation: Sequence[dict[str, str]]) -> list[dict[str, st
 
 
 def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -243,8 +244,7 @@ def tokenize_conversation(tokenizer, conversation: Sequence[dict[str, str]]) -> 
     try:
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     except NotImplementedError as e:
-        raise DatasetError("the target tokenizer has no offset mapping; use a fast tokenizer "
-                           "(tokenizer.json)") from e
+        raise DatasetError("the target tokenizer has no offset mapping; use a fast tokenizer (tokenizer.json)") from e
     mask = [0] * len(encoded["input_ids"])
     span_iter = iter(spans)
     span = next(span_iter, None)
@@ -256,8 +256,9 @@ def tokenize_conversation(tokenizer, conversation: Sequence[dict[str, str]]) -> 
     return Example(input_ids=list(encoded["input_ids"]), loss_mask=mask)
 
 
-def build_examples(tokenizer, conversations, *, seq_len: int, overflow: str = "truncate",
-                   source: str = "data") -> list[Example]:
+def build_examples(
+    tokenizer, conversations, *, seq_len: int, overflow: str = "truncate", source: str = "data"
+) -> list[Example]:
     """Tokenize conversations and apply the length policy (module docstring).
 
     Raises:
@@ -278,12 +279,22 @@ def build_examples(tokenizer, conversations, *, seq_len: int, overflow: str = "t
             unsupervised += 1
             continue
         examples.append(example)
-    logger.info("%s: %d conversations, %d longer than seq_len=%d (%s), %d skipped without two "
-                "consecutive assistant tokens, %d kept", source, len(conversations), too_long,
-                seq_len, "truncated" if overflow == "truncate" else "dropped", unsupervised, len(examples))
+    logger.info(
+        "%s: %d conversations, %d longer than seq_len=%d (%s), %d skipped without two "
+        "consecutive assistant tokens, %d kept",
+        source,
+        len(conversations),
+        too_long,
+        seq_len,
+        "truncated" if overflow == "truncate" else "dropped",
+        unsupervised,
+        len(examples),
+    )
     if not examples:
-        raise DatasetError(f"{source}: no usable conversation (need an assistant turn of at least two "
-                           f"tokens within seq_len={seq_len}); raise --seq-len or check the roles")
+        raise DatasetError(
+            f"{source}: no usable conversation (need an assistant turn of at least two "
+            f"tokens within seq_len={seq_len}); raise --seq-len or check the roles"
+        )
     return examples
 
 
@@ -322,16 +333,26 @@ class ShardedSampler:
         ValueError: bad rank/world_size/batch_size, or fewer examples than one global batch.
     """
 
-    def __init__(self, num_examples: int, *, batch_size: int, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        num_examples: int,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_examples < batch_size * world_size:
-            raise ValueError(f"{num_examples} examples are fewer than one global batch "
-                             f"(batch_size={batch_size} x world_size={world_size}); add data or "
-                             "lower --batch-size")
+            raise ValueError(
+                f"{num_examples} examples are fewer than one global batch "
+                f"(batch_size={batch_size} x world_size={world_size}); add data or "
+                "lower --batch-size"
+            )
         self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
         self.shuffle, self.rank, self.world_size = shuffle, rank, world_size
         self.epoch, self.position = 0, 0
@@ -347,8 +368,8 @@ class ShardedSampler:
         else:
             order = list(range(self.num_examples))
         b, n = self.batch_size, self.batches_per_epoch * self.world_size
-        batches = [order[i * b:(i + 1) * b] for i in range(n)]
-        return batches[self.rank::self.world_size]
+        batches = [order[i * b : (i + 1) * b] for i in range(n)]
+        return batches[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yield index batches forever, epoch after epoch, from the current state."""
@@ -373,13 +394,12 @@ class BatchLoader:
     taken between steps resumes with the next unseen batch.
     """
 
-    def __init__(self, examples: Sequence[Example], sampler: ShardedSampler, *, seq_len: int,
-                 pad_token_id: int):
+    def __init__(self, examples: Sequence[Example], sampler: ShardedSampler, *, seq_len: int, pad_token_id: int):
         self.examples, self.sampler = examples, sampler
         self.seq_len, self.pad_token_id = seq_len, pad_token_id
         self._indices = None
 
-    def __iter__(self) -> "BatchLoader":
+    def __iter__(self) -> BatchLoader:
         return self
 
     def __next__(self) -> Batch:

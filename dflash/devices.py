@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-_ITEM = re.compile(r"^(?:(?P<type>cpu|cuda)(?::(?P<first>\d+)(?:-(?P<last>\d+))?)?|(?P<bare>\d+)(?:-(?P<bare_last>\d+))?)$")
+_ITEM = re.compile(
+    r"^(?:(?P<type>cpu|cuda)(?::(?P<first>\d+)(?:-(?P<last>\d+))?)?|(?P<bare>\d+)(?:-(?P<bare_last>\d+))?)$"
+)
 
 
 class DeviceSpecError(ValueError):
@@ -51,7 +53,7 @@ class DeviceLayout:
     def device_type(self) -> str:
         return self.drafters[0].device.type
 
-    def shifted(self, local_rank: int) -> "DeviceLayout":
+    def shifted(self, local_rank: int) -> DeviceLayout:
         """The layout of local process ``local_rank`` when several processes share a host
         (``torchrun --nproc-per-node N``): CUDA indices move up by ``local_rank`` times the
         number of GPUs one process uses; CPU slots are unchanged.
@@ -73,11 +75,15 @@ class DeviceLayout:
 def _cuda_slot(index: int, flag: str) -> Slot:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise DeviceSpecError(f"{flag}: cuda:{index} requested but CUDA is not available on this host "
-                              f"(torch {torch.__version__}, no visible GPU); use cpu or cpu:0-N")
+        raise DeviceSpecError(
+            f"{flag}: cuda:{index} requested but CUDA is not available on this host "
+            f"(torch {torch.__version__}, no visible GPU); use cpu or cpu:0-N"
+        )
     if index >= count:
-        raise DeviceSpecError(f"{flag}: cuda:{index} does not exist; this host has {count} GPU(s) "
-                              f"(cuda:0..cuda:{count - 1}); check CUDA_VISIBLE_DEVICES")
+        raise DeviceSpecError(
+            f"{flag}: cuda:{index} does not exist; this host has {count} GPU(s) "
+            f"(cuda:0..cuda:{count - 1}); check CUDA_VISIBLE_DEVICES"
+        )
     return Slot(f"cuda:{index}", torch.device("cuda", index))
 
 
@@ -99,8 +105,9 @@ def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
     for item in items:
         m = _ITEM.match(item)
         if not m:
-            raise DeviceSpecError(f"{flag}: {item!r} is not a device; write cuda:N, cuda:N-M, cpu or cpu:N-M "
-                                  "(comma-separated)")
+            raise DeviceSpecError(
+                f"{flag}: {item!r} is not a device; write cuda:N, cuda:N-M, cpu or cpu:N-M (comma-separated)"
+            )
         if m["bare"] is not None:
             if kind is None:
                 raise DeviceSpecError(f"{flag}: {item!r} has no device type; write cuda:{item} or cpu:{item}")
@@ -134,6 +141,8 @@ def parse_layout(target_devices: str, drafter_devices: str) -> DeviceLayout:
     drafters = parse_devices(drafter_devices, flag="--drafter-devices")
     types_ = {s.device.type for s in targets + drafters}
     if len(types_) > 1:
-        raise DeviceSpecError(f"--target-devices {target_devices!r} and --drafter-devices {drafter_devices!r} mix "
-                              "cpu and cuda; use one device type for all threads of a process")
+        raise DeviceSpecError(
+            f"--target-devices {target_devices!r} and --drafter-devices {drafter_devices!r} mix "
+            "cpu and cuda; use one device type for all threads of a process"
+        )
     return DeviceLayout(targets, drafters)

@@ -36,7 +36,7 @@ class ProcessInfo:
     local_rank: int = 0
 
     @classmethod
-    def from_env(cls) -> "ProcessInfo":
+    def from_env(cls) -> ProcessInfo:
         """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (set by torchrun).
 
         Raises:
@@ -44,8 +44,10 @@ class ProcessInfo:
         """
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if world < 1 or not 0 <= rank < world:
-            raise ValueError(f"RANK={rank}, WORLD_SIZE={world}: not a valid torchrun environment; start with "
-                             "torchrun --nnodes N --nproc-per-node 1 or without torchrun")
+            raise ValueError(
+                f"RANK={rank}, WORLD_SIZE={world}: not a valid torchrun environment; start with "
+                "torchrun --nnodes N --nproc-per-node 1 or without torchrun"
+            )
         return cls(rank, world, int(os.environ.get("LOCAL_RANK", 0)))
 
     @property
@@ -88,13 +90,15 @@ class FlatGradients:
         device = self.params[0].device
         bad = [p.dtype for p in self.params if p.dtype != torch.float32 or p.device != device]
         if bad:
-            raise ValueError(f"flat gradients need fp32 parameters on one device; found {bad[0]}: keep the "
-                             "drafter's master weights in fp32 (bf16 compute comes from autocast)")
+            raise ValueError(
+                f"flat gradients need fp32 parameters on one device; found {bad[0]}: keep the "
+                "drafter's master weights in fp32 (bf16 compute comes from autocast)"
+            )
         numel = sum(p.numel() for p in self.params)
         self.buffer = torch.zeros(numel + extra, dtype=torch.float32, device=device)
         offset = 0
         for p in self.params:
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.grads = [p.grad for p in self.params]
         self.stats = self.buffer[numel:]
@@ -106,8 +110,10 @@ class FlatGradients:
         """Raise RuntimeError if something replaced a ``.grad`` (its updates would be lost)."""
         for p, g in zip(self.params, self.grads):
             if p.grad is not g:
-                raise RuntimeError("a drafter parameter's .grad was replaced (zero_grad(set_to_none=True)?); "
-                                   "gradients would no longer be averaged")
+                raise RuntimeError(
+                    "a drafter parameter's .grad was replaced (zero_grad(set_to_none=True)?); "
+                    "gradients would no longer be averaged"
+                )
 
 
 def sum_replicas(buffers: list[torch.Tensor]) -> None:

@@ -81,8 +81,7 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens: int,
-                    eos_ids: set[int]) -> Generation:
+def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_ids: set[int]) -> Generation:
     """Plain greedy decoding with the target alone, one token per forward (KV cache).
 
     Args:
@@ -106,8 +105,9 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
 
 
 @torch.no_grad()
-def speculative_generate(target: Target, drafter, prompt_ids: torch.Tensor, *, max_new_tokens: int,
-                         eos_ids: set[int]) -> Generation:
+def speculative_generate(
+    target: Target, drafter, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_ids: set[int]
+) -> Generation:
     """Greedy speculative decoding; output identical to :func:`greedy_generate`.
 
     Args:
@@ -121,8 +121,10 @@ def speculative_generate(target: Target, drafter, prompt_ids: torch.Tensor, *, m
     from transformers import DynamicCache
 
     if list(drafter.config.target_layer_ids) != target.layer_ids:
-        raise ValueError(f"drafter taps target layers {drafter.config.target_layer_ids}, the target "
-                         f"was loaded with {target.layer_ids}")
+        raise ValueError(
+            f"drafter taps target layers {drafter.config.target_layer_ids}, the target "
+            f"was loaded with {target.layer_ids}"
+        )
     block_size, mask_id = drafter.config.block_size, drafter.config.mask_token_id
     device = target.device
     _sync(device)
@@ -143,8 +145,7 @@ def speculative_generate(target: Target, drafter, prompt_ids: torch.Tensor, *, m
         accepted = int(matches.cumprod(0).sum())
         # Emit the accepted drafts and the bonus token, but nothing past EOS or the token budget:
         # tau counts tokens the step really contributed, so sum(accept_lengths) + 1 == len(tokens).
-        emitted = _finish(draft[0, :accepted].tolist() + [int(greedy[accepted])],
-                          max_new_tokens - len(tokens), eos_ids)
+        emitted = _finish(draft[0, :accepted].tolist() + [int(greedy[accepted])], max_new_tokens - len(tokens), eos_ids)
         tokens.extend(emitted)
         accept_lengths.append(len(emitted))
         # Keep target states/cache for the block's first token and the accepted drafts only.
@@ -152,8 +153,7 @@ def speculative_generate(target: Target, drafter, prompt_ids: torch.Tensor, *, m
         _crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
     _sync(device)
-    return Generation(tokens=tokens, accept_lengths=accept_lengths,
-                      seconds=time.perf_counter() - start)
+    return Generation(tokens=tokens, accept_lengths=accept_lengths, seconds=time.perf_counter() - start)
 
 
 def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
@@ -167,10 +167,14 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     from dflash.model import DFlashDraftModel
 
     step_dir = find_checkpoint(path)
-    drafter = DFlashDraftModel.from_pretrained(step_dir, dtype=dtype, attn_implementation="sdpa",
-                                               local_files_only=True)
-    logger.info("drafter %s: %d layers, block size %d, taps target layers %s", step_dir,
-                drafter.config.num_hidden_layers, drafter.config.block_size, drafter.config.target_layer_ids)
+    drafter = DFlashDraftModel.from_pretrained(step_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+    logger.info(
+        "drafter %s: %d layers, block size %d, taps target layers %s",
+        step_dir,
+        drafter.config.num_hidden_layers,
+        drafter.config.block_size,
+        drafter.config.target_layer_ids,
+    )
     return drafter.to(device).eval()
 
 
@@ -198,8 +202,15 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int) -> list[torch
     return prompts
 
 
-def evaluate(target: Target, drafter, prompts: list[torch.Tensor], *, max_new_tokens: int,
-             eos_ids: set[int], progress: bool = False) -> EvalReport:
+def evaluate(
+    target: Target,
+    drafter,
+    prompts: list[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    progress: bool = False,
+) -> EvalReport:
     """Run target-only greedy and speculative decoding on every prompt and compare.
 
     The first prompt is run once untimed by both methods as a warm-up. Each speculative output
@@ -223,16 +234,29 @@ def evaluate(target: Target, drafter, prompts: list[torch.Tensor], *, max_new_to
         spec_s, spec_tokens = spec_s + spec.seconds, spec_tokens + len(spec.tokens)
         lengths += spec.accept_lengths
     if mismatches and target.dtype == torch.float32:
-        logger.error("%d/%d speculative outputs differ from the target's greedy output in float32: "
-                     "a bug in verification, please report it", mismatches, len(prompts))
+        logger.error(
+            "%d/%d speculative outputs differ from the target's greedy output in float32: "
+            "a bug in verification, please report it",
+            mismatches,
+            len(prompts),
+        )
     elif mismatches:
-        logger.warning("%d/%d speculative outputs differ from the target's greedy output: in %s the "
-                       "batched verify forward and one-token decoding round differently and can break "
-                       "argmax ties; rerun with float32 to check exactness", mismatches, len(prompts),
-                       target.dtype)
+        logger.warning(
+            "%d/%d speculative outputs differ from the target's greedy output: in %s the "
+            "batched verify forward and one-token decoding round differently and can break "
+            "argmax ties; rerun with float32 to check exactness",
+            mismatches,
+            len(prompts),
+            target.dtype,
+        )
     target_ms, spec_ms = 1e3 * greedy_s / greedy_tokens, 1e3 * spec_s / spec_tokens
     return EvalReport(
-        tau=sum(lengths) / max(len(lengths), 1), histogram=dict(Counter(lengths)),
-        speedup=target_ms / spec_ms, target_ms_per_token=target_ms, speculative_ms_per_token=spec_ms,
-        num_prompts=len(prompts), num_tokens=spec_tokens, block_size=drafter.config.block_size,
+        tau=sum(lengths) / max(len(lengths), 1),
+        histogram=dict(Counter(lengths)),
+        speedup=target_ms / spec_ms,
+        target_ms_per_token=target_ms,
+        speculative_ms_per_token=spec_ms,
+        num_prompts=len(prompts),
+        num_tokens=spec_tokens,
+        block_size=drafter.config.block_size,
     )

@@ -37,8 +37,7 @@ def default_gamma(block_size: int) -> float:
     """
     if block_size not in PAPER_GAMMA:
         raise ValueError(
-            f"no published gamma for block_size={block_size} (known: {sorted(PAPER_GAMMA)}); "
-            "pass gamma explicitly"
+            f"no published gamma for block_size={block_size} (known: {sorted(PAPER_GAMMA)}); pass gamma explicitly"
         )
     return PAPER_GAMMA[block_size]
 

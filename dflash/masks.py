@@ -84,9 +84,7 @@ def sample_anchors(
     return anchors, valid
 
 
-def draft_input_ids(
-    input_ids: Tensor, anchors: Tensor, valid: Tensor, block_size: int, mask_token_id: int
-) -> Tensor:
+def draft_input_ids(input_ids: Tensor, anchors: Tensor, valid: Tensor, block_size: int, mask_token_id: int) -> Tensor:
     """Token ids of the draft blocks: ``[x[a_b], MASK x (Bs - 1)]`` for every block b.
 
     Args:
@@ -103,9 +101,7 @@ def draft_input_ids(
     _check_anchors(anchors, valid, input_ids.shape[0])
     batch, num_blocks = anchors.shape
     first = torch.gather(input_ids, 1, anchors).masked_fill(~valid, mask_token_id)
-    ids = torch.full(
-        (batch, num_blocks, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
-    )
+    ids = torch.full((batch, num_blocks, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
     ids[:, :, 0] = first
     return ids.view(batch, num_blocks * block_size)
 
@@ -276,9 +272,7 @@ def build_block_mask(
     own_count = torch.zeros(batch, num_q_tiles, num_kv_tiles, dtype=torch.int32, device=device)
     for step in range(-(-block_size // kv_tile) + 1):  # tiles one block can touch
         tile_idx = torch.minimum(own_first + step, own_last).view(1, num_q_tiles, q_tile)
-        own_count.scatter_add_(
-            2, tile_idx.expand(batch, -1, -1), row_valid_t.to(torch.int32)
-        )
+        own_count.scatter_add_(2, tile_idx.expand(batch, -1, -1), row_valid_t.to(torch.int32))
     own_any = own_count > 0
     # Full only if every row of the q tile is in one block b and the kv tile lies inside block b.
     block_t = block.view(num_q_tiles, q_tile)

@@ -67,9 +67,7 @@ def default_target_layer_ids(num_target_layers: int, num_captured: int) -> list[
         repeat ids); see :func:`max_captured_layers`.
     """
     if num_target_layers < 1 or num_captured < 1:
-        raise ValueError(
-            f"num_target_layers and num_captured must be >= 1, got {num_target_layers}, {num_captured}"
-        )
+        raise ValueError(f"num_target_layers and num_captured must be >= 1, got {num_target_layers}, {num_captured}")
     if num_captured == 1:
         return [num_target_layers // 2]
     if num_captured > max_captured_layers(num_target_layers):
@@ -198,7 +196,9 @@ def create_drafter_config(
         if captured != num_captured_layers:
             logger.warning(
                 "target has %d layers: tapping %d layers instead of %d",
-                num_target_layers, captured, num_captured_layers,
+                num_target_layers,
+                captured,
+                num_captured_layers,
             )
         target_layer_ids = default_target_layer_ids(num_target_layers, captured)
     heads = text.num_attention_heads
@@ -241,8 +241,10 @@ class DFlashAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         # Read by transformers' sdpa_attention_forward: never add a causal mask of its own.
         self.is_causal = False
-        hidden, q_dim, kv_dim = config.hidden_size, config.num_attention_heads * self.head_dim, (
-            config.num_key_value_heads * self.head_dim
+        hidden, q_dim, kv_dim = (
+            config.hidden_size,
+            config.num_attention_heads * self.head_dim,
+            (config.num_key_value_heads * self.head_dim),
         )
         self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
@@ -319,9 +321,7 @@ class DFlashDraftModel(PreTrainedModel):
         num_tapped = len(config.target_layer_ids)
         self.fc = nn.Linear(num_tapped * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.post_init()

@@ -54,13 +54,28 @@ from dflash import checkpoint
 from dflash.config import TrainConfig
 from dflash.data import Batch, BatchLoader, ShardedSampler, read_conversations
 from dflash.devices import DeviceLayout, Slot, parse_layout
-from dflash.distributed import (FlatGradients, ProcessInfo, barrier, destroy_process_group, gather_objects,
-                                init_process_group, sum_replicas)
+from dflash.distributed import (
+    FlatGradients,
+    ProcessInfo,
+    barrier,
+    destroy_process_group,
+    gather_objects,
+    init_process_group,
+    sum_replicas,
+)
 from dflash.loss import acceptance_length_estimate, per_position_accuracy, position_weights
 from dflash.masks import sample_anchors
 from dflash.target import Target, TargetStates, load_target
-from dflash.trainer import (REGENERATED_NAME, TargetBatch, Trainer, _check_resume_config, drafter_forward_loss,
-                            drafter_step, drafter_step_flops, produce_target_states)
+from dflash.trainer import (
+    REGENERATED_NAME,
+    TargetBatch,
+    Trainer,
+    _check_resume_config,
+    drafter_forward_loss,
+    drafter_step,
+    drafter_step_flops,
+    produce_target_states,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +104,10 @@ def seq_len_schedule(seq_len: int, count: int) -> list[int]:
     stride = max(SEQ_ALIGN, (seq_len // 2 // (count - 1)) // SEQ_ALIGN * SEQ_ALIGN)
     lengths = [seq_len - i * stride for i in range(count)]
     if lengths[-1] < 2 * SEQ_ALIGN:
-        raise ValueError(f"vary_seq_len={count}: --seq-len {seq_len} is too short for {count} lengths "
-                         f"{SEQ_ALIGN} apart; lower --vary-seq-len or raise --seq-len")
+        raise ValueError(
+            f"vary_seq_len={count}: --seq-len {seq_len} is too short for {count} lengths "
+            f"{SEQ_ALIGN} apart; lower --vary-seq-len or raise --seq-len"
+        )
     return lengths
 
 
@@ -162,7 +179,7 @@ class _Worker(threading.Thread):
             self.loop()
         except (PipelineStopped, PipelineError):  # stopped, or another thread failed first
             pass
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the main thread
+        except BaseException as e:
             logger.error("pipeline thread %s failed: %s: %s", self.name, type(e).__name__, e)
             self.control.fail(self.name, e)
 
@@ -209,8 +226,19 @@ class JobSource:
     order. :meth:`take` returns None once the jobs up to ``last_step`` are drawn.
     """
 
-    def __init__(self, loader: BatchLoader, *, num_drafters: int, grad_accum: int, first_step: int,
-                 last_step: int, max_anchors: int, generator: torch.Generator, seq_lens: list[int], pin: bool):
+    def __init__(
+        self,
+        loader: BatchLoader,
+        *,
+        num_drafters: int,
+        grad_accum: int,
+        first_step: int,
+        last_step: int,
+        max_anchors: int,
+        generator: torch.Generator,
+        seq_lens: list[int],
+        pin: bool,
+    ):
         self.loader, self.num_drafters, self.grad_accum = loader, num_drafters, grad_accum
         self.first_step, self.max_anchors, self.generator = first_step, max_anchors, generator
         self.seq_lens, self.pin = seq_lens, pin
@@ -229,8 +257,11 @@ class JobSource:
             batch = next(self.loader)
             length = self.seq_lens[(step + drafter) % len(self.seq_lens)]
             if length < batch.input_ids.shape[1]:
-                batch = Batch(batch.input_ids[:, :length].contiguous(), batch.loss_mask[:, :length].contiguous(),
-                              batch.lengths.clamp(max=length))
+                batch = Batch(
+                    batch.input_ids[:, :length].contiguous(),
+                    batch.loss_mask[:, :length].contiguous(),
+                    batch.lengths.clamp(max=length),
+                )
             anchors, valid = sample_anchors(batch.loss_mask, self.max_anchors, generator=self.generator)
             state = {"data": self.loader.state_dict(), "anchor_rng": self.generator.get_state()}
         if self.pin:
@@ -338,7 +369,7 @@ class DynamoWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.last[record.threadName] = record.getMessage().strip().splitlines()[0][:300]
 
-    def __enter__(self) -> "DynamoWarnings":
+    def __enter__(self) -> DynamoWarnings:
         logging.getLogger("torch._dynamo").addHandler(self)
         return self
 
@@ -373,9 +404,12 @@ def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
     from dflash.patching.importhook import active_finder
 
     if compiled and drafter_threads > 1 and active_finder() is None:
-        logger.warning("the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported "
-                       "before the hook): %d drafter threads compiling in this process can crash or fall back to "
-                       "eager; `dflash patches status` says why", drafter_threads)
+        logger.warning(
+            "the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported "
+            "before the hook): %d drafter threads compiling in this process can crash or fall back to "
+            "eager; `dflash patches status` says why",
+            drafter_threads,
+        )
 
 
 def raise_recompile_limit(limit: int) -> None:
@@ -429,9 +463,8 @@ class DrafterReplica:
 
 
 def _to_device(batch: TargetBatch, device: torch.device, *, keep_last_hidden: bool) -> TargetBatch:
-    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731 - pinned/peer copies, no host sync
-    states = TargetStates(move(batch.states.context),
-                          move(batch.states.last_hidden) if keep_last_hidden else None)
+    move = lambda t: t.to(device, non_blocking=True)
+    states = TargetStates(move(batch.states.context), move(batch.states.last_hidden) if keep_last_hidden else None)
     return TargetBatch(move(batch.input_ids), move(batch.loss_mask), states, batch.num_tokens)
 
 
@@ -440,8 +473,17 @@ class TargetWorker(_Worker):
     the job's drafter inbox. ``busy`` = target forward + copy; ``wait`` = drawing the job;
     ``blocked`` = waiting for room in a full inbox (the drafters are the bottleneck)."""
 
-    def __init__(self, slot: Slot, target: Target, source: JobSource, inboxes: list[Inbox],
-                 drafter_devices: list[torch.device], control: _Control, *, keep_last_hidden: bool):
+    def __init__(
+        self,
+        slot: Slot,
+        target: Target,
+        source: JobSource,
+        inboxes: list[Inbox],
+        drafter_devices: list[torch.device],
+        control: _Control,
+        *,
+        keep_last_hidden: bool,
+    ):
         super().__init__(f"target {slot.name}", control)
         self.slot, self.target, self.source, self.inboxes = slot, target, source, inboxes
         self.drafter_devices, self.keep_last_hidden = drafter_devices, keep_last_hidden
@@ -459,10 +501,12 @@ class TargetWorker(_Worker):
                 return
             self._enter("busy_s")
             device = self.drafter_devices[job.drafter]
-            states = _to_device(produce_target_states(self.target, job.batch), device,
-                                keep_last_hidden=self.keep_last_hidden)
-            item = Prefetched(job, states, job.anchors.to(device, non_blocking=True),
-                              job.valid.to(device, non_blocking=True))
+            states = _to_device(
+                produce_target_states(self.target, job.batch), device, keep_last_hidden=self.keep_last_hidden
+            )
+            item = Prefetched(
+                job, states, job.anchors.to(device, non_blocking=True), job.valid.to(device, non_blocking=True)
+            )
             if cuda:  # the copies are done and the busy time is GPU time, not launch time
                 torch.cuda.current_stream(self.slot.device).synchronize()
             self.tokens += states.num_tokens
@@ -485,9 +529,19 @@ class DrafterWorker(_Worker):
     flat buffer and the step statistics into ``flat.stats`` = ``[loss_sum, weight_sum,
     correct[Bs], total[Bs]]``. ``wait`` = waiting on its inbox (the targets are the bottleneck)."""
 
-    def __init__(self, replica: DrafterReplica, inbox: Inbox, control: _Control, *, grad_accum: int,
-                 compiled: bool, recompile_limit: int, warnings: DynamoWarnings, loss_kwargs: dict,
-                 max_anchors: int):
+    def __init__(
+        self,
+        replica: DrafterReplica,
+        inbox: Inbox,
+        control: _Control,
+        *,
+        grad_accum: int,
+        compiled: bool,
+        recompile_limit: int,
+        warnings: DynamoWarnings,
+        loss_kwargs: dict,
+        max_anchors: int,
+    ):
         super().__init__(f"drafter {replica.slot.name}", control)
         self.replica, self.inbox, self.grad_accum, self.compiled = replica, inbox, grad_accum, compiled
         self.recompile_limit, self.warnings, self.loss_kwargs = recompile_limit, warnings, loss_kwargs
@@ -540,24 +594,35 @@ class DrafterWorker(_Worker):
                 item = self.inbox.get()
                 self._enter("busy_s")
                 before = thread_compile_counts()
-                out = drafter_step(r.step_fn, r.model, r.heads, item.batch, max_anchors=self.max_anchors,
-                                   generator=None, position_weight=r.position_weight,
-                                   autocast=r.slot.device.type == "cuda", anchors=(item.anchors, item.valid),
-                                   **self.loss_kwargs)
+                out = drafter_step(
+                    r.step_fn,
+                    r.model,
+                    r.heads,
+                    item.batch,
+                    max_anchors=self.max_anchors,
+                    generator=None,
+                    position_weight=r.position_weight,
+                    autocast=r.slot.device.type == "cuda",
+                    anchors=(item.anchors, item.valid),
+                    **self.loss_kwargs,
+                )
                 self._check_compiled(step, item.batch.input_ids.shape[1], before)
                 loss_sum, weight_sum = loss_sum + out.loss.loss_sum, weight_sum + out.loss.weight_sum
                 correct, total = correct + out.loss.correct, total + out.loss.total
                 blocks, pairs = blocks + out.valid_blocks, pairs + out.attention_pairs  # no host sync yet
                 context_tokens += item.batch.input_ids.numel()
                 tokens += item.batch.num_tokens
-            r.flat.stats.copy_(torch.cat([torch.stack([loss_sum, weight_sum]).float(), correct.float(),
-                                          total.float()]))
+            r.flat.stats.copy_(torch.cat([torch.stack([loss_sum, weight_sum]).float(), correct.float(), total.float()]))
             if r.slot.device.type == "cuda":
                 torch.cuda.synchronize(r.slot.device)  # busy time is GPU time
             self._enter(None)
             # FLOPs are linear in the three counts, so the step's sums give the step's FLOPs.
-            flops = drafter_step_flops(r.model, draft_tokens=float(blocks) * r.model.config.block_size,
-                                       context_tokens=context_tokens, visible_pairs=float(pairs))
+            flops = drafter_step_flops(
+                r.model,
+                draft_tokens=float(blocks) * r.model.config.block_size,
+                context_tokens=context_tokens,
+                visible_pairs=float(pairs),
+            )
             self.tokens += tokens
             self.flops += flops
             self.jobs += self.grad_accum
@@ -573,18 +638,28 @@ class DrafterWorker(_Worker):
         self.compiles += compiles
         if compiles and seq_len in self.compiled_lengths:
             self.unexpected_recompiles += compiles
-            logger.warning("%s step %d: RECOMPILED the drafter step for seq len %d, which it had compiled "
-                           "before (guard failure; last dynamo warning: %s)", self.name, step, seq_len,
-                           self.warnings.last.get(self.name, "none"))
+            logger.warning(
+                "%s step %d: RECOMPILED the drafter step for seq len %d, which it had compiled "
+                "before (guard failure; last dynamo warning: %s)",
+                self.name,
+                step,
+                seq_len,
+                self.warnings.last.get(self.name, "none"),
+            )
         elif compiles:
-            logger.info("%s step %d: compiled the drafter step for seq len %d (%d graph(s))", self.name, step,
-                        seq_len, compiles)
+            logger.info(
+                "%s step %d: compiled the drafter step for seq len %d (%d graph(s))", self.name, step, seq_len, compiles
+            )
         self.compiled_lengths.add(seq_len)
         if not runs:
             self.eager_fallbacks += 1
-            logger.warning("%s step %d: the compiled drafter step ran EAGERLY (no compiled graph ran); "
-                           "dynamo's last warning in this thread: %s", self.name, step,
-                           self.warnings.last.get(self.name, "none"))
+            logger.warning(
+                "%s step %d: the compiled drafter step ran EAGERLY (no compiled graph ran); "
+                "dynamo's last warning in this thread: %s",
+                self.name,
+                step,
+                self.warnings.last.get(self.name, "none"),
+            )
 
 
 def run_step(workers: list[DrafterWorker], control: _Control, step: int) -> list[StepReport]:
@@ -643,19 +718,26 @@ class PipelineTrainer(Trainer):
     def __init__(self, config: TrainConfig):
         self.process = ProcessInfo.from_env()
         self.layout: DeviceLayout = parse_layout(config.target_devices, config.drafter_devices).shifted(
-            self.process.local_rank)
+            self.process.local_rank
+        )
         init_process_group(self.process, self.layout.drafters[0].device)
         self._replicas_ready = False
         first = self.layout.targets[0].device
-        super().__init__(dataclasses.replace(config, device=str(first),
-                                             progress=config.progress and self.process.is_main))
+        super().__init__(
+            dataclasses.replace(config, device=str(first), progress=config.progress and self.process.is_main)
+        )
         self.config = config
         self.seq_lens = seq_len_schedule(config.seq_len, config.vary_seq_len)
         target_dir = Path(config.target) if config.target else None
-        self.targets = [self.target] + [self._load_target_replica(target_dir, s.device) for s in self.layout.targets[1:]]
+        self.targets = [self.target] + [
+            self._load_target_replica(target_dir, s.device) for s in self.layout.targets[1:]
+        ]
         self.replicas = [self._make_replica(i, slot) for i, slot in enumerate(self.layout.drafters)]
-        self.drafter, self.optimizer, self.scheduler = (self.replicas[0].model, self.replicas[0].optimizer,
-                                                        self.replicas[0].scheduler)
+        self.drafter, self.optimizer, self.scheduler = (
+            self.replicas[0].model,
+            self.replicas[0].optimizer,
+            self.replicas[0].scheduler,
+        )
         # Anchors are drawn on the host in job order (one stream per process; rank 0's equals the
         # single-device trainer's CPU stream).
         self.anchor_generator = torch.Generator().manual_seed(config.seed + self.process.rank)
@@ -665,10 +747,15 @@ class PipelineTrainer(Trainer):
         if config.resume:
             self.load_checkpoint()
         _warn_if_unpatched(self.compiled, len(self.layout.drafters))
-        logger.info("threaded layout (process %d/%d): target threads %s, drafter threads %s, prefetch depth %d%s",
-                    self.process.rank, self.process.world_size, [s.name for s in self.layout.targets],
-                    [s.name for s in self.layout.drafters], config.prefetch_depth,
-                    f", seq lens {self.seq_lens}" if len(self.seq_lens) > 1 else "")
+        logger.info(
+            "threaded layout (process %d/%d): target threads %s, drafter threads %s, prefetch depth %d%s",
+            self.process.rank,
+            self.process.world_size,
+            [s.name for s in self.layout.targets],
+            [s.name for s in self.layout.drafters],
+            config.prefetch_depth,
+            f", seq lens {self.seq_lens}" if len(self.seq_lens) > 1 else "",
+        )
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -681,23 +768,42 @@ class PipelineTrainer(Trainer):
         model = self.drafter if index == 0 else copy.deepcopy(self.drafter)
         model = model.to(slot.device)
         source = next((t for t in self.targets if t.device == slot.device), self.target)
-        heads = (Heads(source.embed_tokens, source.lm_head) if source.device == slot.device else
-                 Heads(copy.deepcopy(source.embed_tokens).to(slot.device), copy.deepcopy(source.lm_head).to(slot.device)))
+        heads = (
+            Heads(source.embed_tokens, source.lm_head)
+            if source.device == slot.device
+            else Heads(
+                copy.deepcopy(source.embed_tokens).to(slot.device), copy.deepcopy(source.lm_head).to(slot.device)
+            )
+        )
         flat = FlatGradients(model, extra=2 + 2 * self.config.block_size)
         # The base trainer's optimizer settings, minus internal defaults its __init__ does not take.
         accepted = inspect.signature(type(self.optimizer)).parameters
-        optimizer = type(self.optimizer)(model.parameters(),
-                                         **{k: v for k, v in self.optimizer.defaults.items() if k in accepted})
+        optimizer = type(self.optimizer)(
+            model.parameters(), **{k: v for k, v in self.optimizer.defaults.items() if k in accepted}
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.scheduler.lr_lambdas[0])
         step_fn = compiled_step_fn(index) if self.compiled else drafter_forward_loss
-        return DrafterReplica(slot, model, heads, optimizer, scheduler, flat,
-                              position_weights(self.config.block_size, self.config.gamma, device=slot.device), step_fn)
+        return DrafterReplica(
+            slot,
+            model,
+            heads,
+            optimizer,
+            scheduler,
+            flat,
+            position_weights(self.config.block_size, self.config.gamma, device=slot.device),
+            step_fn,
+        )
 
     def _build_loader(self, data_path: Path, *, regenerate: bool) -> BatchLoader:
         loader = super()._build_loader(data_path, regenerate=regenerate)
         # Shard by process; within a process jobs go round-robin to the drafter threads.
-        loader.sampler = ShardedSampler(len(loader.examples), batch_size=self.config.batch_size, seed=self.config.seed,
-                                        rank=self.process.rank, world_size=self.process.world_size)
+        loader.sampler = ShardedSampler(
+            len(loader.examples),
+            batch_size=self.config.batch_size,
+            seed=self.config.seed,
+            rank=self.process.rank,
+            world_size=self.process.world_size,
+        )
         return loader
 
     def _regenerated(self, conversations):
@@ -745,20 +851,41 @@ class PipelineTrainer(Trainer):
         self._control = control = _Control()
         self._warnings = DynamoWarnings()
         self.inboxes = [Inbox(cfg.prefetch_depth, control) for _ in self.replicas]
-        source = JobSource(self.loader, num_drafters=len(self.replicas), grad_accum=cfg.grad_accum,
-                           first_step=self.step + 1, last_step=self.total_steps, max_anchors=cfg.max_anchors,
-                           generator=self.anchor_generator, seq_lens=self.seq_lens,
-                           pin=self.layout.device_type == "cuda")
-        loss_kwargs = dict(mask_token_id=self.drafter.config.mask_token_id, soft_label_weight=cfg.soft_label_weight,
-                           position_weighting="dpace" if cfg.dpace else "decay")
+        source = JobSource(
+            self.loader,
+            num_drafters=len(self.replicas),
+            grad_accum=cfg.grad_accum,
+            first_step=self.step + 1,
+            last_step=self.total_steps,
+            max_anchors=cfg.max_anchors,
+            generator=self.anchor_generator,
+            seq_lens=self.seq_lens,
+            pin=self.layout.device_type == "cuda",
+        )
+        loss_kwargs = dict(
+            mask_token_id=self.drafter.config.mask_token_id,
+            soft_label_weight=cfg.soft_label_weight,
+            position_weighting="dpace" if cfg.dpace else "decay",
+        )
         devices = [r.slot.device for r in self.replicas]
-        self.target_workers = [TargetWorker(s, t, source, self.inboxes, devices, control,
-                                            keep_last_hidden=cfg.soft_label_weight > 0)
-                               for s, t in zip(self.layout.targets, self.targets)]
-        self.drafter_workers = [DrafterWorker(r, inbox, control, grad_accum=cfg.grad_accum, compiled=self.compiled,
-                                              recompile_limit=len(self.seq_lens) + 8, warnings=self._warnings,
-                                              loss_kwargs=loss_kwargs, max_anchors=cfg.max_anchors)
-                                for r, inbox in zip(self.replicas, self.inboxes)]
+        self.target_workers = [
+            TargetWorker(s, t, source, self.inboxes, devices, control, keep_last_hidden=cfg.soft_label_weight > 0)
+            for s, t in zip(self.layout.targets, self.targets)
+        ]
+        self.drafter_workers = [
+            DrafterWorker(
+                r,
+                inbox,
+                control,
+                grad_accum=cfg.grad_accum,
+                compiled=self.compiled,
+                recompile_limit=len(self.seq_lens) + 8,
+                warnings=self._warnings,
+                loss_kwargs=loss_kwargs,
+                max_anchors=cfg.max_anchors,
+            )
+            for r, inbox in zip(self.replicas, self.inboxes)
+        ]
         for inbox in self.inboxes:
             control.on_stop(inbox.wake)
         for worker in self.drafter_workers:
@@ -781,7 +908,6 @@ class PipelineTrainer(Trainer):
         if stuck:
             logger.error("pipeline threads still running after shutdown: %s", stuck)
 
-
     def train_step(self) -> dict[str, float]:
         """One optimizer step: every drafter thread runs ``grad_accum`` micro-batches, then
         gradients and statistics are summed over threads and processes, normalised by the
@@ -794,19 +920,26 @@ class PipelineTrainer(Trainer):
         self._warmed_up = True
         stats = self.replicas[0].flat.stats.cpu()  # one host sync per step, for logging
         bs = cfg.block_size
-        acc = per_position_accuracy(stats[2:2 + bs].long(), stats[2 + bs:].long())
+        acc = per_position_accuracy(stats[2 : 2 + bs].long(), stats[2 + bs :].long())
         self._resume_state = max(reports, key=lambda rep: rep.last_job.index).last_job.resume_state
         elapsed = time.perf_counter() - start
         tokens = sum(rep.tokens for rep in reports)
         fractions = self._step_fractions()
         drafter_s = fractions.pop("drafter_s")
         flops = sum(rep.flops for rep in reports)
-        metrics = {"loss": float(stats[0] / stats[1].clamp(min=1e-8)), "tau_hat": acceptance_length_estimate(acc),
-                   "grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0],
-                   "tokens_per_s": tokens / elapsed, "step_s": elapsed,
-                   **{f"acc/{k + 1}": float(a) for k, a in enumerate(acc)},
-                   "tokens": tokens, "drafter_s": drafter_s, "drafter_flops": flops,
-                   "drafter_tokens_per_s": tokens / max(drafter_s, 1e-9)}
+        metrics = {
+            "loss": float(stats[0] / stats[1].clamp(min=1e-8)),
+            "tau_hat": acceptance_length_estimate(acc),
+            "grad_norm": float(grad_norm),
+            "lr": self.scheduler.get_last_lr()[0],
+            "tokens_per_s": tokens / elapsed,
+            "step_s": elapsed,
+            **{f"acc/{k + 1}": float(a) for k, a in enumerate(acc)},
+            "tokens": tokens,
+            "drafter_s": drafter_s,
+            "drafter_flops": flops,
+            "drafter_tokens_per_s": tokens / max(drafter_s, 1e-9),
+        }
         if self.peak_flops:
             metrics["drafter_mfu"] = flops / max(drafter_s, 1e-9) / self.peak_flops
         metrics.update(fractions)
@@ -820,11 +953,14 @@ class PipelineTrainer(Trainer):
         last, self._step_counters = self._step_counters, now
         now_t = time.perf_counter()
         elapsed, self._step_time = max(now_t - self._step_time, 1e-9), now_t
-        delta = lambda w, key: now[w.name][key] - last[w.name][key]  # noqa: E731
+        delta = lambda w, key: now[w.name][key] - last[w.name][key]
         waits = [delta(w, "wait_s") for w in self.drafter_workers]
         busy = [delta(w, "busy_s") for w in self.target_workers]
-        return {"data_wait_frac": sum(waits) / len(waits) / elapsed, "target_frac": sum(busy) / len(busy) / elapsed,
-                "drafter_s": sum(delta(w, "busy_s") for w in self.drafter_workers)}
+        return {
+            "data_wait_frac": sum(waits) / len(waits) / elapsed,
+            "target_frac": sum(busy) / len(busy) / elapsed,
+            "drafter_s": sum(delta(w, "busy_s") for w in self.drafter_workers),
+        }
 
     # ---- observability ------------------------------------------------------------------------
 
@@ -837,8 +973,12 @@ class PipelineTrainer(Trainer):
         for w in self._threads:
             now, last = w.counters(), self._last_counters[w.name]
             d = {k: now[k] - last[k] for k in now}
-            entry = {"busy": d["busy_s"] / interval, "wait": d["wait_s"] / interval,
-                     "blocked": d["blocked_s"] / interval, "tokens_per_s": d["tokens"] / interval}
+            entry = {
+                "busy": d["busy_s"] / interval,
+                "wait": d["wait_s"] / interval,
+                "blocked": d["blocked_s"] / interval,
+                "tokens_per_s": d["tokens"] / interval,
+            }
             if isinstance(w, DrafterWorker):
                 entry["queue"] = float(len(w.inbox))
                 if self.peak_flops and d["busy_s"]:
@@ -852,25 +992,40 @@ class PipelineTrainer(Trainer):
     def _side_means(stats) -> dict[str, float]:
         target = [v for k, v in stats.items() if k.startswith("target")]
         drafter = [v for k, v in stats.items() if k.startswith("drafter")]
-        mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-        return {"target_busy": mean(target, "busy"), "target_blocked": mean(target, "blocked"),
-                "drafter_busy": mean(drafter, "busy"), "drafter_wait": mean(drafter, "wait"),
-                "queue": mean(drafter, "queue")}
+        mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+        return {
+            "target_busy": mean(target, "busy"),
+            "target_blocked": mean(target, "blocked"),
+            "drafter_busy": mean(drafter, "busy"),
+            "drafter_wait": mean(drafter, "wait"),
+            "queue": mean(drafter, "queue"),
+        }
 
     def _postfix(self, metrics, stats) -> dict[str, str]:
         side = self._side_means(stats)
-        return {"loss": f"{metrics['loss']:.3f}", "tau": f"{metrics['tau_hat']:.2f}",
-                "tok_s": f"{metrics['tokens_per_s']:.0f}", "tgt": f"{100 * side['target_busy']:.0f}%",
-                "dft": f"{100 * side['drafter_busy']:.0f}%", "wait": f"{100 * side['drafter_wait']:.0f}%",
-                "q": f"{side['queue']:.1f}"}
+        return {
+            "loss": f"{metrics['loss']:.3f}",
+            "tau": f"{metrics['tau_hat']:.2f}",
+            "tok_s": f"{metrics['tokens_per_s']:.0f}",
+            "tgt": f"{100 * side['target_busy']:.0f}%",
+            "dft": f"{100 * side['drafter_busy']:.0f}%",
+            "wait": f"{100 * side['drafter_wait']:.0f}%",
+            "q": f"{side['queue']:.1f}",
+        }
 
     def _log_threads(self, stats) -> None:
         side = self._side_means(stats)
         verdict = _bottleneck(side)
-        rows = "; ".join(f"{name}: busy {100 * s['busy']:.0f}% wait {100 * s['wait']:.0f}%"
-                         + (f" blocked {100 * s['blocked']:.0f}%" if name.startswith("target") else
-                            f" queue {s['queue']:.0f}" + (f" mfu {100 * s['mfu']:.1f}%" if "mfu" in s else ""))
-                         + f" {s['tokens_per_s']:.0f} tok/s" for name, s in stats.items())
+        rows = "; ".join(
+            f"{name}: busy {100 * s['busy']:.0f}% wait {100 * s['wait']:.0f}%"
+            + (
+                f" blocked {100 * s['blocked']:.0f}%"
+                if name.startswith("target")
+                else f" queue {s['queue']:.0f}" + (f" mfu {100 * s['mfu']:.1f}%" if "mfu" in s else "")
+            )
+            + f" {s['tokens_per_s']:.0f} tok/s"
+            for name, s in stats.items()
+        )
         logger.info("step %d threads: %s; bottleneck: %s", self.step, rows, verdict)
         for name, s in stats.items():
             for key, value in s.items():
@@ -881,18 +1036,33 @@ class PipelineTrainer(Trainer):
 
     def compile_report(self) -> dict[str, dict[str, int]]:
         """Per drafter thread: compiles, unexpected recompiles, eager fallbacks (after train())."""
-        return {w.name: {"compiles": w.compiles, "unexpected_recompiles": w.unexpected_recompiles,
-                         "eager_fallbacks": w.eager_fallbacks} for w in self.drafter_workers}
+        return {
+            w.name: {
+                "compiles": w.compiles,
+                "unexpected_recompiles": w.unexpected_recompiles,
+                "eager_fallbacks": w.eager_fallbacks,
+            }
+            for w in self.drafter_workers
+        }
 
     def _log_compile_summary(self) -> None:
         if not self.compiled:
             return
         for name, counts in self.compile_report().items():
             log = logger.warning if counts["eager_fallbacks"] or counts["unexpected_recompiles"] else logger.info
-            log("%s: %d compile(s), %d unexpected recompile(s), %d eager fallback step(s)", name,
-                counts["compiles"], counts["unexpected_recompiles"], counts["eager_fallbacks"])
-        logger.info("process-wide: %d recompile(s), %d graph break(s), %d eager fallback frame(s) after warm-up",
-                    self.monitor.recompiles, self.monitor.graph_breaks, self.monitor.failed)
+            log(
+                "%s: %d compile(s), %d unexpected recompile(s), %d eager fallback step(s)",
+                name,
+                counts["compiles"],
+                counts["unexpected_recompiles"],
+                counts["eager_fallbacks"],
+            )
+        logger.info(
+            "process-wide: %d recompile(s), %d graph break(s), %d eager fallback frame(s) after warm-up",
+            self.monitor.recompiles,
+            self.monitor.graph_breaks,
+            self.monitor.failed,
+        )
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -908,9 +1078,14 @@ class PipelineTrainer(Trainer):
         state = self.training_state()  # a collective: every rank calls it
         if not self.process.is_main:
             return None
-        return checkpoint.save_checkpoint(self.out, self.step, weights=self.drafter.state_dict(),
-                                          drafter_config=self.drafter.config.to_diff_dict(),
-                                          training_state=state, keep_last=self.config.keep_last)
+        return checkpoint.save_checkpoint(
+            self.out,
+            self.step,
+            weights=self.drafter.state_dict(),
+            drafter_config=self.drafter.config.to_diff_dict(),
+            training_state=state,
+            keep_last=self.config.keep_last,
+        )
 
     def load_checkpoint(self) -> None:
         """Restore every replica, optimizer, schedule, the data position and this rank's
@@ -930,8 +1105,10 @@ class PipelineTrainer(Trainer):
         rngs = state["anchor_rng"]
         if not isinstance(rngs, list) or len(rngs) != self.process.world_size:
             saved = len(rngs) if isinstance(rngs, list) else "a single-device run"
-            raise checkpoint.CheckpointError(f"{step_dir} was saved by {saved} process(es), this run has "
-                                             f"{self.process.world_size}; resume with the same torchrun layout")
+            raise checkpoint.CheckpointError(
+                f"{step_dir} was saved by {saved} process(es), this run has "
+                f"{self.process.world_size}; resume with the same torchrun layout"
+            )
         weights = load_file(str(step_dir / checkpoint.WEIGHTS_NAME))
         for r in self.replicas:
             r.model.load_state_dict(weights)

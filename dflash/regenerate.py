@@ -47,8 +47,16 @@ def _ids(rendered) -> list[int]:
 
 
 @torch.no_grad()
-def regenerate_conversations(target: Target, tokenizer, conversations, *, seq_len: int, max_new_tokens: int,
-                             batch_size: int = 64, progress: bool = True) -> list[list[dict[str, str]]]:
+def regenerate_conversations(
+    target: Target,
+    tokenizer,
+    conversations,
+    *,
+    seq_len: int,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> list[list[dict[str, str]]]:
     """Replace assistant replies by the target's greedy replies (see the module docstring).
 
     Args:
@@ -68,19 +76,30 @@ def regenerate_conversations(target: Target, tokenizer, conversations, *, seq_le
     replies: dict[int, str] = {}
     try:
         for start in tqdm(range(0, len(order), batch_size), desc="regenerate", disable=not progress):
-            chunk = order[start:start + batch_size]
-            batch = tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True,
-                              add_special_tokens=False).to(target.device)
-            out = target.model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
-                                        pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id)
-            for i, row in zip(chunk, out[:, batch["input_ids"].shape[1]:]):
+            chunk = order[start : start + batch_size]
+            batch = tokenizer(
+                [texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(target.device)
+            out = target.model.generate(
+                **batch,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            for i, row in zip(chunk, out[:, batch["input_ids"].shape[1] :]):
                 replies[i] = tokenizer.decode(row, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = padding_side
-    result = [prompts[i] + [{"role": "assistant", "content": replies[i]}] for i in range(len(prompts))
-              if replies[i].strip()]
-    logger.info("regenerated %d assistant replies with the target (%d prompts, %d empty replies dropped)",
-                len(result), len(prompts), len(prompts) - len(result))
+    result = [
+        prompts[i] + [{"role": "assistant", "content": replies[i]}] for i in range(len(prompts)) if replies[i].strip()
+    ]
+    logger.info(
+        "regenerated %d assistant replies with the target (%d prompts, %d empty replies dropped)",
+        len(result),
+        len(prompts),
+        len(prompts) - len(result),
+    )
     return result
 
 

@@ -43,12 +43,16 @@ def resolve_device(name: str | None) -> torch.device:
         raise ValueError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N ({e})") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available on this host (torch "
-                             f"{torch.__version__}, no visible GPU); use --device cpu")
+            raise ValueError(
+                f"--device {name}: CUDA is not available on this host (torch "
+                f"{torch.__version__}, no visible GPU); use --device cpu"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(f"--device {name}: this host has {count} CUDA device(s) "
-                             f"(cuda:0..cuda:{count - 1}); pick one of those or set CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"--device {name}: this host has {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}); pick one of those or set CUDA_VISIBLE_DEVICES"
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
@@ -89,8 +93,10 @@ class Target:
         self.layer_ids = list(layer_ids)
         bad = [k for k in self.layer_ids if not 0 <= k < self.num_layers]
         if bad or not self.layer_ids:
-            raise ValueError(f"target_layer_ids {self.layer_ids}: each id must be in [0, {self.num_layers}) "
-                             f"for a target with {self.num_layers} decoder layers")
+            raise ValueError(
+                f"target_layer_ids {self.layer_ids}: each id must be in [0, {self.num_layers}) "
+                f"for a target with {self.num_layers} decoder layers"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -123,8 +129,13 @@ class Target:
         project only the positions they need). Returns the HF output."""
         decoder = self.model.get_decoder()
         with torch.no_grad():
-            return decoder(input_ids=input_ids, position_ids=position_ids, use_cache=past_key_values is not None,
-                           output_hidden_states=True, **{self._cache_arg: past_key_values})
+            return decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=past_key_values is not None,
+                output_hidden_states=True,
+                **{self._cache_arg: past_key_values},
+            )
 
     @functools.cached_property
     def _cache_arg(self) -> str:
@@ -146,8 +157,14 @@ class Target:
         return TargetStates(context=self.select(out.hidden_states), last_hidden=out.hidden_states[-1])
 
 
-def load_target(path: str | Path, *, layer_ids: list[int] | None = None, num_capture_layers: int = 5,
-                device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Target:
+def load_target(
+    path: str | Path,
+    *,
+    layer_ids: list[int] | None = None,
+    num_capture_layers: int = 5,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Target:
     """Load a local HF causal-LM directory as a frozen target.
 
     Args:
@@ -166,23 +183,36 @@ def load_target(path: str | Path, *, layer_ids: list[int] | None = None, num_cap
 
     path = Path(path)
     if not path.is_dir():
-        raise TargetLoadError(f"target {path}: no such directory; pass --target with a local HF model "
-                              "directory (config.json + safetensors)")
+        raise TargetLoadError(
+            f"target {path}: no such directory; pass --target with a local HF model "
+            "directory (config.json + safetensors)"
+        )
     if not (path / "config.json").is_file():
-        raise TargetLoadError(f"target {path}: no config.json; this is not a Hugging Face model "
-                              "directory (save one with model.save_pretrained)")
+        raise TargetLoadError(
+            f"target {path}: no config.json; this is not a Hugging Face model "
+            "directory (save one with model.save_pretrained)"
+        )
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise TargetLoadError(f"target {path}: cannot load as a causal LM ({type(e).__name__}: {e}); "
-                              "check config.json and that the weight files are complete") from e
+        raise TargetLoadError(
+            f"target {path}: cannot load as a causal LM ({type(e).__name__}: {e}); "
+            "check config.json and that the weight files are complete"
+        ) from e
     model.to(device)
     if layer_ids is None:
         layer_ids = default_target_layer_ids(model.config.num_hidden_layers, num_capture_layers)
-    logger.info("target %s: %s, %d layers, hidden %d, tapping layers %s on %s (%s)", path,
-                type(model).__name__, model.config.num_hidden_layers, model.config.hidden_size,
-                layer_ids, device, dtype)
+    logger.info(
+        "target %s: %s, %d layers, hidden %d, tapping layers %s on %s (%s)",
+        path,
+        type(model).__name__,
+        model.config.num_hidden_layers,
+        model.config.hidden_size,
+        layer_ids,
+        device,
+        dtype,
+    )
     return Target(model, layer_ids)

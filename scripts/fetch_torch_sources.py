@@ -27,9 +27,24 @@ def fetch(version: str, dest: Path) -> Path:
         # The machine-wide pip config may cap torch's version; these wheels are only unpacked, never installed.
         env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-             "--platform", "manylinux_2_28_x86_64", "-q", "-d", tmp, f"torch=={version}"],
-            check=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                "3.11",
+                "--platform",
+                "manylinux_2_28_x86_64",
+                "-q",
+                "-d",
+                tmp,
+                f"torch=={version}",
+            ],
+            check=True,
+            env=env,
         )
         (wheel,) = Path(tmp).glob("torch-*.whl")
         with zipfile.ZipFile(wheel) as archive:

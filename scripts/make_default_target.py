@@ -76,7 +76,9 @@ def load_conversations() -> list[list[dict]]:
     try:
         version = metadata.version(CORPUS_PACKAGE)
     except metadata.PackageNotFoundError:
-        raise SystemExit(f"{CORPUS_PACKAGE} is not installed; run: pip install {CORPUS_PACKAGE}=={CORPUS_VERSION}")
+        raise SystemExit(
+            f"{CORPUS_PACKAGE} is not installed; run: pip install {CORPUS_PACKAGE}=={CORPUS_VERSION}"
+        ) from None
     if version != CORPUS_VERSION:
         raise SystemExit(f"{CORPUS_PACKAGE} {version} found, {CORPUS_VERSION} needed for a reproducible build")
     import chitchat_dataset
@@ -173,8 +175,11 @@ def train(model, rows: torch.Tensor, args) -> float:
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step:5d} loss {loss.item():.3f} lr {schedule.get_last_lr()[0]:.2e} "
-                  f"{time.perf_counter() - start:.0f}s", flush=True)
+            print(
+                f"step {step:5d} loss {loss.item():.3f} lr {schedule.get_last_lr()[0]:.2e} "
+                f"{time.perf_counter() - start:.0f}s",
+                flush=True,
+            )
     return time.perf_counter() - start
 
 
@@ -216,8 +221,10 @@ def main() -> None:
     print(f"corpus: {len(conversations)} conversations -> {len(train_convs)} train, {len(heldout)} held out")
 
     tokenizer = train_tokenizer([m["content"] for c in train_convs for m in c], args.vocab_size)
-    print(f"tokenizer: {len(tokenizer)} tokens; special ids " + ", ".join(
-        f"{t}={tokenizer.convert_tokens_to_ids(t)}" for t in SPECIAL_TOKENS))
+    print(
+        f"tokenizer: {len(tokenizer)} tokens; special ids "
+        + ", ".join(f"{t}={tokenizer.convert_tokens_to_ids(t)}" for t in SPECIAL_TOKENS)
+    )
 
     train_rows, heldout_rows = pack(tokenizer, train_convs, args.seq_len), pack(tokenizer, heldout, args.seq_len)
     print(f"packed: {train_rows.numel()} train tokens, {heldout_rows.numel()} held-out tokens")
@@ -232,17 +239,30 @@ def main() -> None:
     epochs = args.steps * args.batch_size / len(train_rows)
     model = model.to(torch.bfloat16)
     loss1 = mean_loss(model, heldout_rows)
-    print(f"trained {args.steps} steps ({epochs:.2f} epochs) in {train_s:.0f}s; "
-          f"held-out loss after (bf16) {loss1:.3f} (ppl {math.exp(loss1):.1f})")
+    print(
+        f"trained {args.steps} steps ({epochs:.2f} epochs) in {train_s:.0f}s; "
+        f"held-out loss after (bf16) {loss1:.3f} (ppl {math.exp(loss1):.1f})"
+    )
 
     target_dir, chat_dir = args.out / "default_target", args.out / "default_chat"
-    save_target(model, tokenizer, target_dir, {
-        "script": "scripts/make_default_target.py", "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
-        "corpus": f"{CORPUS_PACKAGE}=={CORPUS_VERSION}", "parameters": n_params,
-        "train_tokens": train_rows.numel(), "heldout_tokens": heldout_rows.numel(), "epochs": round(epochs, 3),
-        "heldout_loss_untrained": round(loss0, 4), "heldout_loss_trained_bf16": round(loss1, 4),
-        "train_seconds": round(train_s), "torch": torch.__version__,
-    })
+    save_target(
+        model,
+        tokenizer,
+        target_dir,
+        {
+            "script": "scripts/make_default_target.py",
+            "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
+            "corpus": f"{CORPUS_PACKAGE}=={CORPUS_VERSION}",
+            "parameters": n_params,
+            "train_tokens": train_rows.numel(),
+            "heldout_tokens": heldout_rows.numel(),
+            "epochs": round(epochs, 3),
+            "heldout_loss_untrained": round(loss0, 4),
+            "heldout_loss_trained_bf16": round(loss1, 4),
+            "train_seconds": round(train_s),
+            "torch": torch.__version__,
+        },
+    )
     save_chats(chat_dir, {"train": train_convs[: args.ship_train], "heldout": heldout}, args.ship_max_messages)
     print(f"wrote {target_dir} and {chat_dir}")
 
@@ -250,7 +270,7 @@ def main() -> None:
         prompt = conv[:1]
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=False)
         out = model.generate(ids, max_new_tokens=40, do_sample=False)
-        print(f"USER: {prompt[0]['content']!r}\nTARGET: {tokenizer.decode(out[0, ids.shape[1]:])!r}")
+        print(f"USER: {prompt[0]['content']!r}\nTARGET: {tokenizer.decode(out[0, ids.shape[1] :])!r}")
 
 
 if __name__ == "__main__":

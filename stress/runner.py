@@ -86,8 +86,6 @@ def _is_static(gm: torch.fx.GraphModule) -> bool:
 _MODULE_METHODS = {name: getattr(torch.nn.Module, name) for name in ("__call__", "__getattr__")}
 
 
-
-
 def _describe(exc: BaseException) -> str:
     """One line: the exception and, for wrapped ones (BackendCompilerFailed), its root cause.
 
@@ -120,8 +118,11 @@ def _module_patches_left() -> list[str]:
         idle = slot is not None and slot.holders == 0 and slot.original is method
         return value is not method and not idle
 
-    return [f"torch.nn.Module.{name}" for name, method in _MODULE_METHODS.items()
-            if in_force(getattr(torch.nn.Module, name), method)]
+    return [
+        f"torch.nn.Module.{name}"
+        for name, method in _MODULE_METHODS.items()
+        if in_force(getattr(torch.nn.Module, name), method)
+    ]
 
 
 def _flags_set() -> list[str]:
@@ -187,7 +188,9 @@ class _Setup:
             self._setup_flex(schedule.mask)
 
     def compile(self, fn, backend=None, dynamic="schedule"):
-        return torch.compile(fn, backend=backend or self.backend, dynamic=self.dynamic if dynamic == "schedule" else dynamic)
+        return torch.compile(
+            fn, backend=backend or self.backend, dynamic=self.dynamic if dynamic == "schedule" else dynamic
+        )
 
     def _setup_flex(self, spec: MaskSpec) -> None:
         mask_mod, q_len, kv_len = _mask_mod(spec, self.device)

@@ -143,9 +143,7 @@ def mask_specs(draw, *, kinds: st.SearchStrategy[str] | None = None) -> MaskSpec
     start_offset = draw(start_offsets())
     window = draw(st.integers(1, 32))
     context_len = 32 + start_offset
-    anchors = tuple(
-        sorted(draw(st.sets(st.integers(start_offset + 1, context_len - 1), min_size=1, max_size=3)))
-    )
+    anchors = tuple(sorted(draw(st.sets(st.integers(start_offset + 1, context_len - 1), min_size=1, max_size=3))))
     return MaskSpec(kind, block_size, start_offset, window, context_len, anchors)
 
 

@@ -6,8 +6,7 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import (BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to,
-                                   reproduce_on_plain_torch)
+from dflash.patching.races import BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to, reproduce_on_plain_torch
 
 TORCH_VERSION = version("torch")
 

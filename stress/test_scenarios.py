@@ -21,7 +21,7 @@ from dflash.patching.startup import env_disabled
 
 from .runner import run_schedule, unsupported
 from .scenarios import SCENARIOS
-from .strategies import MaskSpec, Schedule, Step  # noqa: F401  (names used by pasted regressions)
+from .strategies import MaskSpec, Schedule, Step
 
 REGRESSIONS: dict[str, tuple[Schedule, ...]] = {name: () for name in SCENARIOS}
 TEETH_EXAMPLES = 6
@@ -50,8 +50,14 @@ def test_schedules_hold(scenario, device, stress_run, table_row):
     finally:
         cell = f"{len(failing)} / {run[0]}"
         plain, patched = (cell, "-") if env_disabled() else ("-", cell)
-        table_row(f"{scenario} on {device}", ",".join(SCENARIOS[scenario].bug_classes), TORCH_VERSION, plain, patched,
-                  str(run[0]))
+        table_row(
+            f"{scenario} on {device}",
+            ",".join(SCENARIOS[scenario].bug_classes),
+            TORCH_VERSION,
+            plain,
+            patched,
+            str(run[0]),
+        )
 
 
 def _teeth_run(scenario: str, patched: bool, examples: int = TEETH_EXAMPLES) -> dict:
@@ -84,19 +90,24 @@ def test_scenario_teeth(scenario, table_row):
         f"{patched['failing']} / {patched['examples']}",
         str(plain["examples"] + patched["examples"]),
     )
-    assert patched["failing"] == 0, f"patched: {patched['failing']} failing schedules; first: {patched['example_failure']}"
+    assert patched["failing"] == 0, (
+        f"patched: {patched['failing']} failing schedules; first: {patched['example_failure']}"
+    )
     if not present:
         pytest.skip(f"none of {targets} is present in torch {TORCH_VERSION}: nothing to reproduce on plain torch")
     assert plain["failing"] > 0, f"plain torch {TORCH_VERSION} passed all {plain['examples']} schedules: no teeth"
 
 
-@pytest.mark.parametrize("dtype,device,action,skipped", [
-    ("float64", "cuda", "flex_attention", True),
-    ("float32", "cuda", "flex_attention", False),
-    ("float64", "cpu", "flex_attention", False),
-    ("float64", "cuda", "eager_flex_attention", True),
-    ("float64", "cuda", "warm_call", False),
-])
+@pytest.mark.parametrize(
+    "dtype,device,action,skipped",
+    [
+        ("float64", "cuda", "flex_attention", True),
+        ("float32", "cuda", "flex_attention", False),
+        ("float64", "cpu", "flex_attention", False),
+        ("float64", "cuda", "eager_flex_attention", True),
+        ("float64", "cuda", "warm_call", False),
+    ],
+)
 def test_only_cuda_float64_flex_is_unsupported(dtype, device, action, skipped):
     mask = MaskSpec(kind="causal", block_size=2, start_offset=0, window=1, context_len=32, anchors=(1,))
     schedule = Schedule(threads=((Step(action, 1),), (Step(action, 1),)), dtype=dtype, dynamic=None, mask=mask)

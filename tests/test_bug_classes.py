@@ -10,8 +10,14 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import (BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to, rerun_while_passing,
-                                   reproduce_on_plain_torch)
+from dflash.patching.races import (
+    BUG_CLASSES,
+    TEST_SECONDS,
+    all_checks_subprocess,
+    applies_to,
+    reproduce_on_plain_torch,
+    rerun_while_passing,
+)
 
 TORCH_VERSION = version("torch")
 

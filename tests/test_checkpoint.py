@@ -12,9 +12,14 @@ from dflash.checkpoint import CheckpointError, find_checkpoint, load_drafter_fil
 
 
 def _save(out, step, value, **kw):
-    return save_checkpoint(out, step, weights={"fc.weight": torch.full((2, 3), float(value))},
-                           drafter_config={"architectures": ["DFlashDraftModel"], "step": step},
-                           training_state={"step": step, "rng": ckpt.rng_state()}, **kw)
+    return save_checkpoint(
+        out,
+        step,
+        weights={"fc.weight": torch.full((2, 3), float(value))},
+        drafter_config={"architectures": ["DFlashDraftModel"], "step": step},
+        training_state={"step": step, "rng": ckpt.rng_state()},
+        **kw,
+    )
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -82,8 +87,9 @@ def test_truncated_or_corrupt_files_are_named_with_the_fix(tmp_path):
 
 
 def test_weights_only_export_cannot_be_resumed(tmp_path):
-    step_dir = save_checkpoint(tmp_path, 1, weights={"fc.weight": torch.zeros(1)},
-                               drafter_config={}, training_state=None)
+    step_dir = save_checkpoint(
+        tmp_path, 1, weights={"fc.weight": torch.zeros(1)}, drafter_config={}, training_state=None
+    )
     with pytest.raises(CheckpointError, match="weights-only export"):
         ckpt.load_training_state(find_checkpoint(step_dir))
 
@@ -103,8 +109,13 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
 
 def test_deleting_a_corrupt_newest_step_resumes_from_the_one_before(tmp_path):
     for step in (1, 2):
-        save_checkpoint(tmp_path, step, weights={"fc.weight": torch.full((2,), float(step))},
-                        drafter_config={"architectures": ["DFlashDraftModel"]}, training_state={"step": step})
+        save_checkpoint(
+            tmp_path,
+            step,
+            weights={"fc.weight": torch.full((2,), float(step))},
+            drafter_config={"architectures": ["DFlashDraftModel"]},
+            training_state={"step": step},
+        )
     newest = tmp_path / "checkpoints" / "step_00000002"
     assert (newest / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by a serving user
     shutil.rmtree(newest)

@@ -4,10 +4,17 @@ import json
 from itertools import islice
 
 import pytest
-
-from dflash.data import (BatchLoader, DatasetError, ShardedSampler, build_examples, prompt_messages,
-                         read_conversations, tokenize_conversation)
 from tiny import CONVERSATIONS, make_tokenizer, write_jsonl
+
+from dflash.data import (
+    BatchLoader,
+    DatasetError,
+    ShardedSampler,
+    build_examples,
+    prompt_messages,
+    read_conversations,
+    tokenize_conversation,
+)
 
 
 @pytest.fixture(scope="module")
@@ -17,25 +24,49 @@ def tokenizer(tmp_path_factory):
 
 def test_reads_openai_and_sharegpt_alike(tmp_path):
     openai = write_jsonl(tmp_path / "a.jsonl", [{"messages": CONVERSATIONS[0]}])
-    sharegpt = write_jsonl(tmp_path / "b.jsonl", ["", json.dumps({"conversations": [
-        {"from": "human", "value": "what is two plus two?"},
-        {"from": "gpt", "value": "two plus two is four."}]})])
+    sharegpt = write_jsonl(
+        tmp_path / "b.jsonl",
+        [
+            "",
+            json.dumps(
+                {
+                    "conversations": [
+                        {"from": "human", "value": "what is two plus two?"},
+                        {"from": "gpt", "value": "two plus two is four."},
+                    ]
+                }
+            ),
+        ],
+    )
     assert read_conversations(openai) == read_conversations(sharegpt) == [CONVERSATIONS[0]]
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"", r"empty\.jsonl: file is empty"),
-    (b'{"messages": [}\n', r"bad\.jsonl:1: malformed JSON"),
-    (b'{"messages": []}\n{"text": "hi"}\n', r"bad\.jsonl:1: expected a non-empty list"),
-    (b'{"messages": [{"role": "user", "content": "x"}]}\n{"text": "hi"}\n',
-     r"bad\.jsonl:2: missing key: expected 'messages'.*found keys \['text'\]"),
-    (b'{"messages": [{"role": "user"}]}\n', r"bad\.jsonl:1: message 0 must be an object with keys 'role' and 'content'"),
-    (b'{"conversations": [{"from": "robot", "value": "x"}]}\n', r"bad\.jsonl:1: message 0 has unknown role 'robot'"),
-    (b'{"messages": [{"role": "user", "content": 3}]}\n', r"'content' must be a string, got int"),
-    (b'[1, 2]\n', r"bad\.jsonl:1: expected a JSON object, got list"),
-    (b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "\xff\xfe"}\n',
-     r"bad\.jsonl:2: not valid UTF-8.*re-encode the file as UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"", r"empty\.jsonl: file is empty"),
+        (b'{"messages": [}\n', r"bad\.jsonl:1: malformed JSON"),
+        (b'{"messages": []}\n{"text": "hi"}\n', r"bad\.jsonl:1: expected a non-empty list"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}]}\n{"text": "hi"}\n',
+            r"bad\.jsonl:2: missing key: expected 'messages'.*found keys \['text'\]",
+        ),
+        (
+            b'{"messages": [{"role": "user"}]}\n',
+            r"bad\.jsonl:1: message 0 must be an object with keys 'role' and 'content'",
+        ),
+        (
+            b'{"conversations": [{"from": "robot", "value": "x"}]}\n',
+            r"bad\.jsonl:1: message 0 has unknown role 'robot'",
+        ),
+        (b'{"messages": [{"role": "user", "content": 3}]}\n', r"'content' must be a string, got int"),
+        (b"[1, 2]\n", r"bad\.jsonl:1: expected a JSON object, got list"),
+        (
+            b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "\xff\xfe"}\n',
+            r"bad\.jsonl:2: not valid UTF-8.*re-encode the file as UTF-8",
+        ),
+    ],
+)
 def test_bad_input_names_file_line_and_expectation(tmp_path, content, match):
     path = tmp_path / ("empty.jsonl" if not content else "bad.jsonl")
     path.write_bytes(content)
@@ -51,8 +82,7 @@ def test_missing_file_is_a_value_error_naming_the_flag(tmp_path):
 def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
     example = tokenize_conversation(tokenizer, CONVERSATIONS[1])
     supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
-    assert supervised == ("the fox sat on the mat and looked at the dog<|im_end|>\n"
-                          "the cat sat on the mat<|im_end|>\n")
+    assert supervised == ("the fox sat on the mat and looked at the dog<|im_end|>\nthe cat sat on the mat<|im_end|>\n")
     # Round trip: the full token sequence is the rendered template, nothing lost or added.
     rendered = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
     assert tokenizer.decode(example.input_ids) == rendered
@@ -63,7 +93,8 @@ def test_loss_mask_falls_back_to_content_search_for_rewriting_templates(tokenize
     # assistant turn differently once it is no longer last, so prefix matching fails for the
     # first turn; its content must still be found and masked (without the end marker).
     rewriting = tokenizer.chat_template.replace(
-        "{{ m['content'] }}", "{% if loop.last and m['role'] == 'assistant' %}[think]{% endif %}{{ m['content'] }}")
+        "{{ m['content'] }}", "{% if loop.last and m['role'] == 'assistant' %}[think]{% endif %}{{ m['content'] }}"
+    )
     original, tokenizer.chat_template = tokenizer.chat_template, rewriting
     try:
         example = tokenize_conversation(tokenizer, CONVERSATIONS[1])
@@ -89,8 +120,9 @@ def test_length_policy_truncates_or_drops(tokenizer):
 
 def test_batches_have_a_fixed_shape_and_masked_padding(tokenizer):
     examples = build_examples(tokenizer, CONVERSATIONS, seq_len=64)
-    loader = BatchLoader(examples, ShardedSampler(len(examples), batch_size=2, seed=0), seq_len=64,
-                         pad_token_id=tokenizer.pad_token_id)
+    loader = BatchLoader(
+        examples, ShardedSampler(len(examples), batch_size=2, seed=0), seq_len=64, pad_token_id=tokenizer.pad_token_id
+    )
     for _ in range(3):
         batch = next(loader)
         assert batch.input_ids.shape == batch.loss_mask.shape == (2, 64)

@@ -74,7 +74,7 @@ def test_chat_files_are_disjoint_alternating_conversations(heldout):
         roles = [m["role"] for m in conv["messages"]]
         assert roles and roles == ["user", "assistant"] * (len(roles) // 2)
         assert all(m["content"].strip() for m in conv["messages"])
-    key = lambda conv: json.dumps(conv["messages"])  # noqa: E731
+    key = lambda conv: json.dumps(conv["messages"])
     assert not {key(c) for c in train} & {key(c) for c in heldout}
     assert (default_data_dir() / "SOURCE.md").read_text().count("MIT License") == 1
 

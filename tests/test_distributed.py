@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
+from tiny import make_target, write_chat_data
 
 from dflash.checkpoint import find_checkpoint, load_drafter_files
 from dflash.distributed import FlatGradients, ProcessInfo, sum_replicas
-from tiny import make_target, write_chat_data
 
 WORKER = """
 import json, sys, torch
@@ -31,18 +31,45 @@ def _torchrun(tmp_path, config: dict) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           str(script), json.dumps(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        json.dumps(config),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
 
 def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
     target, data = make_target(tmp_path / "qwen3", num_layers=5), write_chat_data(tmp_path / "train.jsonl", repeat=4)
-    config = dict(target=str(target), data=str(data), out=str(tmp_path / "full"), block_size=4, gamma=2.0,
-                  num_target_layers=2, seq_len=48, batch_size=1, max_anchors=6, steps=4, warmup_steps=2, lr=1e-2,
-                  save_every=2, keep_last=2, log_every=1, progress=False, seed=7, target_devices="cpu",
-                  drafter_devices="cpu:0-1")
+    config = dict(
+        target=str(target),
+        data=str(data),
+        out=str(tmp_path / "full"),
+        block_size=4,
+        gamma=2.0,
+        num_target_layers=2,
+        seq_len=48,
+        batch_size=1,
+        max_anchors=6,
+        steps=4,
+        warmup_steps=2,
+        lr=1e-2,
+        save_every=2,
+        keep_last=2,
+        log_every=1,
+        progress=False,
+        seed=7,
+        target_devices="cpu",
+        drafter_devices="cpu:0-1",
+    )
     _torchrun(tmp_path, config)
     full = tmp_path / "full"
     rank0, rank1 = torch.load(full / "rank0.pt"), torch.load(full / "rank1.pt")

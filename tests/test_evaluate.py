@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import make_target, write_chat_data
 
 from dflash.evaluate import evaluate, greedy_generate, load_prompts, speculative_generate
 from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.target import load_target
-from tiny import make_target, write_chat_data
 
 MAX_NEW = 24
 
@@ -28,8 +28,13 @@ def setup(tmp_path_factory):
 
 def _random_drafter(target, tokenizer, block_size=4, seed=0):
     torch.manual_seed(seed)
-    config = create_drafter_config(target.config, 1, block_size=block_size, target_layer_ids=target.layer_ids,
-                                   mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"))
+    config = create_drafter_config(
+        target.config,
+        1,
+        block_size=block_size,
+        target_layer_ids=target.layer_ids,
+        mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"),
+    )
     return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
 
 
@@ -42,9 +47,9 @@ class _ScriptedDrafter:
     def draft_block(self, target_hidden, block_embeds, lm_head):
         start = target_hidden.shape[1] - self.prompt_len + 1  # index of the first drafted token
         n = self.config.block_size - 1
-        truth = (self.reference + [0] * (start + n))[start:start + n]
+        truth = (self.reference + [0] * (start + n))[start : start + n]
         junk = [(t + 1) % self.config.vocab_size for t in truth]  # differs from the greedy token
-        return torch.tensor([truth[:self.correct] + junk[self.correct:]])
+        return torch.tensor([truth[: self.correct] + junk[self.correct :]])
 
 
 def test_speculative_output_equals_greedy_output(setup):
@@ -74,8 +79,9 @@ def test_generation_stops_at_eos_like_greedy(setup):
     reference = greedy_generate(target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=set()).tokens
     eos = {reference[5]}
     plain = greedy_generate(target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos)
-    spec = speculative_generate(target, _random_drafter(target, tokenizer), prompts[1],
-                                max_new_tokens=MAX_NEW, eos_ids=eos)
+    spec = speculative_generate(
+        target, _random_drafter(target, tokenizer), prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos
+    )
     assert spec.tokens == plain.tokens == reference[: reference.index(reference[5]) + 1]
     assert sum(spec.accept_lengths) + 1 == len(spec.tokens)  # nothing counted past EOS
     oracle = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompts[1].shape[1], correct=3)

@@ -66,16 +66,26 @@ def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
     hidden, weight, labels, label_mask, anchors, teacher = _inputs()
     slot_weights = L.position_weights(BS, gamma=2.0)
     soft = 0.3 if mode == "soft" else 0.0
-    out = L.dflash_loss(hidden, weight, labels, label_mask, slot_weights, chunk_blocks=chunk_blocks,
-                        position_weighting="dpace" if mode == "dpace" else "decay",
-                        soft_label_weight=soft, teacher_hidden=teacher, anchors=anchors)
+    out = L.dflash_loss(
+        hidden,
+        weight,
+        labels,
+        label_mask,
+        slot_weights,
+        chunk_blocks=chunk_blocks,
+        position_weighting="dpace" if mode == "dpace" else "decay",
+        soft_label_weight=soft,
+        teacher_hidden=teacher,
+        anchors=anchors,
+    )
     (grad,) = torch.autograd.grad(out.loss_sum, hidden)
 
     # Teacher for slot k of anchor a: the target's state at a + k - 1 (it predicts x[a + k]).
     pos = (anchors[:, :, None] + torch.arange(BS) - 1).clamp(0, S - 1)
     teacher_rows = teacher[torch.arange(B)[:, None, None], pos]
-    ref_loss, ref_weight, ref_correct = _reference(hidden, weight, labels, label_mask, slot_weights, soft=soft,
-                                                   teacher_rows=teacher_rows, dpace=mode == "dpace")
+    ref_loss, ref_weight, ref_correct = _reference(
+        hidden, weight, labels, label_mask, slot_weights, soft=soft, teacher_rows=teacher_rows, dpace=mode == "dpace"
+    )
     (ref_grad,) = torch.autograd.grad(ref_loss, hidden)
     torch.testing.assert_close(out.loss_sum, ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.weight_sum, ref_weight, rtol=1e-5, atol=1e-5)
@@ -99,8 +109,16 @@ def test_soft_labels_against_an_exact_teacher_give_zero_kl():
             for k in range(1, BS):
                 if label_mask[b, n, k]:
                     teacher[b, int(anchors[b, n]) + k - 1] = hidden[b, n * BS + k].detach()
-    out = L.dflash_loss(hidden, weight, labels, label_mask, L.position_weights(BS, 2.0),
-                        soft_label_weight=1.0, teacher_hidden=teacher, anchors=anchors)
+    out = L.dflash_loss(
+        hidden,
+        weight,
+        labels,
+        label_mask,
+        L.position_weights(BS, 2.0),
+        soft_label_weight=1.0,
+        teacher_hidden=teacher,
+        anchors=anchors,
+    )
     assert out.weight_sum > 0 and abs(out.loss_sum.item()) < 1e-4
 
 

@@ -186,5 +186,10 @@ def test_draft_input_ids_and_positions():
 
 def test_anchor_checks_name_the_problem():
     with pytest.raises(ValueError, match="anchors must be int64"):
-        masks.build_labels(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool),
-                           torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 2, dtype=torch.bool), 2)
+        masks.build_labels(
+            torch.zeros(1, 4, dtype=torch.long),
+            torch.ones(1, 4, dtype=torch.bool),
+            torch.zeros(1, 2, dtype=torch.int32),
+            torch.ones(1, 2, dtype=torch.bool),
+            2,
+        )

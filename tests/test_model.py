@@ -22,14 +22,23 @@ MASK_ID = VOCAB - 1
 
 
 def _target_config(**overrides) -> Qwen3Config:
-    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=8,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     return Qwen3Config(**{**fields, **overrides})
 
 
 def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0) -> DFlashDraftModel:
-    config = create_drafter_config(_target_config(), layers, block_size=BLOCK, num_captured_layers=3,
-                                   mask_token_id=MASK_ID)
+    config = create_drafter_config(
+        _target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID
+    )
     torch.manual_seed(seed)
     model = DFlashDraftModel._from_config(config, attn_implementation=attn).eval()
     # Non-trivial norms, so a bug in where a norm applies cannot hide behind all-ones weights.
@@ -64,12 +73,29 @@ def test_default_target_layer_ids_public_formula():
 
 @pytest.mark.parametrize("config_cls", [Qwen3Config, LlamaConfig])
 def test_create_drafter_config_copies_target_geometry(config_cls):
-    target = config_cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=36,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
-                        max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    target = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        num_hidden_layers=36,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    )
     config = create_drafter_config(target, 3, mask_token_id=MASK_ID)
-    for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                  "rms_norm_eps", "vocab_size", "max_position_embeddings"):
+    for field in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "rms_norm_eps",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
         assert getattr(config, field) == getattr(target, field), field
     assert config.rope_parameters["rope_theta"] == 5e5
     assert config.num_hidden_layers == 3 and config.num_target_layers == 36 and config.block_size == 16
@@ -104,12 +130,22 @@ def test_save_load_round_trip_uses_the_z_lab_layout(tmp_path):
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight"]
+    per_layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
-        f"layers.{i}.{name}" for i in range(2) for name in per_layer}
+        f"layers.{i}.{name}" for i in range(2) for name in per_layer
+    }
     assert names == expected
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert f.get_slice("fc.weight").get_shape() == [HIDDEN, 3 * HIDDEN]
@@ -137,8 +173,11 @@ def _flex_eager(monkeypatch, model, *batch, attention_mask=None):
     from torch.nn.attention.flex_attention import flex_attention
     from transformers.integrations import flex_attention as hf_flex
 
-    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
-                        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs))
+    monkeypatch.setattr(
+        hf_flex,
+        "compile_friendly_flex_attention",
+        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs),
+    )
     model.set_attn_implementation("flex_attention")
     assert model.config._attn_implementation == "flex_attention"
     with torch.no_grad():

@@ -23,8 +23,23 @@ def test_editable_install_put_the_hook_in_site_packages():
 
 
 def test_regular_wheel_ships_the_hook_at_its_root(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (wheel,) = tmp_path.glob("dflash-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())

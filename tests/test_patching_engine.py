@@ -44,14 +44,18 @@ def test_hunks_apply_exactly():
 
 def test_hunks_apply_at_an_offset_but_never_fuzzily():
     shifted = "new first line\n" * 5 + SOURCE
-    assert apply_hunks(shifted, _file(), label="toy") == "new first line\n" * 5 + apply_hunks(SOURCE, _file(), label="toy")
+    assert apply_hunks(shifted, _file(), label="toy") == "new first line\n" * 5 + apply_hunks(
+        SOURCE, _file(), label="toy"
+    )
     changed_context = SOURCE.replace("line 16\n", "line sixteen\n")
     with pytest.raises(PatchDoesNotFit, match=r"toy: hunk .* does not match torch/toy.py .*line 16"):
         apply_hunks(changed_context, _file(), label="toy")
 
 
 def test_header_parsing_and_errors():
-    text = "Description: summary\n more\nPatch-Name: x\nTorch-Versions: >=2.5\nVerified-On: 2.11.0, 2.13.0\n---\n" + DIFF
+    text = (
+        "Description: summary\n more\nPatch-Name: x\nTorch-Versions: >=2.5\nVerified-On: 2.11.0, 2.13.0\n---\n" + DIFF
+    )
     patch = parse_patch("0009-x.patch", text)
     assert patch.name == "x" and patch.description == "summary\nmore"
     assert [str(v) for v in patch.verified_on] == ["2.11.0", "2.13.0"] and patch.modules == ("torch.toy",)
@@ -160,8 +164,9 @@ def test_torch_imported_before_the_hook_is_reported():
 
 
 def test_status_json_shape():
-    proc = subprocess.run([sys.executable, "-m", "dflash", "patches", "status", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash", "patches", "status", "--json"], capture_output=True, text=True, timeout=300
+    )
     report = json.loads(proc.stdout)
     assert set(report) == {"torch_version", "hook_active", "patches"} and report["hook_active"] is True
     states = {p["name"]: p["state"] for p in report["patches"]}
@@ -212,8 +217,9 @@ def test_verify_rejects_unknown_classes_and_non_positive_budgets(capsys):
 def test_status_prints_a_long_reason_shared_by_several_patches_once():
     # -S: no startup hook, so torch loads unpatched and every applicable patch gets the same long reason.
     site = sysconfig.get_paths()["purelib"]
-    code = (f"import sys; sys.path.append({site!r}); import torch; "
-            "from dflash.cli import main; main(['patches', 'status'])")
+    code = (
+        f"import sys; sys.path.append({site!r}); import torch; from dflash.cli import main; main(['patches', 'status'])"
+    )
     proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[1]), "DFLASH_PATCHES": "1"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from tiny import RecordingTrainer, make_target, write_chat_data
 
 from dflash import pipeline
 from dflash.checkpoint import CheckpointError
@@ -16,19 +17,38 @@ from dflash.config import TrainConfig
 from dflash.devices import DeviceSpecError, parse_devices, parse_layout
 from dflash.pipeline import Inbox, PipelineError, PipelineTrainer, seq_len_schedule
 from dflash.trainer import Trainer
-from tiny import RecordingTrainer, make_target, write_chat_data
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    return {"target": make_target(root / "qwen3", num_layers=5), "data": write_chat_data(root / "train.jsonl", repeat=4)}
+    return {
+        "target": make_target(root / "qwen3", num_layers=5),
+        "data": write_chat_data(root / "train.jsonl", repeat=4),
+    }
 
 
 def _config(assets, out, **overrides):
-    values = dict(target=str(assets["target"]), data=str(assets["data"]), out=str(out), block_size=4, gamma=2.0,
-                  num_target_layers=2, seq_len=48, batch_size=2, max_anchors=6, steps=4, warmup_steps=2, lr=1e-2,
-                  save_every=2, log_every=1, progress=False, seed=7, target_devices="cpu", drafter_devices="cpu:0-1")
+    values = dict(
+        target=str(assets["target"]),
+        data=str(assets["data"]),
+        out=str(out),
+        block_size=4,
+        gamma=2.0,
+        num_target_layers=2,
+        seq_len=48,
+        batch_size=2,
+        max_anchors=6,
+        steps=4,
+        warmup_steps=2,
+        lr=1e-2,
+        save_every=2,
+        log_every=1,
+        progress=False,
+        seed=7,
+        target_devices="cpu",
+        drafter_devices="cpu:0-1",
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -62,8 +82,9 @@ def test_two_drafter_threads_equal_the_single_device_trainer_bitwise(assets, tmp
 
 
 def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path):
-    config = dict(drafter_devices="cpu:0-2", target_devices="cpu:0-1", grad_accum=2, steps=6, save_every=3,
-                  batch_size=1)
+    config = dict(
+        drafter_devices="cpu:0-2", target_devices="cpu:0-1", grad_accum=2, steps=6, save_every=3, batch_size=1
+    )
     reference = _Recording(_config(assets, tmp_path / "full", **config))
     reference.train()
     first, second, third = (r.model for r in reference.replicas)
@@ -145,8 +166,9 @@ def test_forced_recompiles_in_threads_run_compiled_and_fallbacks_are_reported(as
     healthy = PipelineTrainer(_config(assets, tmp_path / "ok", **config))
     healthy.train()
     report = healthy.compile_report()
-    assert report == {f"drafter cpu:{i}": {"compiles": 2, "unexpected_recompiles": 0, "eager_fallbacks": 0}
-                      for i in range(2)}
+    assert report == {
+        f"drafter cpu:{i}": {"compiles": 2, "unexpected_recompiles": 0, "eager_fallbacks": 0} for i in range(2)
+    }
 
     # A recompile limit of 1 in the threads: the second length must be reported as an eager fallback.
     monkeypatch.setattr(pipeline, "raise_recompile_limit", lambda limit: pipeline._set_recompile_limit(1))
@@ -171,14 +193,17 @@ def test_seq_len_schedule():
         seq_len_schedule(32, 4)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("cuda:0", "CUDA is not available"),
-    ("cpu:3-1", "descending range; write cpu:1-3"),
-    ("gpu:0", "'gpu:0' is not a device"),
-    ("cpu,,cpu:1", "empty device item"),
-    ("cpu:0,cpu:0", "cpu:0 listed twice"),
-    ("2", "'2' has no device type"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("cuda:0", "CUDA is not available"),
+        ("cpu:3-1", "descending range; write cpu:1-3"),
+        ("gpu:0", "'gpu:0' is not a device"),
+        ("cpu,,cpu:1", "empty device item"),
+        ("cpu:0,cpu:0", "cpu:0 listed twice"),
+        ("2", "'2' has no device type"),
+    ],
+)
 def test_bad_device_specs_are_named(spec, message):
     with pytest.raises(DeviceSpecError, match=message):
         parse_devices(spec, flag="--drafter-devices")
@@ -215,8 +240,26 @@ def test_scaling_benchmark_smoke_on_cpu():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_scaling.py"
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "tiny", "--phase", "scaling",
-                           "--steps", "2", "--warmup", "1", "--json"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--phase",
+            "scaling",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["solo"]["threads"] == 1 and result["multi"]["threads"] == 2
@@ -239,9 +282,15 @@ def test_threads_compiling_without_the_patches_are_warned_about(monkeypatch, cap
     assert "patches are not active" in caplog.text and "3 drafter threads compiling" in caplog.text
 
 
-@pytest.mark.parametrize("drafter_wait,target_blocked,verdict", [
-    (0.0, 0.01, "none"), (0.30, 0.01, "target side"), (0.01, 0.30, "drafter side"), (0.04, 0.0, "none"),
-])
+@pytest.mark.parametrize(
+    "drafter_wait,target_blocked,verdict",
+    [
+        (0.0, 0.01, "none"),
+        (0.30, 0.01, "target side"),
+        (0.01, 0.30, "drafter side"),
+        (0.04, 0.0, "none"),
+    ],
+)
 def test_bottleneck_is_named_only_when_a_side_really_waits(drafter_wait, target_blocked, verdict):
     from dflash.pipeline import _bottleneck
 

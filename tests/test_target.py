@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from tiny import make_target
 
 from dflash.target import Target, TargetLoadError, load_target, resolve_device
-from tiny import make_target
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -15,8 +15,10 @@ def target_dir(request, tmp_path_factory):
 def test_layer_id_k_is_the_output_of_decoder_layer_k(target_dir):
     target = load_target(target_dir, layer_ids=[0, 2, 3], device="cpu")
     outputs = {}
-    hooks = [layer.register_forward_hook(lambda m, a, o, k=k: outputs.__setitem__(k, o[0] if isinstance(o, tuple) else o))
-             for k, layer in enumerate(target.model.get_decoder().layers)]
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o, k=k: outputs.__setitem__(k, o[0] if isinstance(o, tuple) else o))
+        for k, layer in enumerate(target.model.get_decoder().layers)
+    ]
     input_ids = torch.randint(0, 200, (2, 9))
     states = target.capture(input_ids)
     for hook in hooks:
@@ -25,7 +27,7 @@ def test_layer_id_k_is_the_output_of_decoder_layer_k(target_dir):
     assert states.context.shape == (2, 9, 3 * hidden) and states.context.dtype == torch.float32
     hidden_states = target.model(input_ids, output_hidden_states=True).hidden_states
     for slot, k in enumerate([0, 2, 3]):
-        tapped = states.context[..., slot * hidden:(slot + 1) * hidden]
+        tapped = states.context[..., slot * hidden : (slot + 1) * hidden]
         torch.testing.assert_close(tapped, outputs[k])
         torch.testing.assert_close(tapped, hidden_states[k + 1])
         # The off-by-one this guards against: hidden_states[k] is the INPUT of layer k.

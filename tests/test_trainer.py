@@ -2,30 +2,48 @@
 checkpoints that transformers loads, Llama targets, compile monitoring, config errors."""
 
 import json
-import math
 import logging
+import math
 
 import pytest
 import torch
+from tiny import RecordingTrainer, make_target, write_chat_data
 
 from dflash.checkpoint import CheckpointError, find_checkpoint
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.trainer import CompileMonitor, Trainer
-from tiny import RecordingTrainer, make_target, write_chat_data
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
-    return {"qwen3": make_target(root / "qwen3", num_layers=5), "llama": make_target(root / "llama", arch="llama", num_layers=5),
-            "data": write_chat_data(root / "train.jsonl", repeat=4)}
+    return {
+        "qwen3": make_target(root / "qwen3", num_layers=5),
+        "llama": make_target(root / "llama", arch="llama", num_layers=5),
+        "data": write_chat_data(root / "train.jsonl", repeat=4),
+    }
 
 
 def _config(assets, out, **overrides):
-    values = dict(target=str(assets["qwen3"]), data=str(assets["data"]), out=str(out), block_size=4, gamma=2.0,
-                  num_target_layers=2, seq_len=48, batch_size=2, max_anchors=6, steps=6, warmup_steps=2,
-                  lr=1e-2, save_every=3, log_every=1, progress=False, seed=7)
+    values = dict(
+        target=str(assets["qwen3"]),
+        data=str(assets["data"]),
+        out=str(out),
+        block_size=4,
+        gamma=2.0,
+        num_target_layers=2,
+        seq_len=48,
+        batch_size=2,
+        max_anchors=6,
+        steps=6,
+        warmup_steps=2,
+        lr=1e-2,
+        save_every=3,
+        log_every=1,
+        progress=False,
+        seed=7,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -140,9 +158,30 @@ def test_config_errors_name_the_field():
 
 
 def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
-    argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path),
-            "--steps", "2", "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48",
-            "--batch-size", "2", "--max-anchors", "4", "--no-progress"]
+    argv = [
+        "train",
+        "--target",
+        str(assets["qwen3"]),
+        "--data",
+        str(assets["data"]),
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "2",
+        "--block-size",
+        "4",
+        "--gamma",
+        "2",
+        "--num-target-layers",
+        "2",
+        "--seq-len",
+        "48",
+        "--batch-size",
+        "2",
+        "--max-anchors",
+        "4",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     assert "trained 2 steps" in capsys.readouterr().out
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -150,29 +189,37 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
     assert main(argv[:4] + [str(bad)] + argv[5:] + ["--out", str(tmp_path / "b")]) == 2
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in caplog.text
-    assert main(["train", "--device", "cuda:7"] if not torch.cuda.is_available() else ["train", "--device", "cuda:99"]) == 2
+    assert (
+        main(["train", "--device", "cuda:7"] if not torch.cuda.is_available() else ["train", "--device", "cuda:99"])
+        == 2
+    )
     assert "--device cuda" in caplog.text
 
 
 def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, tmp_path):
+    from tiny import CONVERSATIONS
     from transformers import AutoTokenizer
 
     from dflash.data import read_conversations
     from dflash.evaluate import greedy_generate
     from dflash.regenerate import response_prompts
-    from tiny import CONVERSATIONS
 
     trainer = Trainer(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
     regenerated = read_conversations(tmp_path / "regenerated_train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(assets["qwen3"])
     # One per conversation: its prompt (messages before the first assistant turn) + the target's reply.
     assert len(response_prompts(tokenizer, CONVERSATIONS, max_prompt_tokens=90)) == 4
-    assert len(regenerated) == 16 and [c[:-1] for c in regenerated[:4]] == [c[:1 + (c[0]["role"] == "system")]
-                                                                           for c in CONVERSATIONS]
+    assert len(regenerated) == 16 and [c[:-1] for c in regenerated[:4]] == [
+        c[: 1 + (c[0]["role"] == "system")] for c in CONVERSATIONS
+    ]
     history, reply = regenerated[0][:-1], regenerated[0][-1]
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    greedy = greedy_generate(trainer.target, torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),
-                             max_new_tokens=6, eos_ids={tokenizer.eos_token_id})
+    greedy = greedy_generate(
+        trainer.target,
+        torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),
+        max_new_tokens=6,
+        eos_ids={tokenizer.eos_token_id},
+    )
     assert reply == {"role": "assistant", "content": tokenizer.decode(greedy.tokens, skip_special_tokens=True)}
 
 
@@ -184,19 +231,31 @@ def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
     trainer = Trainer(_config(assets, tmp_path, max_anchors=2))
     batch = produce_target_states(trainer.target, next(trainer.loader))
     with FlopCounterMode(display=False) as counter:
-        out = drafter_step(trainer.step_fn, trainer.drafter, trainer.target, batch, max_anchors=2,
-                           generator=trainer.anchor_generator, position_weight=trainer.position_weight,
-                           autocast=False, mask_token_id=3, soft_label_weight=0.0, position_weighting="decay")
+        out = drafter_step(
+            trainer.step_fn,
+            trainer.drafter,
+            trainer.target,
+            batch,
+            max_anchors=2,
+            generator=trainer.anchor_generator,
+            position_weight=trainer.position_weight,
+            autocast=False,
+            mask_token_id=3,
+            soft_label_weight=0.0,
+            position_weighting="decay",
+        )
     assert bool(out.valid_blocks == 4)  # every block real, so no padding work is uncounted
     cfg = trainer.drafter.config
     draft_tokens = 4 * cfg.block_size
-    estimate = drafter_step_flops(trainer.drafter, draft_tokens=draft_tokens, context_tokens=2 * 48,
-                                  visible_pairs=float(out.attention_pairs))
+    estimate = drafter_step_flops(
+        trainer.drafter, draft_tokens=draft_tokens, context_tokens=2 * 48, visible_pairs=float(out.attention_pairs)
+    )
     # The counter also sees the checkpointed LM head recomputed in backward (2 V H per draft token),
     # and it has no formula for CPU SDPA, so compare the matmul part (attention term excluded).
     recompute = 2 * cfg.vocab_size * cfg.hidden_size * draft_tokens
-    matmuls = estimate - drafter_step_flops(trainer.drafter, draft_tokens=0, context_tokens=0,
-                                            visible_pairs=float(out.attention_pairs))
+    matmuls = estimate - drafter_step_flops(
+        trainer.drafter, draft_tokens=0, context_tokens=0, visible_pairs=float(out.attention_pairs)
+    )
     assert counter.get_total_flops() - recompute == pytest.approx(matmuls, rel=0.02)
 
 
@@ -273,8 +332,9 @@ def test_resuming_with_another_length_warns_that_the_schedule_changes(assets, tm
     assert "steps 6 -> 8" in caplog.text and "learning-rate schedule is recomputed" in caplog.text
 
 
-def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(assets, tmp_path, capsys, caplog,
-                                                                               monkeypatch):
+def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(
+    assets, tmp_path, capsys, caplog, monkeypatch
+):
     with pytest.raises(SystemExit):
         main(["train", "--steps", "abc"])
     assert "invalid int value: 'abc'" in capsys.readouterr().err
@@ -283,8 +343,24 @@ def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Trainer, "train", interrupted)
-    args = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path),
-            "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--no-progress"]
+    args = [
+        "train",
+        "--target",
+        str(assets["qwen3"]),
+        "--data",
+        str(assets["data"]),
+        "--out",
+        str(tmp_path),
+        "--block-size",
+        "4",
+        "--gamma",
+        "2",
+        "--num-target-layers",
+        "2",
+        "--seq-len",
+        "48",
+        "--no-progress",
+    ]
     assert main(args) == 130
     assert "interrupted before the first checkpoint; nothing to resume" in caplog.text
 

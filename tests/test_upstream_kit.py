@@ -112,11 +112,21 @@ def test_kit_detects_fixes_already_in_the_tree(tree, tmp_path):
 
 def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({
-        "torch": "2.13.0+cpu", "backend": "eager",
-        "calls_per_s_1_threads": {"plain": 51234.0, "patched": 50987.0, "ratio": 0.9952, "ratio_ci95": [0.9901, 0.9987]},
-        "calls_per_s_4_threads": {"plain": 60111.0, "patched": 59876.0, "ratio": 0.9961},
-    }))
+    bench.write_text(
+        json.dumps(
+            {
+                "torch": "2.13.0+cpu",
+                "backend": "eager",
+                "calls_per_s_1_threads": {
+                    "plain": 51234.0,
+                    "patched": 50987.0,
+                    "ratio": 0.9952,
+                    "ratio_ci95": [0.9901, 0.9987],
+                },
+                "calls_per_s_4_threads": {"plain": 60111.0, "patched": 59876.0, "ratio": 0.9961},
+            }
+        )
+    )
     make_kit(tree, tmp_path / "kit", benchmark_json=bench)
     description = (tmp_path / "kit" / "PR_DESCRIPTION.md").read_text()
     assert "| 1 | 51,234 | 50,987 | 0.995 (95% CI 0.990 to 0.999) |" in description

@@ -30,7 +30,15 @@ from dflash.patching.wheel import WheelBuildError, build_wheel, labelled_version
 TORCH_VERSION = importlib.metadata.version("torch")
 # torch's Requires-Dist and their own dependencies (so `pip check` passes), pinned to this environment's versions.
 TORCH_RUNTIME_DEPS = (
-    "filelock", "typing_extensions", "setuptools", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec",
+    "filelock",
+    "typing_extensions",
+    "setuptools",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "fsspec",
 )
 CHECKED_CLASSES = ("B", "C")
 
@@ -41,12 +49,27 @@ def torch_wheel(tmp_path_factory) -> Path:
         return Path(os.environ["DFLASH_TORCH_WHEEL"])
     dest = tmp_path_factory.mktemp("torch-wheel")
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", f"torch=={TORCH_VERSION}", "--no-deps", "--no-index", "-d", str(dest)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"torch=={TORCH_VERSION}",
+            "--no-deps",
+            "--no-index",
+            "-d",
+            str(dest),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     found = sorted(dest.glob("torch-*.whl"))
     if proc.returncode != 0 or not found:
-        pytest.skip(f"no local torch {TORCH_VERSION} wheel (pip's find-links); set DFLASH_TORCH_WHEEL=PATH: {proc.stderr[-300:]}")
+        pytest.skip(
+            f"no local torch {TORCH_VERSION} wheel (pip's find-links); set DFLASH_TORCH_WHEEL=PATH: "
+            f"{proc.stderr[-300:]}"
+        )
     return found[0]
 
 
@@ -121,7 +144,9 @@ def _sha256(path: Path) -> str:
 
 def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -131,8 +156,20 @@ def installed_venv(torch_wheel, tmp_path_factory):
     work = tmp_path_factory.mktemp("rebuilt")
     input_hash = _sha256(torch_wheel)
     start = time.monotonic()
-    _run([sys.executable, "-c", "import sys; from dflash.cli import main; sys.exit(main(sys.argv[1:]))",
-          "patches", "build-wheel", "--torch-wheel", torch_wheel, "--out", work / "dist"], timeout=600)
+    _run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from dflash.cli import main; sys.exit(main(sys.argv[1:]))",
+            "patches",
+            "build-wheel",
+            "--torch-wheel",
+            torch_wheel,
+            "--out",
+            work / "dist",
+        ],
+        timeout=600,
+    )
     built = time.monotonic()
     assert _sha256(torch_wheel) == input_hash, "build-wheel modified its input"
     (wheel,) = (work / "dist").glob("*.whl")
@@ -141,8 +178,10 @@ def installed_venv(torch_wheel, tmp_path_factory):
     python = venv / "bin" / "python"
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in TORCH_RUNTIME_DEPS]
     # The host's pip installs into the venv (--python): no pip inside the venv, no bytecode compiling.
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-compile", "-q", wheel, *pins],
-         timeout=600)
+    _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-compile", "-q", wheel, *pins],
+        timeout=600,
+    )
     print(f"\nbuild-wheel {built - start:.0f} s, venv install {time.monotonic() - built:.0f} s")
     return python, wheel
 
@@ -154,15 +193,25 @@ def test_rebuilt_wheel_installs_and_is_thread_safe_without_dflash(installed_venv
     assert wheel.name.startswith(f"torch-{expected}-")
     _run([sys.executable, "-m", "pip", "--python", python, "check"])
     # -P: no current folder on sys.path (the checkout holds dflash/).
-    probe = _run([python, "-P", "-c", "import importlib.metadata as m, importlib.util as u, torch; "
-                  "print(torch.__version__, m.version('torch'), u.find_spec('dflash'))"],
-                 env=dict(os.environ, DFLASH_PATCHES="0"))
+    probe = _run(
+        [
+            python,
+            "-P",
+            "-c",
+            "import importlib.metadata as m, importlib.util as u, torch; "
+            "print(torch.__version__, m.version('torch'), u.find_spec('dflash'))",
+        ],
+        env=dict(os.environ, DFLASH_PATCHES="0"),
+    )
     assert probe.stdout.split() == [expected, expected, "None"], "wrong versions, or dflash importable in the venv"
 
     # -P: do not put dflash/patching/ (the script's folder) on sys.path; races.py needs only stdlib + torch.
     def check(interpreter, bug_class):
-        proc = _run([interpreter, "-P", races.__file__, bug_class, "--seconds", "1", "--json"],
-                    env=dict(os.environ, DFLASH_PATCHES="0"), timeout=300)
+        proc = _run(
+            [interpreter, "-P", races.__file__, bug_class, "--seconds", "1", "--json"],
+            env=dict(os.environ, DFLASH_PATCHES="0"),
+            timeout=300,
+        )
         return races.CheckResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
     runs = [(python, c) for c in CHECKED_CLASSES] + [(sys.executable, c) for c in CHECKED_CLASSES]
@@ -181,8 +230,17 @@ def test_status_reports_the_rebuilt_wheel_as_built_in(installed_venv):
     python, _ = installed_venv
     site_packages = next(python.parent.parent.glob("lib/python*/site-packages"))
     # The host interpreter (dflash and its hook installed) importing the rebuilt torch first on sys.path.
-    proc = _run([sys.executable, "-c", "import sys; from dflash.cli import main; sys.exit(main(sys.argv[1:]))",
-                 "patches", "status", "--json"], env=dict(os.environ, PYTHONPATH=str(site_packages)))
+    proc = _run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from dflash.cli import main; sys.exit(main(sys.argv[1:]))",
+            "patches",
+            "status",
+            "--json",
+        ],
+        env=dict(os.environ, PYTHONPATH=str(site_packages)),
+    )
     report = json.loads(proc.stdout)
     marker = json.loads((site_packages / "torch" / WHEEL_MARKER).read_text())
     assert report["torch_version"] == labelled_version(TORCH_VERSION)

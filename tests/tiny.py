@@ -28,17 +28,22 @@ CORPUS = [
     "user assistant system tell me a story about a fox",
 ]
 CONVERSATIONS = [
-    [{"role": "user", "content": "what is two plus two?"},
-     {"role": "assistant", "content": "two plus two is four."}],
-    [{"role": "system", "content": "you are helpful"},
-     {"role": "user", "content": "tell me a story"},
-     {"role": "assistant", "content": "the fox sat on the mat and looked at the dog"},
-     {"role": "user", "content": "and then?"},
-     {"role": "assistant", "content": "the cat sat on the mat"}],
-    [{"role": "user", "content": "hello there"},
-     {"role": "assistant", "content": "hello, how are you today? I am fine"}],
-    [{"role": "user", "content": "write a poem about the sea"},
-     {"role": "assistant", "content": "the sea and the sky, the sky and the sea"}],
+    [{"role": "user", "content": "what is two plus two?"}, {"role": "assistant", "content": "two plus two is four."}],
+    [
+        {"role": "system", "content": "you are helpful"},
+        {"role": "user", "content": "tell me a story"},
+        {"role": "assistant", "content": "the fox sat on the mat and looked at the dog"},
+        {"role": "user", "content": "and then?"},
+        {"role": "assistant", "content": "the cat sat on the mat"},
+    ],
+    [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "hello, how are you today? I am fine"},
+    ],
+    [
+        {"role": "user", "content": "write a poem about the sea"},
+        {"role": "assistant", "content": "the sea and the sky, the sky and the sea"},
+    ],
 ]
 
 
@@ -51,29 +56,43 @@ def make_tokenizer(directory: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   mask_token="<|mask|>", additional_special_tokens=["<|im_start|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     directory.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(directory)
     return fast
 
 
-def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32,
-                seed: int = 0):
+def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32, seed: int = 0):
     """Save a random tiny causal LM (``qwen3`` or ``llama``) plus the tiny tokenizer in
     ``directory`` and return the directory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = make_tokenizer(directory)
-    common = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=hidden // 4, max_position_embeddings=512, tie_word_embeddings=False,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(seed)
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))

@@ -16,21 +16,32 @@ logger = logging.getLogger(__name__)
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "eval", help="measure a drafter: acceptance length tau, histogram, speedup",
+        "eval",
+        help="measure a drafter: acceptance length tau, histogram, speedup",
         description="Greedy (T=0) speculative decoding with a DFlash drafter against its target on held-out "
-                    "conversations (prompt = the conversation up to its first assistant turn).")
-    parser.add_argument("--drafter", required=True,
-                        help="run directory of dflash train (--out), its checkpoints/ or a step_N directory")
-    parser.add_argument("--target", default=None,
-                        help="local HF target directory (default: the target the run was trained against, "
-                             "from its train_config.json; else the embedded default target)")
-    parser.add_argument("--data", default=None,
-                        help="JSONL chat file of held-out conversations (default: the embedded held-out set)")
+        "conversations (prompt = the conversation up to its first assistant turn).",
+    )
+    parser.add_argument(
+        "--drafter", required=True, help="run directory of dflash train (--out), its checkpoints/ or a step_N directory"
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="local HF target directory (default: the target the run was trained against, "
+        "from its train_config.json; else the embedded default target)",
+    )
+    parser.add_argument(
+        "--data", default=None, help="JSONL chat file of held-out conversations (default: the embedded held-out set)"
+    )
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts to decode (default: 20)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument("--cpu-threads", type=int, default=None,
-                        help="torch intra-op threads on CPU (default: torch's; use 1 on a shared machine)")
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads on CPU (default: torch's; use 1 on a shared machine)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
 
@@ -47,16 +58,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
-    print(f"acceptance length tau: {report.tau:.3f} (block size {report.block_size}, "
-          f"{report.num_prompts} prompts, {report.num_tokens} tokens)")
+    print(
+        f"acceptance length tau: {report.tau:.3f} (block size {report.block_size}, "
+        f"{report.num_prompts} prompts, {report.num_tokens} tokens)"
+    )
     total = sum(report.histogram.values())
     print("accepted+1 per step:")
     for length in range(1, report.block_size + 1):
         count = report.histogram.get(length, 0)
         share = count / max(total, 1)
         print(f"  {length:3d}: {count:6d} {100 * share:5.1f}% {'#' * round(40 * share)}")
-    print(f"speedup: {report.speedup:.2f}x (target-only {report.target_ms_per_token:.2f} ms/token, "
-          f"speculative {report.speculative_ms_per_token:.2f} ms/token)")
+    print(
+        f"speedup: {report.speedup:.2f}x (target-only {report.target_ms_per_token:.2f} ms/token, "
+        f"speculative {report.speculative_ms_per_token:.2f} ms/token)"
+    )
     return 0
 
 
@@ -77,13 +92,21 @@ def _evaluate(args: argparse.Namespace):
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
     target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
     if drafter.config.num_target_layers != target.num_layers:
-        raise ValueError(f"--drafter was trained for a {drafter.config.num_target_layers}-layer target, "
-                         f"{target_dir} has {target.num_layers} layers; pass the matching --target")
+        raise ValueError(
+            f"--drafter was trained for a {drafter.config.num_target_layers}-layer target, "
+            f"{target_dir} has {target.num_layers} layers; pass the matching --target"
+        )
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     prompts = load_prompts(tokenizer, data, num_prompts=args.num_prompts)
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
-    return evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens,
-                    eos_ids={e for e in eos_ids if e is not None}, progress=True)
+    return evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        eos_ids={e for e in eos_ids if e is not None},
+        progress=True,
+    )
 
 
 def _trained_target(drafter: Path) -> Path | None:

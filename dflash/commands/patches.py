@@ -50,12 +50,17 @@ def _verify(args) -> int:
     classes = [c.upper() for c in args.classes] or list(races.BUG_CLASSES)
     unknown = [c for c in classes if c not in races.BUG_CLASSES]
     if unknown:
-        print(f"dflash patches verify: unknown bug class {', '.join(unknown)}; choose from "
-              f"{' '.join(races.BUG_CLASSES)} or give none for all", file=sys.stderr)
+        print(
+            f"dflash patches verify: unknown bug class {', '.join(unknown)}; choose from "
+            f"{' '.join(races.BUG_CLASSES)} or give none for all",
+            file=sys.stderr,
+        )
         return 2
     runs = [(c, patched) for c in classes for patched in (False, True)]
-    print(f"torch {torch.__version__}: {len(classes)} bug classes x (plain, patched), "
-          f"{args.seconds:g} s each, fresh interpreters, {args.jobs} at a time")
+    print(
+        f"torch {torch.__version__}: {len(classes)} bug classes x (plain, patched), "
+        f"{args.seconds:g} s each, fresh interpreters, {args.jobs} at a time"
+    )
     results = races.run_checks_subprocess(runs, seconds=args.seconds, jobs=args.jobs)
     print(f"{'class':<6}{'calls plain':>12}{'fail plain':>12}{'calls patched':>15}{'fail patched':>14}  verdict")
     ok = True
@@ -105,7 +110,8 @@ def _upstream(args) -> int:
 
     try:
         reports = make_kit(
-            Path(args.pytorch_src), Path(args.out),
+            Path(args.pytorch_src),
+            Path(args.out),
             benchmark_json=Path(args.benchmark_json) if args.benchmark_json else None,
         )
     except UpstreamKitError as error:
@@ -115,8 +121,10 @@ def _upstream(args) -> int:
     for report in reports:
         print(f"  {report.name:<{width}}  {report.state:<16}  {report.patch_path or report.reason}")
     if any(r.patch_path for r in reports):
-        print(f"wrote {Path(args.out) / 'PR_DESCRIPTION.md'}; apply the stack with "
-              f"`git am --keep-non-patch {Path(args.out) / 'patches'}/*.patch` (keeps the [area] title prefixes)")
+        print(
+            f"wrote {Path(args.out) / 'PR_DESCRIPTION.md'}; apply the stack with "
+            f"`git am --keep-non-patch {Path(args.out) / 'patches'}/*.patch` (keeps the [area] title prefixes)"
+        )
     return 1 if any(r.state == "does-not-apply" for r in reports) else 0
 
 
@@ -148,7 +156,11 @@ def register(subparsers) -> None:
     upstream = commands.add_parser(
         "upstream", help="write a PR kit for a PyTorch checkout: format-patch commits with tests, PR_DESCRIPTION.md"
     )
-    upstream.add_argument("--pytorch-src", required=True, metavar="DIR", help="root of a PyTorch git checkout (only read)")
-    upstream.add_argument("--out", default="upstream-kit", metavar="DIR", help="where to write the kit (default upstream-kit)")
+    upstream.add_argument(
+        "--pytorch-src", required=True, metavar="DIR", help="root of a PyTorch git checkout (only read)"
+    )
+    upstream.add_argument(
+        "--out", default="upstream-kit", metavar="DIR", help="where to write the kit (default upstream-kit)"
+    )
     upstream.add_argument("--benchmark-json", metavar="PATH", help="output of benchmarks/patch_overhead.py --json")
     upstream.set_defaults(func=_upstream)

@@ -28,19 +28,28 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
     base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
     help_text = docs.get(f.name, "")
     if base is bool:
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                            help=f"{help_text} (default: {f.default})")
+        parser.add_argument(
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=argparse.SUPPRESS,
+            help=f"{help_text} (default: {f.default})",
+        )
         return
     if typing.get_origin(base) is list:
         convert, metavar = _optional_int_list, "IDS"
     else:
         convert, metavar = base, f.name.upper()
         if optional:  # an empty string means None ("use the default rule")
-            convert = lambda text, base=base: None if text == "" else base(text)  # noqa: E731
+            convert = lambda text, base=base: None if text == "" else base(text)
             convert.__name__ = base.__name__  # argparse names it in "invalid int value: 'abc'"
     default = f.default if f.default is not dataclasses.MISSING else None
-    parser.add_argument(flag, type=convert, metavar=metavar, default=argparse.SUPPRESS,
-                        help=f"{help_text} (default: {'empty' if default is None else default})")
+    parser.add_argument(
+        flag,
+        type=convert,
+        metavar=metavar,
+        default=argparse.SUPPRESS,
+        help=f"{help_text} (default: {'empty' if default is None else default})",
+    )
 
 
 def _saved_config(out: str) -> dict:
@@ -59,8 +68,11 @@ def _report_interrupt(out: str) -> None:
         return
     if (Path(out) / "checkpoints" / "latest").is_file():
         # Checkpoints are written atomically, so the newest one on disk is complete.
-        logger.error("interrupted; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
-                     out, shlex.quote(out))
+        logger.error(
+            "interrupted; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
+            out,
+            shlex.quote(out),
+        )
     else:
         logger.error("interrupted before the first checkpoint; nothing to resume in %s", out)
 
@@ -69,9 +81,10 @@ def register(subparsers) -> None:
     from dflash.config import TrainConfig, field_docs
 
     parser = subparsers.add_parser(
-        "train", help="train a DFlash drafter (no flags: the embedded default target)",
+        "train",
+        help="train a DFlash drafter (no flags: the embedded default target)",
         description="Train a DFlash drafter against a frozen target. With no flags, trains the embedded "
-                    "default target on its chat corpus on this machine's CPU (or GPU with --device cuda).",
+        "default target on its chat corpus on this machine's CPU (or GPU with --device cuda).",
     )
     hints = typing.get_type_hints(TrainConfig)
     docs = field_docs(TrainConfig)
@@ -101,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
             from dflash.trainer import Trainer
 
             if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-                raise ValueError("torchrun with several processes needs the threaded layout: pass "
-                                 "--target-devices and --drafter-devices")
+                raise ValueError(
+                    "torchrun with several processes needs the threaded layout: pass "
+                    "--target-devices and --drafter-devices"
+                )
             trainer = Trainer(config)
             metrics = trainer.train()
     except ValueError as e:  # bad input: the message names the problem and the fix
@@ -112,9 +127,13 @@ def run(args: argparse.Namespace) -> int:
         _report_interrupt(values.get("out", TrainConfig.out))
         return 130
     if not metrics:
-        print(f"nothing to train: {trainer.out} is already at step {trainer.step} of {trainer.total_steps} "
-              "(pass a larger --steps to continue)")
+        print(
+            f"nothing to train: {trainer.out} is already at step {trainer.step} of {trainer.total_steps} "
+            "(pass a larger --steps to continue)"
+        )
         return 0
-    print(f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}; "
-          f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter {trainer.out})")
+    print(
+        f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}; "
+        f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter {trainer.out})"
+    )
     return 0

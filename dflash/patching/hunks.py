@@ -25,7 +25,7 @@ def _find(lines: list[str], needle: list[str], expected: int, lower: int) -> int
     expected = min(max(expected, lower), max(last, lower))
     for delta in range(max(expected - lower, last - expected) + 1):
         for start in {expected - delta, expected + delta}:
-            if lower <= start <= last and lines[start:start + len(needle)] == needle:
+            if lower <= start <= last and lines[start : start + len(needle)] == needle:
                 return start
     return None
 

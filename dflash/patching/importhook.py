@@ -176,8 +176,11 @@ class PatchFinder:
             torch_dir = Path(next(iter(spec.submodule_search_locations)))
             allow_unverified = os.environ.get(ALLOW_UNVERIFIED_ENV, "0") == "1"
             self.plan_key = cache.key(
-                "plan", cache.stat_key(torch_dir / "version.py"), cache.stat_key(torch_dir / WHEEL_MARKER),
-                [cache.stat_key(p) for p in sorted(series_dir().iterdir())], allow_unverified,
+                "plan",
+                cache.stat_key(torch_dir / "version.py"),
+                cache.stat_key(torch_dir / WHEEL_MARKER),
+                [cache.stat_key(p) for p in sorted(series_dir().iterdir())],
+                allow_unverified,
             )
             text = cache.read(self.plan_key)
             if text is not None:

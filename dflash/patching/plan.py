@@ -72,7 +72,9 @@ class Plan:
         self._lock = threading.Lock()
 
     def to_json(self) -> str:
-        return json.dumps({"release": self.release, "outcomes": [dataclasses.asdict(o) for o in self.outcomes.values()]})
+        return json.dumps(
+            {"release": self.release, "outcomes": [dataclasses.asdict(o) for o in self.outcomes.values()]}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -139,17 +141,23 @@ def choose_variant(name, variants, release, allow_unverified: bool) -> Outcome:
         affects = next((p.affects_versions for p in variants if p.affects_versions is not None), None)
         if affects is not None and not affects.contains(release, prereleases=True):
             return Outcome(name, NOT_APPLICABLE, f"torch {release} does not have this bug ({ranges})")
-        return Outcome(name, FAILED, f"torch {release} has this bug but the series has no variant for it "
-                                     f"({ranges}); use a torch release listed there")
+        return Outcome(
+            name,
+            FAILED,
+            f"torch {release} has this bug but the series has no variant for it "
+            f"({ranges}); use a torch release listed there",
+        )
     patch = fitting[0]
     if release not in patch.verified_on and not allow_unverified:
         verified = ", ".join(str(v) for v in patch.verified_on) or "none"
         return Outcome(
-            name, FAILED,
+            name,
+            FAILED,
             f"torch {release} is not a release {patch.file_name} was verified on ({verified}); refusing to "
             f"patch. Install a verified torch, or set {ALLOW_UNVERIFIED_ENV}=1 to apply it anyway "
             "(exact-context application, never fuzzy; then run `dflash patches verify`)",
-            patch.file_name, patch.modules,
+            patch.file_name,
+            patch.modules,
         )
     return Outcome(name, PENDING, "hook active; module not imported yet", patch.file_name, patch.modules)
 

@@ -585,9 +585,7 @@ def run_checks_subprocess(
     for bug_class, _ in runs:
         _require_class(bug_class)
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        futures = {
-            run: pool.submit(run_check_subprocess, run[0], patched=run[1], seconds=seconds) for run in runs
-        }
+        futures = {run: pool.submit(run_check_subprocess, run[0], patched=run[1], seconds=seconds) for run in runs}
         return {run: future.result() for run, future in futures.items()}
 
 

@@ -17,6 +17,7 @@ from packaging.version import Version
 
 from dflash.patching.plan import series_dir
 
+
 class SeriesError(ValueError):
     """The patch series itself is malformed (a packaging bug, not a torch mismatch)."""
 

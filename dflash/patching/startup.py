@@ -7,7 +7,6 @@ puts a ``sys.meta_path`` finder in place (``importhook.install``).
 
 import os
 
-
 DISABLE_ENV = "DFLASH_PATCHES"
 
 

@@ -106,7 +106,9 @@ def _upstream_test(concern: str) -> tuple[str, str, str]:
     for area in ("fx", "dynamo"):
         if (root / area / stem).is_file():
             return area, f"test/{area}/{stem}", (root / area / stem).read_text(encoding="utf-8")
-    raise UpstreamKitError(f"no upstream test for concern {concern}: add dflash/patching/upstream_tests/<fx|dynamo>/{stem}")
+    raise UpstreamKitError(
+        f"no upstream test for concern {concern}: add dflash/patching/upstream_tests/<fx|dynamo>/{stem}"
+    )
 
 
 def _fix_present(source: str, patched_file) -> bool:
@@ -115,7 +117,8 @@ def _fix_present(source: str, patched_file) -> bool:
 
 
 def _rebase(src: Path, patch: Patch, current: dict[str, str]) -> tuple[str, str, dict[str, str]]:
-    """(state, reason, new file texts) for ``patch`` on the tree as ``current`` (path -> text, HEAD + earlier commits)."""
+    """(state, reason, new file texts) for ``patch`` on the tree as ``current``
+    (path -> text: HEAD plus the earlier commits)."""
     from dflash.patching.hunks import PatchDoesNotFit, apply_hunks
 
     out, present = {}, []
@@ -173,7 +176,9 @@ def _commit_stack(src: Path, base: str, commits: list[_Commit], out: Path) -> li
     try:
         _git(src, "var", "GIT_AUTHOR_IDENT")
     except UpstreamKitError:
-        raise UpstreamKitError(f"git has no author identity in {src}: set git config user.name and user.email") from None
+        raise UpstreamKitError(
+            f"git has no author identity in {src}: set git config user.name and user.email"
+        ) from None
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         _git(src, "read-tree", base, env=env)
@@ -246,22 +251,26 @@ def _first_test_source(test_source: str) -> str:
     raise UpstreamKitError("an upstream test file has no test_* method")
 
 
-def _pr_description(release: str, base: str, commits: list[_Commit], reports: list[ConcernReport],
-                    benchmark: str) -> str:
+def _pr_description(
+    release: str, base: str, commits: list[_Commit], reports: list[ConcernReport], benchmark: str
+) -> str:
     out = [f"# Thread-safe torch.compile and FX: {len(commits)} fixes (PyTorch {release}, base {base[:12]})", ""]
     out += ["## Problem", ""]
     for commit in commits:
         out += [f"### {_title(commit)}", "", _paragraphs(commit.patch)[0], ""]
-    out += ["## Reproducer", "",
-            "Each commit adds a test that holds the racing region open in one thread with events and checks "
-            "another thread meanwhile, so it needs no timing luck:", ""]
+    out += [
+        "## Reproducer",
+        "",
+        "Each commit adds a test that holds the racing region open in one thread with events and checks "
+        "another thread meanwhile, so it needs no timing luck:",
+        "",
+    ]
     for commit in commits:
         out += [f"`python {commit.test_path}`", "", "```python", _first_test_source(commit.test_source), "```", ""]
     out += ["## Fix", ""]
     for commit in commits:
         out += [f"- **{_title(commit)}**: " + " ".join(" ".join(_paragraphs(commit.patch)[1:]).split())]
-    out += ["", "## Why the lock is off the hot path", "", LOCK_TEXT, "", "## Benchmark", "",
-            benchmark, ""]
+    out += ["", "## Why the lock is off the hot path", "", LOCK_TEXT, "", "## Benchmark", "", benchmark, ""]
     others = [r for r in reports if r.state != REBASED]
     if others:
         out += ["## Not in this stack", "", "| concern | state | why |", "|---|---|---|"]
@@ -270,7 +279,10 @@ def _pr_description(release: str, base: str, commits: list[_Commit], reports: li
     links = dict.fromkeys(line for c in commits for line in _links(c.patch))
     stacked = {c.patch.name for c in commits}
     related = dict.fromkeys(
-        f"Related: #{n}" for name, variants in concerns().items() if name not in stacked for p in variants
+        f"Related: #{n}"
+        for name, variants in concerns().items()
+        if name not in stacked
+        for p in variants
         for n in re.findall(r"github.com/pytorch/pytorch/(?:issues|pull)/(\d+)", p.header.get("Bug", ""))
         if f"#{n}" not in " ".join(links)
     )

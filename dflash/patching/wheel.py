@@ -75,7 +75,9 @@ def labelled_version(version: str) -> str:
     """
     local = Version(version).local
     if local is not None and LOCAL_LABEL in local.split("."):
-        raise WheelBuildError(f"version {version} already carries the label {LOCAL_LABEL}: the input is a rebuilt wheel")
+        raise WheelBuildError(
+            f"version {version} already carries the label {LOCAL_LABEL}: the input is a rebuilt wheel"
+        )
     return f"{version}.{LOCAL_LABEL}" if local else f"{version}+{LOCAL_LABEL}"
 
 
@@ -115,7 +117,9 @@ def _copy_installed(staging: Path) -> Path:
         target = root / file
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(dist.locate_file(file), target)
-    log.info("copied the installed torch %s (%d files skipped: bytecode, scripts, install records)", dist.version, skipped)
+    log.info(
+        "copied the installed torch %s (%d files skipped: bytecode, scripts, install records)", dist.version, skipped
+    )
     return root
 
 
@@ -147,7 +151,9 @@ def _patch_modules(root: Path, plan) -> None:
 def _set_torch_version(torch_dir: Path, version: str) -> None:
     path = torch_dir / "version.py"
     text = path.read_text(encoding="utf-8")
-    new, count = re.subn(r"^(__version__\s*(?::\s*str\s*)?=\s*)(['\"])[^'\"]*\2", rf"\g<1>'{version}'", text, flags=re.M)
+    new, count = re.subn(
+        r"^(__version__\s*(?::\s*str\s*)?=\s*)(['\"])[^'\"]*\2", rf"\g<1>'{version}'", text, flags=re.M
+    )
     if count != 1:
         raise WheelBuildError(f"{path}: expected one __version__ line, found {count}")
     path.write_text(new, encoding="utf-8")
@@ -172,7 +178,9 @@ def patch_unpacked(root: Path, *, source_name: str) -> tuple[str, dict[str, str]
     """
     torch_dir = root / "torch"
     if (torch_dir / WHEEL_MARKER).exists():
-        raise WheelBuildError(f"{source_name} is already a rebuilt wheel ({WHEEL_MARKER} present); start from plain torch")
+        raise WheelBuildError(
+            f"{source_name} is already a rebuilt wheel ({WHEEL_MARKER} present); start from plain torch"
+        )
     plan = make_plan(torch_dir, allow_unverified=os.environ.get(ALLOW_UNVERIFIED_ENV, "0") == "1")
     failed = [o for o in plan.outcomes.values() if o.state == FAILED]
     if failed:

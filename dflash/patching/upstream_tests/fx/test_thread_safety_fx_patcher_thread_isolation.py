@@ -11,7 +11,7 @@ import threading
 
 import torch
 import torch.fx
-from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.testing._internal.common_utils import TestCase, run_tests
 
 TIMEOUT_S = 60
 
