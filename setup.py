@@ -46,7 +46,8 @@ setup(
     package_dir={"dflash.patch_series": "patches"},
     package_data={
         "dflash.patch_series": ["series", "*.patch"],
-        "dflash.patching": [*STARTUP_FILES, "upstream_tests/*/*.py"],
+        "dflash.patching": [*STARTUP_FILES],
+        "dflash.patchtools": ["upstream_tests/*/*.py"],
         # The embedded default target and chat corpus (scripts/make_default_target.py).
         "dflash.assets": ["*/*.json", "*/*.jinja", "*/*.safetensors", "*/*.jsonl", "*/*.md", "*/*.txt"],
     },

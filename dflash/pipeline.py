@@ -381,7 +381,7 @@ def compiled_step_fn(index: int, backend: str = "inductor"):
     """Thread ``index``'s compiled :func:`dflash.trainer.drafter_forward_loss`: a copy with its
     own code object (dynamo caches per code object, so each thread has its own cache and
     recompile limit) compiled with ``dynamic=False`` through :class:`CountingBackend`."""
-    from dflash.patching.races import fresh_function
+    from dflash.compile_watch import fresh_function
 
     return torch.compile(fresh_function(drafter_forward_loss, index), backend=CountingBackend(backend), dynamic=False)
 

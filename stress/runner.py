@@ -28,8 +28,9 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from dflash.compile_watch import CountingBackend, fresh_function
 from dflash.masks import dflash_mask_mod
-from dflash.patching.races import fresh_function, sin_plus_one, sin_with_graph_break, traced_net
+from dflash.patchtools.verify.workloads import sin_plus_one, sin_with_graph_break, traced_net
 
 from .strategies import WIDTH, MaskSpec, Schedule
 
@@ -39,47 +40,6 @@ _BARRIER_TIMEOUT_S = 60.0
 _JOIN_TIMEOUT_S = 300.0
 _HEAD_DIM = 16
 _fresh_ids = itertools.count()
-
-
-class RecordingBackend:
-    """A torch.compile backend that counts graph runs per thread and records dynamic graphs.
-
-    ``inner`` is the backend that really compiles (``aot_eager`` on CPU, which traces with
-    make_fx, i.e. through FX; ``inductor`` for flex_attention on GPU).
-    """
-
-    def __init__(self, inner: str) -> None:
-        self.inner = inner
-        self.dynamic_graphs = 0
-        self._lock = threading.Lock()
-        self._local = threading.local()
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        if not _is_static(gm):
-            with self._lock:
-                self.dynamic_graphs += 1
-        compiled = torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
-
-        def run(*args):
-            self._local.runs = self.runs() + 1
-            return compiled(*args)
-
-        return run
-
-    def runs(self) -> int:
-        """Graph runs so far on the calling thread."""
-        return getattr(self._local, "runs", 0)
-
-
-def _is_static(gm: torch.fx.GraphModule) -> bool:
-    """True when no graph input is a SymInt or has a symbolic size."""
-    for node in gm.graph.find_nodes(op="placeholder"):
-        value = node.meta.get("example_value")
-        if isinstance(value, torch.SymInt):
-            return False
-        if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape):
-            return False
-    return True
 
 
 #: nn.Module's own methods, which FX's tracer patches process-wide while it traces (class D).
@@ -170,7 +130,7 @@ class _Setup:
         self.dtype = getattr(torch, schedule.dtype)
         self.rtol, self.atol = TOLERANCES[schedule.dtype]
         self.dynamic = schedule.dynamic
-        self.backend = RecordingBackend("aot_eager")
+        self.backend = CountingBackend("aot_eager")
         self.recompile_limit = torch._dynamo.config.recompile_limit
         lengths = {step.length for thread in schedule.threads for step in thread}
         self.inputs = {n: torch.randn(n, WIDTH, device=device, dtype=self.dtype) for n in sorted(lengths)}
@@ -198,7 +158,7 @@ class _Setup:
         self.q = torch.randn(1, 2, q_len, _HEAD_DIM, device=self.device, dtype=self.dtype)
         self.k, self.v = (torch.randn(1, 2, kv_len, _HEAD_DIM, device=self.device, dtype=self.dtype) for _ in "kv")
         # Inductor is flex_attention's fused path on GPU; on CPU aot_eager keeps compiles short.
-        self.flex_backend = RecordingBackend("inductor" if self.device.type == "cuda" else "aot_eager")
+        self.flex_backend = CountingBackend("inductor" if self.device.type == "cuda" else "aot_eager")
         # Static: a BlockMask fixes the sequence lengths, dynamic shapes add nothing here.
         # A fresh copy per schedule: dynamo caches per code object, and each schedule brings a new backend.
         flex = fresh_function(flex_attention, next(_fresh_ids))
@@ -212,7 +172,7 @@ class _Setup:
         return torch.allclose(x.float(), expected.float(), rtol=self.rtol, atol=self.atol)
 
 
-def _compiled_step(setup: _Setup, backend: RecordingBackend, call, expected) -> str | None:
+def _compiled_step(setup: _Setup, backend: CountingBackend, call, expected) -> str | None:
     before = backend.runs()
     out = call()
     if backend.runs() == before:

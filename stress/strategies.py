@@ -1,7 +1,7 @@
 """Hypothesis strategies for multi-threaded torch.compile / FX schedules.
 
 torch.export is not among the actions: beyond the session flags the series makes
-per-thread (class C, checked by ``dflash.patching.races``), export keeps process-global
+per-thread (class C, checked by ``dflash.patchtools.verify``), export keeps process-global
 state the series does not patch (the pre-dispatch mode stack, ``_EXPORT_FLAGS`` and
 ``_EXPORT_MODULE_HIERARCHY`` in torch/export/_trace.py); see README, "Known gaps".
 

@@ -6,7 +6,8 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import BUG_CLASSES, TEST_SECONDS, all_checks_subprocess, applies_to, reproduce_on_plain_torch
+from dflash.patchtools.verify.catalogue import BUG_CLASSES, applies_to
+from dflash.patchtools.verify.runner import TEST_SECONDS, all_checks_subprocess, reproduce_on_plain_torch
 
 TORCH_VERSION = version("torch")
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from hypothesis import assume, example, given
 
-from dflash.patching.races import applies_to, rerun_while_passing
 from dflash.patching.startup import env_disabled
+from dflash.patchtools.verify.catalogue import applies_to
+from dflash.patchtools.verify.runner import rerun_while_passing
 
 from .runner import run_schedule, unsupported
 from .scenarios import SCENARIOS

@@ -1,4 +1,4 @@
-"""One regression test per torch race class A-H (see ``dflash.patching.races``).
+"""One regression test per torch race class A-H (see ``dflash.patchtools.verify``).
 
 Each check runs in a fresh interpreter: with ``DFLASH_PATCHES=0`` (plain torch) it
 must show failures wherever the installed torch version has the bug, and with the
@@ -10,11 +10,10 @@ from importlib.metadata import version
 
 import pytest
 
-from dflash.patching.races import (
-    BUG_CLASSES,
+from dflash.patchtools.verify.catalogue import BUG_CLASSES, applies_to
+from dflash.patchtools.verify.runner import (
     TEST_SECONDS,
     all_checks_subprocess,
-    applies_to,
     reproduce_on_plain_torch,
     rerun_while_passing,
 )

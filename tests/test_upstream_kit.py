@@ -17,7 +17,7 @@ import pytest
 
 from dflash.cli import main
 from dflash.patching.series import load_series
-from dflash.patching.upstream import PRESENT, REBASED, UpstreamKitError, make_kit, tree_release
+from dflash.patchtools.upstream import PRESENT, REBASED, UpstreamKitError, make_kit, tree_release
 
 SOURCES = os.environ.get("DFLASH_TORCH_SOURCES")
 

@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash.patching import races
 from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, BUILT_IN, WHEEL_MARKER, make_plan
 from dflash.patching.series import load_series
-from dflash.patching.wheel import WheelBuildError, build_wheel, labelled_version, patch_unpacked
+from dflash.patchtools.verify.catalogue import applies_to
+from dflash.patchtools.verify.checks import CheckResult
+from dflash.patchtools.wheel import WheelBuildError, build_wheel, labelled_version, patch_unpacked
 
+REPO = Path(__file__).parents[1]
 TORCH_VERSION = importlib.metadata.version("torch")
 # torch's Requires-Dist and their own dependencies (so `pip check` passes), pinned to this environment's versions.
 TORCH_RUNTIME_DEPS = (
@@ -205,20 +207,20 @@ def test_rebuilt_wheel_installs_and_is_thread_safe_without_dflash(installed_venv
     )
     assert probe.stdout.split() == [expected, expected, "None"], "wrong versions, or dflash importable in the venv"
 
-    # -P: do not put dflash/patching/ (the script's folder) on sys.path; races.py needs only stdlib + torch.
+    # The checks need only torch and the repository on PYTHONPATH: the venv has no dflash and no hook.
     def check(interpreter, bug_class):
         proc = _run(
-            [interpreter, "-P", races.__file__, bug_class, "--seconds", "1", "--json"],
-            env=dict(os.environ, DFLASH_PATCHES="0"),
+            [interpreter, "-m", "dflash.patchtools.verify.runner", bug_class, "--seconds", "1", "--json"],
+            env=dict(os.environ, DFLASH_PATCHES="0", PYTHONPATH=str(REPO)),
             timeout=300,
         )
-        return races.CheckResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+        return CheckResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
     runs = [(python, c) for c in CHECKED_CLASSES] + [(sys.executable, c) for c in CHECKED_CLASSES]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = dict(zip(runs, pool.map(lambda run: check(*run), runs)))
     for bug_class in CHECKED_CLASSES:
-        assert races.applies_to(bug_class, TORCH_VERSION) is True
+        assert applies_to(bug_class, TORCH_VERSION) is True
         rebuilt, plain = results[(python, bug_class)], results[(sys.executable, bug_class)]
         assert rebuilt.calls > 0 and plain.calls > 0
         assert rebuilt.failures == 0, f"class {bug_class} on the rebuilt wheel: {rebuilt}"

@@ -45,14 +45,15 @@ def _status(args) -> int:
 def _verify(args) -> int:
     import torch
 
-    from dflash.patching import races
+    from dflash.patchtools.verify.catalogue import BUG_CLASSES, applies_to
+    from dflash.patchtools.verify.runner import run_checks_subprocess
 
-    classes = [c.upper() for c in args.classes] or list(races.BUG_CLASSES)
-    unknown = [c for c in classes if c not in races.BUG_CLASSES]
+    classes = [c.upper() for c in args.classes] or list(BUG_CLASSES)
+    unknown = [c for c in classes if c not in BUG_CLASSES]
     if unknown:
         print(
             f"dflash patches verify: unknown bug class {', '.join(unknown)}; choose from "
-            f"{' '.join(races.BUG_CLASSES)} or give none for all",
+            f"{' '.join(BUG_CLASSES)} or give none for all",
             file=sys.stderr,
         )
         return 2
@@ -61,12 +62,12 @@ def _verify(args) -> int:
         f"torch {torch.__version__}: {len(classes)} bug classes x (plain, patched), "
         f"{args.seconds:g} s each, fresh interpreters, {args.jobs} at a time"
     )
-    results = races.run_checks_subprocess(runs, seconds=args.seconds, jobs=args.jobs)
+    results = run_checks_subprocess(runs, seconds=args.seconds, jobs=args.jobs)
     print(f"{'class':<6}{'calls plain':>12}{'fail plain':>12}{'calls patched':>15}{'fail patched':>14}  verdict")
     ok = True
     for c in classes:
         plain, patched = results[(c, False)], results[(c, True)]
-        present = races.applies_to(c, torch.__version__)
+        present = applies_to(c, torch.__version__)
         if patched.failures:
             verdict, ok = "FAILS PATCHED: " + (patched.example_error or "")[:80], False
         elif present is not True:
@@ -83,7 +84,7 @@ def _build_wheel(args) -> int:
     import sys
     from pathlib import Path
 
-    from dflash.patching.wheel import WheelBuildError, build_wheel
+    from dflash.patchtools.wheel import WheelBuildError, build_wheel
 
     try:
         built = build_wheel(
@@ -106,7 +107,7 @@ def _upstream(args) -> int:
     import sys
     from pathlib import Path
 
-    from dflash.patching.upstream import UpstreamKitError, make_kit
+    from dflash.patchtools.upstream import UpstreamKitError, make_kit
 
     try:
         reports = make_kit(

@@ -102,12 +102,12 @@ def _head_file(src: Path, path: str) -> str | None:
 def _upstream_test(concern: str) -> tuple[str, str, str]:
     """(area, path in the PyTorch tree, source) of the upstream-style test written for ``concern``."""
     stem = f"test_thread_safety_{concern.replace('-', '_')}.py"
-    root = importlib.resources.files("dflash.patching") / "upstream_tests"
+    root = importlib.resources.files("dflash.patchtools") / "upstream_tests"
     for area in ("fx", "dynamo"):
         if (root / area / stem).is_file():
             return area, f"test/{area}/{stem}", (root / area / stem).read_text(encoding="utf-8")
     raise UpstreamKitError(
-        f"no upstream test for concern {concern}: add dflash/patching/upstream_tests/<fx|dynamo>/{stem}"
+        f"no upstream test for concern {concern}: add dflash/patchtools/upstream_tests/<fx|dynamo>/{stem}"
     )
 
 

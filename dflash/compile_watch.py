@@ -1,0 +1,212 @@
+"""What torch.compile did: compiles, recompiles, graph breaks and eager fallbacks, per thread.
+
+Silently running a compiled function eagerly is the failure this project exists to prevent, so
+every compiled call the trainer, the bug-class checks and the stress suite make goes through
+:class:`CountingBackend`, which counts per thread how often it compiled and how often one of its
+compiled graphs ran: a call that ran no graph fell back to eager. :class:`StepWatch` turns those
+counts into log lines for a training step, with the last dynamo warning of the thread as the
+reason (dynamo logs why it gave up, e.g. the recompile limit, just before it falls back).
+
+Also here: :func:`fresh_function` (a copy of a function with its own code object, so dynamo gives
+it its own cache and recompile limit) and the recompile-limit helpers (the config field was
+renamed from ``cache_size_limit`` to ``recompile_limit`` in torch 2.6; 2.12+ makes a plain
+assignment on one thread invisible to the others unless the project's patches are active).
+
+Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import types
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class CountingBackend:
+    """A dynamo backend wrapping ``inner`` (a registered backend name) that counts, per thread,
+    compiles and compiled-graph runs, and counts graphs that came out dynamic (any symbolic input
+    size), for every thread together.
+
+    Args:
+        inner (str): the backend that really compiles: ``eager``, ``aot_eager`` (traces with
+            make_fx, i.e. through FX, cheaply) or ``inductor``.
+    """
+
+    def __init__(self, inner: str = "inductor") -> None:
+        self.inner = inner
+        self.dynamic_graphs = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self._local.compiles = self.compiles() + 1
+        if not is_static(gm):
+            with self._lock:
+                self.dynamic_graphs += 1
+        compiled = torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+        def run(*args):
+            self._local.runs = self.runs() + 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # dynamo passes boxed args through
+        return run
+
+    def compiles(self) -> int:
+        """Graphs compiled so far on the calling thread."""
+        return getattr(self._local, "compiles", 0)
+
+    def runs(self) -> int:
+        """Compiled-graph runs so far on the calling thread."""
+        return getattr(self._local, "runs", 0)
+
+
+def is_static(gm: torch.fx.GraphModule) -> bool:
+    """True when no graph input is a SymInt or has a symbolic size."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            return False
+        if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape):
+            return False
+    return True
+
+
+def fresh_function(template: Callable, index: int) -> Callable:
+    """A copy of ``template`` with its own code object (named ``<name>_<index>``): dynamo caches
+    compiled code and counts recompiles per code object, so each copy compiles on its own."""
+    code = template.__code__.replace(co_name=f"{template.__name__}_{index}")
+    fresh = types.FunctionType(code, template.__globals__, code.co_name, template.__defaults__, template.__closure__)
+    fresh.__kwdefaults__ = template.__kwdefaults__
+    return fresh
+
+
+class DynamoWarnings(logging.Handler):
+    """Keeps the last ``torch._dynamo`` warning per thread (e.g. the recompile-limit message that
+    precedes an eager fallback), to report with that thread's fallback. A context manager that
+    attaches itself to the ``torch._dynamo`` logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.last: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.last[record.threadName] = record.getMessage().strip().splitlines()[0][:300]
+
+    def last_for(self, thread_name: str) -> str:
+        return self.last.get(thread_name, "none")
+
+    def __enter__(self) -> DynamoWarnings:
+        logging.getLogger("torch._dynamo").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("torch._dynamo").removeHandler(self)
+
+
+def recompile_limit_name() -> str:
+    """``recompile_limit``, or ``cache_size_limit`` before torch 2.6 renamed it."""
+    import torch._dynamo.config as dynamo_config
+
+    return "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Set dynamo's recompile limit to at least ``limit`` *as the calling thread sees it*: on
+    torch 2.12+ without the patches, a plain assignment on the main thread is invisible to
+    worker threads (bug class F), so each compiling thread calls this itself."""
+    import torch._dynamo.config as dynamo_config
+
+    name = recompile_limit_name()
+    if getattr(dynamo_config, name) < limit:
+        setattr(dynamo_config, name, limit)
+
+
+def graph_break_count() -> int:
+    """Graph breaks dynamo has counted in this process (all threads)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+class StepWatch:
+    """Per-thread compile accounting of one compiled training step function.
+
+    Call :meth:`before` just before a call of the compiled step on this thread and
+    :meth:`after` right after it, with the shape key the step was compiled for (its sequence
+    length). Logged as warnings, and counted: a recompile for a shape this thread compiled
+    before (a guard failure), a call that ran no compiled graph (eager fallback, with dynamo's
+    last warning in this thread), new graph breaks. A first compile per shape is logged at
+    INFO. A no-op when ``backend`` is None (an eager step).
+
+    Args:
+        name (str): the thread's name in log lines (``drafter cuda:1``).
+        backend (CountingBackend | None): the backend the step was compiled with.
+        warnings (DynamoWarnings | None): where the thread's last dynamo warning is read.
+    """
+
+    def __init__(self, name: str, backend: CountingBackend | None, warnings: DynamoWarnings | None = None) -> None:
+        self.name, self.backend, self.warnings = name, backend, warnings
+        self.compiles = self.unexpected_recompiles = self.eager_fallbacks = self.graph_breaks = 0
+        self._shapes: set = set()
+        self._before = (0, 0, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    def before(self) -> None:
+        if self.enabled:
+            self._before = (self.backend.compiles(), self.backend.runs(), graph_break_count())
+
+    def after(self, step: int, shape) -> None:
+        if not self.enabled:
+            return
+        compiles, runs, breaks = (
+            now - then
+            for now, then in zip((self.backend.compiles(), self.backend.runs(), graph_break_count()), self._before)
+        )
+        reason = self.warnings.last_for(threading.current_thread().name) if self.warnings else "none"
+        self.compiles += compiles
+        if compiles and shape in self._shapes:
+            self.unexpected_recompiles += compiles
+            logger.warning(
+                "%s step %d: RECOMPILED the drafter step for shape %s, which it had compiled before "
+                "(guard failure; last dynamo warning in this thread: %s)",
+                self.name, step, shape, reason,
+            )  # fmt: skip
+        elif compiles:
+            logger.info(
+                "%s step %d: compiled the drafter step for shape %s (%d graph(s))", self.name, step, shape, compiles
+            )
+        self._shapes.add(shape)
+        if not runs:
+            self.eager_fallbacks += 1
+            logger.warning(
+                "%s step %d: the compiled drafter step ran EAGERLY (no compiled graph ran); last dynamo warning "
+                "in this thread: %s",
+                self.name, step, reason,
+            )  # fmt: skip
+        if breaks and compiles:
+            # Counted process-wide: with several threads compiling at once, a break may be another's.
+            self.graph_breaks += breaks
+            logger.warning(
+                "%s step %d: %d graph break(s) while compiling the drafter step: part of it runs eagerly",
+                self.name, step, breaks,
+            )  # fmt: skip
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "compiles": self.compiles,
+            "unexpected_recompiles": self.unexpected_recompiles,
+            "eager_fallbacks": self.eager_fallbacks,
+            "graph_breaks": self.graph_breaks,
+        }
+
+    def healthy(self) -> bool:
+        return not (self.unexpected_recompiles or self.eager_fallbacks or self.graph_breaks)

@@ -1,0 +1,75 @@
+"""The thread-safety bug classes A-H of torch.compile / FX, and which torch releases have each.
+
+The classes, their symptoms, causes and upstream links are described in ``docs/bug-classes.md``;
+the version facts below were measured with :mod:`dflash.patchtools.verify` on plain torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+BUG_CLASSES: dict[str, str] = {
+    "A": "a warm compiled function called in one thread while another thread compiles new functions "
+    "raises 'Detected that you are using FX to symbolically trace a dynamo-optimized function' "
+    "or silently runs eagerly",
+    "B": "a warm compiled function called in one thread while another thread runs "
+    "torch.fx.symbolic_trace fails the same way as A",
+    "C": "process-global compile/export session flags: torch.compiler.is_compiling() is True in an "
+    "eager thread while another compiles; torch.compile() hands back the uncompiled function and "
+    "is_exporting() is True while another thread is inside torch.export",
+    "D": "FX's process-wide nn.Module patching: another thread's eager module enters the tracer "
+    "(NameError 'module is not installed as a submodule'); concurrent make_fx traces "
+    "(AssertionError 'CURRENT_PATCHER is None in finally block')",
+    "E": "dynamo config.patch(...) in one thread is visible to, and undone by, another thread",
+    "F": "a plain torch._dynamo.config assignment on one thread is invisible to worker threads "
+    "(a raised recompile_limit is ignored there, which then fall back to eager)",
+    "G": "torch._dynamo.error_on_graph_break(True) entered in one thread makes graph breaks "
+    "in another thread's compiles raise",
+    "H": "eager flex_attention (its _set_compilation_env saves and restores the FX tracing flag) "
+    "in one thread races with FX traces in another",
+}
+
+
+def require_class(bug_class: str) -> None:
+    """Raises ValueError for a letter that is not a bug class."""
+    if bug_class not in BUG_CLASSES:
+        raise ValueError(f"unknown bug class {bug_class!r}: choose one of {', '.join(BUG_CLASSES)}")
+
+
+def _minor_version(torch_version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", str(torch_version))
+    if match is None:
+        raise ValueError(f"cannot read a torch version from {torch_version!r}; expected e.g. '2.13.0+cpu'")
+    return int(match.group(1)), int(match.group(2))
+
+
+def applies_to(bug_class: str, torch_version: str) -> bool | str:
+    """Whether ``torch_version`` (e.g. ``torch.__version__``) shows ``bug_class`` on plain torch.
+
+    Returns ``True`` when the bug is present and its check must fail on plain torch;
+    otherwise a string saying why it is absent or not observable (never ``False``: test
+    the result with ``is True``). Source: the version table of ``docs/bug-classes.md``
+    (measured on 2.5.1-2.15.0).
+    """
+    require_class(bug_class)
+    version = _minor_version(torch_version)
+    fx_flag_thread_local = "FX tracing flag is thread-local since torch 2.14 (pytorch PR 168999)"
+    if bug_class == "A":
+        if version >= (2, 14):
+            return fx_flag_thread_local
+        if version == (2, 13):
+            return (
+                "masked by class C on torch 2.13: is_fx_symbolic_tracing() is 'flag and not is_compiling()' "
+                "and a compile in flight holds the global is_compiling flag True"
+            )
+        return True
+    if bug_class == "B":
+        return True if version < (2, 14) else fx_flag_thread_local
+    if bug_class == "E":
+        return True if version <= (2, 11) else "dynamo config patches are per-thread since torch 2.12"
+    if bug_class == "F":
+        return True if version >= (2, 12) else "dynamo config is process-global before torch 2.12 (class E instead)"
+    # C (export half on every version measured), D, G: present in 2.5.1 through 2.15.0. H too: 2.14
+    # made its FX-flag half thread-local, but eager flex still runs its mask/score GraphModules
+    # through FX's process-wide nn.Module patching (class D): 140 / 2,600 plain on 2.14.1.
+    return True

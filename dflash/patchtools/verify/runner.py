@@ -1,0 +1,124 @@
+"""Run the bug-class checks in fresh interpreters, plain vs patched, and the command line for one.
+
+A fresh interpreter per check: on plain torch a check may leave a process-global flag set. Plain
+means ``DFLASH_PATCHES=0`` in the child's environment (the import hook stays off), patched
+``DFLASH_PATCHES=1``. What each child runs::
+
+    python -m dflash.patchtools.verify.runner B --seconds 1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from dflash.patchtools.verify.catalogue import BUG_CLASSES, require_class
+from dflash.patchtools.verify.checks import JOIN_TIMEOUT_S, CheckResult, run_check
+
+
+def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> CheckResult:
+    """Run ``run_check(bug_class, seconds=seconds)`` in a fresh interpreter.
+
+    ``patched`` sets ``DFLASH_PATCHES=1`` (the dflash patch series applied at import) or
+    ``0`` (plain torch) in the child's environment. Raises ``RuntimeError`` with the
+    child's output when it crashes or prints no result.
+    """
+    require_class(bug_class)
+    env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0")
+    cmd = [sys.executable, "-m", "dflash.patchtools.verify.runner", bug_class, "--seconds", str(seconds), "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 3 * JOIN_TIMEOUT_S)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"`{' '.join(cmd)}` (DFLASH_PATCHES={env['DFLASH_PATCHES']}) exited with {proc.returncode}:\n"
+            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    fields = json.loads(lines[-1])
+    return CheckResult(**fields)
+
+
+#: Seconds per check in the regression tests and the stress table: long enough that every class
+#: present fails hundreds of times on plain torch 2.13 (2 cores); one value, so one run serves both.
+TEST_SECONDS = 0.5
+
+
+@functools.cache
+def all_checks_subprocess(*, seconds: float = TEST_SECONDS) -> dict[tuple[str, bool], CheckResult]:
+    """Every class, plain and patched (``run_checks_subprocess``), once per process: the
+    regression tests and the stress suite's table share one run when pytest collects both."""
+    return run_checks_subprocess([(c, p) for c in BUG_CLASSES for p in (False, True)], seconds=seconds)
+
+
+T = TypeVar("T")
+
+
+def rerun_while_passing(first: T, rerun: Callable[[int], T], failed: Callable[[T], bool], *, attempts: int) -> T:
+    """``first`` if ``failed(first)``, else ``rerun(2)``, ``rerun(4)``, ... until one fails,
+    ``attempts`` reruns at most; ``rerun(scale)`` gives the race ``scale`` times the chances
+    (time, schedules) of the first run.
+
+    Races are probabilistic and a loaded machine (CI) runs fewer interleavings per second; a
+    result that never failed is returned as is, for the caller to fail on.
+    """
+    result = first
+    for attempt in range(attempts):
+        if failed(result):
+            break
+        result = rerun(2 ** (attempt + 1))
+    return result
+
+
+def reproduce_on_plain_torch(bug_class: str, first: CheckResult, *, seconds: float, attempts: int = 3) -> CheckResult:
+    """``first`` (a plain-torch result) if it shows failures, else reruns on plain torch with twice
+    the time each attempt until the race shows (:func:`rerun_while_passing`)."""
+    return rerun_while_passing(
+        first,
+        lambda scale: run_check_subprocess(bug_class, patched=False, seconds=seconds * scale),
+        lambda result: result.failures > 0,
+        attempts=attempts,
+    )
+
+
+def run_checks_subprocess(
+    runs: Iterable[tuple[str, bool]], *, seconds: float, jobs: int | None = None
+) -> dict[tuple[str, bool], CheckResult]:
+    """Run ``run_check_subprocess`` for each (bug_class, patched) pair of ``runs``, ``jobs`` at a time.
+
+    ``jobs`` defaults to the number of CPUs. Returns the results keyed by the pairs.
+    """
+    runs = list(runs)
+    for bug_class, _ in runs:
+        require_class(bug_class)
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        futures = {run: pool.submit(run_check_subprocess, run[0], patched=run[1], seconds=seconds) for run in runs}
+        return {run: future.result() for run, future in futures.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.patchtools.verify.runner", description="Run one two-thread bug-class check."
+    )
+    parser.add_argument("bug_class", choices=list(BUG_CLASSES))
+    parser.add_argument("--seconds", type=float, default=2.0, help="race duration (default 2)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = parser.parse_args(argv)
+    result = run_check(args.bug_class, seconds=args.seconds)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        print(f"class {args.bug_class}: {result.failures} / {result.calls} failed")
+        for kind, count in sorted(result.failure_kinds.items(), key=lambda item: -item[1]):
+            print(f"  {count:8d}  {kind}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

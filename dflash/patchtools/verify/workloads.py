@@ -1,0 +1,115 @@
+"""What the bug-class checks race: compiled functions, FX traces and flag polls, each a *step*.
+
+A step is a zero-argument callable returning None when all was right or a one-line description
+of what went wrong (an exception raised by a step is a failure too); :mod:`.checks` runs two of
+them on two threads at once. The stress suite (``stress/``) reuses the compiled workloads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dflash.compile_watch import CountingBackend, fresh_function
+
+#: The backend of the warm compiled functions: eager graphs whose runs are counted per thread,
+#: so a call that silently fell back to eager shows.
+COUNTING = CountingBackend("eager")
+
+
+def compiled_call(fn: Callable, *args) -> tuple[object, bool]:
+    """Call a function compiled with :data:`COUNTING`; returns (output, whether a compiled graph ran)."""
+    before = COUNTING.runs()
+    out = fn(*args)
+    return out, COUNTING.runs() > before
+
+
+def sin_plus_one(x):
+    """The compiled workload: ``sin(x) + 1``, any shape and floating dtype."""
+    return torch.sin(x) + 1
+
+
+def sin_with_graph_break(x):
+    """``sin(x) + 1`` with a ``torch._dynamo.graph_break()`` between the two ops."""
+    y = torch.sin(x)
+    torch._dynamo.graph_break()
+    return y + 1
+
+
+def traced_net():
+    """A small module with one submodule, the target of the FX traces below."""
+
+    class TracedNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    return TracedNet()
+
+
+def symbolic_trace_step(net) -> Callable[[], str | None]:
+    """One torch.fx.symbolic_trace of ``net``; a failure if any module but ``net.lin`` was captured."""
+
+    def step() -> str | None:
+        gm = torch.fx.symbolic_trace(net)
+        called = [node.target for node in gm.graph.nodes if node.op == "call_module"]
+        return None if called == ["lin"] else f"symbolic_trace captured call_module targets {called}, expected ['lin']"
+
+    return step
+
+
+def warm_compiled_call_step(warm: Callable, x) -> Callable[[], str | None]:
+    """Call the warm compiled ``warm``; a failure if it raised, ran eagerly or computed a wrong value."""
+    expected = sin_plus_one(x)
+
+    def step() -> str | None:
+        out, ran_graph = compiled_call(warm, x)
+        if not ran_graph:
+            return "warm compiled function ran eagerly (its compiled graph did not run)"
+        return None if torch.equal(out, expected) else "warm compiled function returned a wrong value"
+
+    return step
+
+
+def compile_new_functions_step(backend: str) -> Callable[[], str | None]:
+    """Compile and call a fresh function each step (AOT backends trace with make_fx, i.e. FX)."""
+    counter = iter(range(1 << 62))
+    x = torch.randn(8)
+
+    def step() -> str | None:
+        fn = torch.compile(fresh_function(sin_plus_one, next(counter)), backend=backend)
+        return None if torch.allclose(fn(x), sin_plus_one(x)) else "fresh compiled function returned a wrong value"
+
+    return step
+
+
+def warm_compiled_function():
+    warm = torch.compile(sin_plus_one, backend=COUNTING)
+    x = torch.randn(8)
+    _, ran_graph = compiled_call(warm, x)
+    if not ran_graph:
+        raise RuntimeError("warm-up: the compiled function did not run its graph before any race started")
+    return warm, x
+
+
+def poll_session_flags_step(check_compile_handoff: bool) -> Callable[[], str | None]:
+    """Poll the session flags from an eager thread; optionally check torch.compile wraps a function."""
+
+    def plain(x):
+        return x + 1
+
+    def step() -> str | None:
+        # Most specific symptom first: export also sets is_compiling.
+        if check_compile_handoff and torch.compile(plain, backend="eager") is plain:
+            return "torch.compile() handed back the uncompiled function (another thread is exporting)"
+        if torch.compiler.is_exporting():
+            return "torch.compiler.is_exporting() is True in an eager thread"
+        if torch.compiler.is_compiling():
+            return "torch.compiler.is_compiling() is True in an eager thread"
+        return None
+
+    return step
