@@ -1,4 +1,4 @@
-"""Drafter-side scaling of the threaded trainer (dflash/pipeline.py), from synthetic hidden
+"""Drafter-side scaling of the threaded engine (dflash/engine/threaded.py), from synthetic hidden
 states (no target weights needed).
 
     python benchmarks/drafter_scaling.py --device cuda --size realistic     # H200: W = visible GPUs
@@ -34,33 +34,21 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import torch
 from transformers import Qwen3Config
 
+from dflash.compile_watch import DynamoWarnings, raise_recompile_limit
 from dflash.data import Batch
 from dflash.devices import Slot
-from dflash.distributed import FlatGradients
-from dflash.loss import position_weights
+from dflash.engine.jobs import Job
+from dflash.engine.replica import build_replicas, optimizer_step
+from dflash.engine.step import LossSettings, TargetBatch, detect_peak_tflops, drafter_step
+from dflash.engine.threaded import Control, DrafterWorker, Inbox, Prefetched, run_drafters
 from dflash.masks import sample_anchors
 from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.pipeline import (
-    DrafterReplica,
-    DrafterWorker,
-    DynamoWarnings,
-    Heads,
-    Inbox,
-    Job,
-    Prefetched,
-    _Control,
-    compiled_step_fn,
-    raise_recompile_limit,
-    run_step,
-    step_replicas,
-    thread_compile_counts,
-)
 from dflash.target import TargetStates
-from dflash.trainer import TargetBatch, detect_peak_tflops, drafter_forward_loss, drafter_step
 
 SIZES = {
     "tiny": dict(
@@ -93,8 +81,18 @@ SIZES = {
 RESULT_TAG = "RESULT "
 
 
-def build_replica(index: int, device: torch.device, s: dict, compiled: bool, backend: str) -> DrafterReplica:
-    """A drafter replica plus random frozen heads on ``device``, same initial weights for every index."""
+class _Heads:
+    """Random frozen heads standing in for a target (what ``build_replicas`` reads of one)."""
+
+    def __init__(self, device: torch.device, s: dict) -> None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.device = device
+        self.embed_tokens = torch.nn.Embedding(s["vocab"], s["hidden"]).to(device, dtype).requires_grad_(False)
+        self.lm_head = torch.nn.Linear(s["hidden"], s["vocab"], bias=False).to(device, dtype).requires_grad_(False)
+
+
+def build(devices: list[torch.device], s: dict, compiled: bool, backend: str, warnings: DynamoWarnings):
+    """Drafter replicas (same initial weights) with random frozen heads, and their loss settings."""
     target = Qwen3Config(
         vocab_size=s["vocab"],
         hidden_size=s["hidden"],
@@ -106,24 +104,29 @@ def build_replica(index: int, device: torch.device, s: dict, compiled: bool, bac
     )
     config = create_drafter_config(target, s["layers"], block_size=s["block"], mask_token_id=s["vocab"] - 1)
     torch.manual_seed(0)
-    attention = "flex_attention" if device.type == "cuda" else "sdpa"
-    model = DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).to(device).train()
-    head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    embed = torch.nn.Embedding(s["vocab"], s["hidden"]).to(device, head_dtype).requires_grad_(False)
-    lm_head = torch.nn.Linear(s["hidden"], s["vocab"], bias=False).to(device, head_dtype).requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    step_fn = compiled_step_fn(index, backend) if compiled else drafter_forward_loss
-    return DrafterReplica(
-        Slot(f"{device.type}:{index}", device),
-        model,
-        Heads(embed, lm_head),
-        optimizer,
-        scheduler,
-        FlatGradients(model, extra=2 + 2 * s["block"]),
-        position_weights(s["block"], None, device=device),
-        step_fn,
+    attention = "flex_attention" if devices[0].type == "cuda" else "sdpa"
+    model = DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+    settings = LossSettings(
+        mask_token_id=config.mask_token_id,
+        block_size=s["block"],
+        gamma=None,
+        soft_label_weight=0.0,
+        position_weighting="decay",
+        chunk_blocks=16,
     )
+    slots = [Slot(f"{d.type}:{i}", d) for i, d in enumerate(devices)]
+    optimizer_config = types.SimpleNamespace(lr=1e-4, weight_decay=0.0)
+    replicas = build_replicas(
+        model,
+        slots,
+        [_Heads(devices[0], s)],
+        optimizer_config,
+        settings,
+        compiled=compiled,
+        warnings=warnings,
+        backend=backend,
+    )
+    return replicas, settings
 
 
 def make_item(device: torch.device, s: dict, seq_len: int, seed: int, model) -> Prefetched:
@@ -140,10 +143,6 @@ def make_item(device: torch.device, s: dict, seq_len: int, seed: int, model) -> 
     return Prefetched(job, batch, anchors.to(device), valid.to(device))
 
 
-def _loss_kwargs(replica) -> dict:
-    return dict(mask_token_id=replica.model.config.mask_token_id, soft_label_weight=0.0, position_weighting="decay")
-
-
 def _sync(devices) -> None:
     for device in devices:
         if device.type == "cuda":
@@ -158,26 +157,17 @@ def _sync(devices) -> None:
 def lockstep(devices: list[torch.device], s: dict, args) -> dict:
     """Drafter tokens/s per device and MFU with ``len(devices)`` lockstep drafter threads."""
     compiled = devices[0].type == "cuda"
-    replicas = [build_replica(i, d, s, compiled, args.backend) for i, d in enumerate(devices)]
+    warnings = DynamoWarnings()
+    replicas, settings = build(devices, s, compiled, args.backend, warnings)
     items = [make_item(d, s, s["seq"], i, r.model) for i, (d, r) in enumerate(zip(devices, replicas))]
-    control, warnings = _Control(), DynamoWarnings()
+    control = Control()
     inboxes = [Inbox(2, control) for _ in replicas]
     workers = [
-        DrafterWorker(
-            r,
-            inbox,
-            control,
-            grad_accum=1,
-            compiled=compiled,
-            recompile_limit=16,
-            warnings=warnings,
-            loss_kwargs=_loss_kwargs(r),
-            max_anchors=s["anchors"],
-        )
+        DrafterWorker(r, inbox, control, settings, grad_accum=1, recompile_limit=16)
         for r, inbox in zip(replicas, inboxes)
     ]
-    for i, w in enumerate(workers):
-        control.on_stop(inboxes[i].wake)
+    for inbox, w in zip(inboxes, workers):
+        control.on_stop(inbox.wake)
         control.on_stop(w.wake)
         w.start()
     try:
@@ -188,8 +178,8 @@ def lockstep(devices: list[torch.device], s: dict, args) -> dict:
                     start, flops0 = time.perf_counter(), sum(w.flops for w in workers)
                 for inbox, item in zip(inboxes, items):
                     inbox.put(step, item)
-                run_step(workers, control, step)
-                step_replicas(replicas, 1.0)
+                run_drafters(workers, control, step)
+                optimizer_step(replicas, lr=1e-4, grad_clip=1.0)
             _sync(devices)
             elapsed = time.perf_counter() - start
     finally:
@@ -199,13 +189,14 @@ def lockstep(devices: list[torch.device], s: dict, args) -> dict:
     tokens = args.steps * s["batch"] * s["seq"]  # per device
     flops = (sum(w.flops for w in workers) - flops0) / len(workers)
     peak = 1e12 * (args.peak_tflops or detect_peak_tflops(devices[0]) or 0.0)
+    summaries = [r.watch.summary() for r in replicas]
     return {
         "threads": len(devices),
         "tokens_per_s_per_device": tokens / elapsed,
         "mfu": flops / elapsed / peak if peak else None,
         "tflops_per_device": flops / elapsed / 1e12,
-        "eager_fallbacks": sum(w.eager_fallbacks for w in workers),
-        "unexpected_recompiles": sum(w.unexpected_recompiles for w in workers),
+        "eager_fallbacks": sum(c["eager_fallbacks"] for c in summaries),
+        "unexpected_recompiles": sum(c["unexpected_recompiles"] for c in summaries),
     }
 
 
@@ -216,7 +207,7 @@ def lockstep(devices: list[torch.device], s: dict, args) -> dict:
 
 def free_running(devices: list[torch.device], s: dict, args) -> dict:
     """W threads run forward + backward freely; after a warm window thread W-1 recompiles every step."""
-    replicas = [build_replica(i, d, s, True, args.backend) for i, d in enumerate(devices)]
+    replicas, settings = build(devices, s, True, args.backend, DynamoWarnings())
     last = len(devices) - 1
     start_barrier, switch_barrier = threading.Barrier(len(devices)), threading.Barrier(len(devices))
     stats = [
@@ -226,19 +217,18 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
 
     def one_step(i, replica, item) -> None:
         st = stats[i]
-        before = thread_compile_counts()
+        backend = replica.watch.backend
+        before = (backend.compiles(), backend.runs())
         try:
             drafter_step(
                 replica.step_fn,
                 replica.model,
                 replica.heads,
                 item.batch,
-                max_anchors=s["anchors"],
-                generator=None,
+                item.anchors,
+                item.valid,
+                settings=settings,
                 position_weight=replica.position_weight,
-                autocast=devices[i].type == "cuda",
-                anchors=(item.anchors, item.valid),
-                **_loss_kwargs(replica),
             )
         except Exception as e:
             st["errors"] += 1
@@ -246,7 +236,7 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
             return
         finally:
             replica.flat.zero_()
-        compiles, runs = (a - b for a, b in zip(thread_compile_counts(), before))
+        compiles, runs = (a - b for a, b in zip((backend.compiles(), backend.runs()), before))
         st["compiles"] += compiles
         st["eager"] += runs == 0
 

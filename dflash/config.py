@@ -133,7 +133,7 @@ class TrainConfig:
     progress: bool = True
     """Show a tqdm progress bar."""
 
-    # ---- threaded multi-device layout (dflash/pipeline.py) -----------------------------------
+    # ---- threaded multi-device layout (dflash/engine/threaded.py) -----------------------------------
     target_devices: str | None = None
     """Devices of the target threads, one frozen target replica each: `cuda:0-4`, `cuda:0,cuda:2`, `cpu`,
     `cpu:0-1`; empty = the single-device path (--device)."""
@@ -143,7 +143,7 @@ class TrainConfig:
     prefetch_depth: int = 2
     """Target-state batches buffered ahead per drafter thread (bounded: the target threads wait when it is full)."""
     vary_seq_len: int = 0
-    """Cycle each drafter thread through this many padded sequence lengths (staggered across threads) to force
+    """Cycle each drafter replica through this many padded sequence lengths (staggered across threads) to force
     recompiles, for benchmarks and soak runs; 0 = off."""
 
     def __post_init__(self) -> None:
@@ -210,11 +210,8 @@ class TrainConfig:
             )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
-        if self.vary_seq_len < 0 or (self.vary_seq_len and self.drafter_devices is None):
-            raise ValueError(
-                f"vary_seq_len={self.vary_seq_len}: must be >= 0 and needs the threaded layout "
-                "(--target-devices/--drafter-devices)"
-            )
+        if self.vary_seq_len < 0:
+            raise ValueError(f"vary_seq_len must be >= 0, got {self.vary_seq_len}")
         if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):
             raise ValueError(f"target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
 

@@ -91,6 +91,18 @@ class Batch:
         """Real (non-padding) tokens in the batch."""
         return int(self.lengths.sum())
 
+    def truncated(self, length: int) -> Batch:
+        """The first ``length`` positions of every row (``--vary-seq-len``)."""
+        return Batch(
+            self.input_ids[:, :length].contiguous(),
+            self.loss_mask[:, :length].contiguous(),
+            self.lengths.clamp(max=length),
+        )
+
+    def pinned(self) -> Batch:
+        """A copy in page-locked host memory, so copies to a GPU run asynchronously."""
+        return Batch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.lengths)
+
 
 # ---------------------------------------------------------------------------------------
 # Reading

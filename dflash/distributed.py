@@ -137,6 +137,8 @@ def sum_replicas(buffers: list[torch.Tensor]) -> None:
         if len(buffers) > 1:
             nccl.broadcast(buffers, root=0)
         return
+    if len(buffers) == 1 and not distributed:
+        return
     total = buffers[0].clone()
     for other in buffers[1:]:  # a fixed order: the same bits on every run
         total += other

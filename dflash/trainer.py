@@ -1,23 +1,18 @@
-"""Single-device DFlash drafter training (arXiv 2602.06036): the frozen target produces hidden
-states, the drafter learns to predict each draft block from them.
+"""DFlash drafter training (arXiv 2602.06036): the loop around a step engine.
 
-A step is two separable stages, so a multi-device pipeline (target workers -> prefetch queue ->
-drafter workers) can reuse them as they are:
+:class:`Trainer` builds the inputs once (targets, tokenizer, data, the initial drafter, the loss
+settings), hands them to a step engine (:mod:`dflash.engine`: one device, or target and drafter
+threads) and owns everything around a step: the loop, the learning-rate schedule, metrics,
+logging, checkpoints and exact resume, and a clean stop on SIGTERM/SIGINT.
 
-- :func:`produce_target_states`: batch -> :class:`TargetBatch` (target forward, no grad);
-- :func:`drafter_step`: :class:`TargetBatch` -> forward + backward of the drafter, returning
-  detached loss sums and per-position counts (anchors, draft blocks, BlockMask built here).
+Shape of the loop (torchtitan's): ``train()`` is a short while-loop; each step asks the engine
+for one optimizer step at the schedule's learning rate and gets back host-side statistics
+(:class:`dflash.engine.StepStats`, one device-to-host transfer per step).
 
-:class:`Trainer` wires them into the loop (torchtitan shape: ``train()`` is a short while-loop,
-``train_step()`` pulls every micro-batch of the optimizer step, then runs them). The loss is a
-weighted *sum*; gradients are divided by the weight sum of the whole optimizer step before
-clipping, so grad accumulation equals one big batch (``dflash_reference.md``, Training).
-
-On CUDA the drafter forward + loss runs under ``torch.compile`` with flex_attention and a
-BlockMask; on CPU it runs eagerly with SDPA and a dense mask (torch 2.13 has no CPU flex
-backward). :class:`CompileMonitor` logs every recompile, graph break and failed frame of the
-compiled step as a warning: silently falling back to eager is the failure this project exists
-to prevent.
+Stopping: the first SIGTERM (what SLURM and Kubernetes send before killing a job) or SIGINT
+finishes the step in flight, saves a checkpoint (with torchrun, every process stops after the
+same step: the request travels with the step's gradients) and raises :class:`TrainingStopped`;
+a second signal ends the process at once (the checkpoints on disk stay intact: writes are atomic).
 """
 
 from __future__ import annotations
@@ -28,269 +23,91 @@ import logging
 import math
 import os
 import random
-import time
-from dataclasses import dataclass
+import signal
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dflash import checkpoint
+from dflash.compile_watch import DynamoWarnings
 from dflash.config import INPUT_PATHS, SAVED_CONFIG_NAME, TrainConfig, absolute_path
-from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, read_conversations, require_data_file
-from dflash.loss import LossOutput, acceptance_length_estimate, dflash_loss, per_position_accuracy, position_weights
-from dflash.masks import build_labels, draft_input_ids, sample_anchors
-from dflash.target import Target, TargetStates, load_target, resolve_device
+from dflash.data import BatchLoader, ShardedSampler, build_examples, read_conversations, require_data_file
+from dflash.devices import DeviceLayout, Slot, parse_layout
+from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
+from dflash.engine import StepEngine, StepStats
+from dflash.engine.jobs import JobSource, seq_len_schedule
+from dflash.engine.local import LocalEngine
+from dflash.engine.replica import build_replicas
+from dflash.engine.step import LossSettings, detect_peak_tflops
+from dflash.engine.threaded import ThreadedEngine, bottleneck
+from dflash.target import load_target, resolve_device
 
 logger = logging.getLogger(__name__)
 
 REGENERATED_NAME = "regenerated_train.jsonl"
-
-# Dense bf16 tensor-core peaks (TFLOP/s) for the MFU estimate, matched against the device name.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
-
-
-# ---------------------------------------------------------------------------------------
-# The two stages of a step
-# ---------------------------------------------------------------------------------------
+#: One JSON object per logged step (rank 0), beside the tensorboard logs.
+METRICS_NAME = "metrics.jsonl"
 
 
-@dataclass
-class TargetBatch:
-    """Everything the drafter needs for one micro-batch, on the drafter's device.
+class TrainingStopped(Exception):
+    """Training stopped early on a signal after saving a checkpoint.
 
     Args:
-        input_ids (Tensor): int64 ``[B, S]``.
-        loss_mask (Tensor): bool ``[B, S]``.
-        states (TargetStates): context ``[B, S, K*H]`` and last hidden ``[B, S, H]`` (no grad).
-        num_tokens (int): real (non-padding) tokens.
+        signum (int): the signal (``signal.SIGTERM`` or ``signal.SIGINT``).
+        step (int): the last completed (and saved) step.
     """
 
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    states: TargetStates
-    num_tokens: int
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.signum, self.step = signum, step
 
 
-def produce_target_states(target: Target, batch: Batch) -> TargetBatch:
-    """Run the frozen target on a batch and keep what the drafter needs (stage 1)."""
-    batch = batch.to(target.device)
-    return TargetBatch(
-        input_ids=batch.input_ids,
-        loss_mask=batch.loss_mask,
-        states=target.capture(batch.input_ids),
-        num_tokens=batch.num_tokens,
-    )
+class _StopRequest:
+    """SIGTERM/SIGINT handlers for the loop: the first signal asks to stop after the current
+    step; the handlers then go back to the defaults, so a second signal ends the process at once,
+    even while the main thread is inside a long native call."""
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-def drafter_forward_loss(
-    drafter,
-    embed_weight,
-    lm_head_weight,
-    position_weight,
-    input_ids,
-    loss_mask,
-    context,
-    last_hidden,
-    anchors,
-    valid,
-    attention_mask,
-    *,
-    mask_token_id: int,
-    soft_label_weight: float,
-    position_weighting: str,
-    chunk_blocks: int = 16,
-) -> LossOutput:
-    """Draft blocks -> drafter -> chunked LM head + weighted loss. The function ``torch.compile``
-    wraps on GPU: tensors in, tensors out, the BlockMask built outside."""
-    block_size = drafter.config.block_size
-    ids = draft_input_ids(input_ids, anchors, valid, block_size, mask_token_id)
-    embeds = F.embedding(ids, embed_weight)  # the target's frozen embedding, [B, N*Bs, H]
-    hidden = drafter(embeds, context, anchors, valid, attention_mask)
-    labels, label_mask = build_labels(input_ids, loss_mask, anchors, valid, block_size)
-    return dflash_loss(
-        hidden,
-        lm_head_weight,
-        labels,
-        label_mask,
-        position_weight,
-        chunk_blocks=chunk_blocks,
-        position_weighting=position_weighting,
-        soft_label_weight=soft_label_weight,
-        teacher_hidden=last_hidden if soft_label_weight > 0 else None,
-        anchors=anchors,
-    )
+    def __init__(self) -> None:
+        self.signum: int | None = None
 
-
-@dataclass
-class DrafterStepOutput:
-    """Detached results of :func:`drafter_step` (sums; divide after reducing over the step).
-
-    Args:
-        loss (LossOutput): loss sum, weight sum, per-slot correct/total counts.
-        valid_blocks (Tensor): scalar, draft blocks with a real anchor (padding blocks excluded).
-        attention_pairs (Tensor): scalar, visible (query, key) pairs of the valid blocks, for FLOPs.
-    """
-
-    loss: LossOutput
-    valid_blocks: torch.Tensor
-    attention_pairs: torch.Tensor
-
-
-def drafter_step(
-    step_fn,
-    drafter,
-    target: Target,
-    batch: TargetBatch,
-    *,
-    max_anchors: int,
-    generator: torch.Generator | None,
-    position_weight: torch.Tensor,
-    autocast: bool,
-    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    **loss_kwargs,
-) -> DrafterStepOutput:
-    """Forward + backward of the drafter on one micro-batch (stage 2).
-
-    Gradients accumulate into the drafter's ``.grad`` from the unnormalised loss *sum*; the
-    caller divides by the step's total weight. ``anchors``: pre-sampled ``(anchors, valid)`` on
-    the batch's device (the threaded pipeline samples them in job order, ``dflash.pipeline``);
-    None samples them here with ``generator``.
-    """
-    anchors, valid = (
-        anchors if anchors is not None else sample_anchors(batch.loss_mask, max_anchors, generator=generator)
-    )
-    attention_mask = drafter.build_attention_mask(anchors, valid, batch.input_ids.shape[1])
-    with torch.autocast(device_type=batch.input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-        out = step_fn(
-            drafter,
-            target.embed_tokens.weight,
-            target.lm_head.weight,
-            position_weight,
-            batch.input_ids,
-            batch.loss_mask,
-            batch.states.context,
-            batch.states.last_hidden,
-            anchors,
-            valid,
-            attention_mask,
-            **loss_kwargs,
-        )
-    out.loss_sum.backward()
-    block_size = drafter.config.block_size
-    pairs = (block_size * (anchors + block_size) * valid).sum()  # block at a sees a context keys + Bs
-    return DrafterStepOutput(
-        LossOutput(out.loss_sum.detach(), out.weight_sum.detach(), out.correct, out.total), valid.sum(), pairs
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# Compile monitoring and throughput
-# ---------------------------------------------------------------------------------------
-
-
-class CompileMonitor:
-    """Reports what dynamo did since the last check: compiled frames, graphs, graph breaks and
-    frames that failed to compile (which then run eagerly). Every event after the warm-up
-    step is logged as a warning with the reason dynamo gives (``torch._logging`` recompiles and
-    graph_breaks artifacts are switched on too)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.recompiles = self.graph_breaks = self.failed = 0
-        if enabled:
-            import torch._logging
-
-            torch._logging.set_logs(recompiles=True, graph_breaks=True)
-        self._last = self._snapshot()
-
-    @staticmethod
-    def _snapshot() -> dict[str, int]:
-        from torch._dynamo.utils import counters
-
-        return {
-            "frames": counters["frames"]["total"],
-            "ok": counters["frames"]["ok"],
-            "graphs": counters["stats"]["unique_graphs"],
-            "breaks": sum(counters["graph_break"].values()),
-        }
-
-    def check(self, step: int, *, warmup: bool) -> None:
-        if not self.enabled:
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may
+            yield self
             return
-        now = self._snapshot()
-        delta = {k: now[k] - self._last[k] for k in now}
-        self._last = now
-        failed = delta["frames"] - delta["ok"]
-        self.failed += failed
-        self.graph_breaks += delta["breaks"]
-        if warmup:
-            logger.info("step %d: compiled %d frame(s) into %d graph(s)", step, delta["frames"], delta["graphs"])
-        else:
-            self.recompiles += delta["frames"]
-            if delta["frames"]:
-                logger.warning(
-                    "step %d: the compiled drafter step RECOMPILED (%d frame(s)); see the "
-                    "recompile reason logged above",
-                    step,
-                    delta["frames"],
-                )
-        if delta["breaks"]:
-            logger.warning(
-                "step %d: %d graph break(s) in the compiled drafter step: part of it runs "
-                "eagerly (reasons logged above)",
-                step,
-                delta["breaks"],
-            )
-        if failed:
-            logger.warning("step %d: %d frame(s) failed to compile and run EAGERLY", step, failed)
+        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        for s in self.SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        logger.warning(
+            "%s received: finishing this step, saving a checkpoint, then exiting (send it again to exit at once)",
+            signal.Signals(signum).name,
+        )
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
 
-def detect_peak_tflops(device: torch.device) -> float | None:
-    """Dense bf16 peak of a known GPU (``PEAK_TFLOPS``), else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
-
-
-def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, visible_pairs: float) -> float:
-    """Model FLOPs of drafter training (forward + backward), the MFU numerator.
-
-    Count only useful work: ``draft_tokens`` = valid blocks * Bs (padding blocks excluded),
-    ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the mask allows.
-    6 * params * tokens for the drafter layers on the draft tokens and for the context
-    ``k_proj``/``v_proj`` on the context tokens; 4 * params * tokens for ``fc`` (its input, the
-    target states, needs no grad); 4 * V * H per draft token for the frozen
-    LM head (forward + input grad, no weight grad); attention 12 * heads * head_dim per visible
-    (query, key) pair per layer (QK^T and PV, forward + backward). Activation recompute of the
-    chunked LM head is not counted (model FLOPs, not hardware FLOPs).
-    """
-    cfg = drafter.config
-    layer_params = sum(p.numel() for p in drafter.layers.parameters()) + drafter.norm.weight.numel()
-    kv_params = sum(
-        layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel() for layer in drafter.layers
-    )
-    # fc reads the frozen target states: forward + weight grad only (4, not 6, per parameter).
-    context_flops = (4 * drafter.fc.weight.numel() + 6 * kv_params) * context_tokens
-    head_flops = 4 * cfg.vocab_size * cfg.hidden_size * draft_tokens
-    attention_flops = 12 * cfg.num_attention_heads * cfg.head_dim * visible_pairs * cfg.num_hidden_layers
-    return 6 * layer_params * draft_tokens + context_flops + head_flops + attention_flops
-
-
-# ---------------------------------------------------------------------------------------
-# Trainer
-# ---------------------------------------------------------------------------------------
-
-
-def _lr_lambda(warmup: int, total: int, min_ratio: float):
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return schedule
+def learning_rate(step: int, config: TrainConfig, total_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (1-based): linear warm-up over
+    ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``."""
+    k = step - 1
+    if k < config.warmup_steps:
+        return config.lr * (k + 1) / config.warmup_steps
+    progress = min(1.0, (k - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _seed_everything(seed: int) -> None:
@@ -304,132 +121,160 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
-class Trainer:
-    """Builds target, data, drafter, optimizer from a :class:`TrainConfig` and trains.
+def resolve_layout(config: TrainConfig, process: ProcessInfo) -> tuple[DeviceLayout, bool]:
+    """The device layout and whether it is threaded (``--target-devices``/``--drafter-devices``).
 
     Raises:
-        ValueError (incl. DatasetError, TargetLoadError, CheckpointError): bad inputs, with the
-            file/flag and the fix in the message.
+        ValueError: a bad device name or spec; several torchrun processes without the threaded
+            layout.
+    """
+    if config.drafter_devices is not None:
+        return parse_layout(config.target_devices, config.drafter_devices).shifted(process.local_rank), True
+    if process.world_size > 1:
+        raise ValueError(
+            "torchrun with several processes needs the threaded layout: pass --target-devices and --drafter-devices"
+        )
+    device = resolve_device(config.device)
+    slot = Slot(str(device), device)
+    return DeviceLayout((slot,), (slot,)), False
+
+
+@dataclass
+class _Throughput:
+    """Sums over the steps after this process's first (compile / warm-up) step."""
+
+    steps: int = 0
+    totals: dict = field(
+        default_factory=lambda: dict.fromkeys(("tokens", "row_tokens", "step_s", "drafter_s", "target_s", "flops"), 0.0)
+    )
+
+    def add(self, stats: StepStats) -> None:
+        self.steps += 1
+        for key in self.totals:
+            self.totals[key] += getattr(stats, key)
+
+
+class Trainer:
+    """Builds targets, data, drafter and a step engine from a :class:`TrainConfig`, and trains.
+
+    Raises:
+        ValueError (incl. DatasetError, TargetLoadError, CheckpointError, DeviceSpecError): bad
+            inputs, with the file/flag and the fix in the message.
+        dflash.engine.threaded.PipelineError: a thread of the threaded engine failed.
     """
 
     def __init__(self, config: TrainConfig):
         from transformers import AutoTokenizer
 
-        from dflash.assets import default_data_dir, default_target_dir
-        from dflash.model import DFlashDraftModel, create_drafter_config
+        from dflash.assets import default_target_dir
 
         self.config = config
         self.out = Path(config.out)
         _refuse_to_overwrite(self.out, config.resume)
         _check_inputs(config, self.out)  # before the target loads and replies are regenerated
-        self.device = resolve_device(config.device)
-        self.compiled = config.compile == "on" or (config.compile == "auto" and self.device.type == "cuda")
+        self.process = ProcessInfo.from_env()
+        self.layout, self.threaded = resolve_layout(config, self.process)
+        init_process_group(self.process, self.layout.drafters[0].device)
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         _seed_everything(config.seed)
+        device = self.layout.targets[0].device
+        self.compiled = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
 
         target_dir = Path(config.target) if config.target else default_target_dir()
-        self.target = load_target(
-            target_dir,
-            layer_ids=config.target_layer_ids,
-            num_capture_layers=config.num_target_layers,
-            device=self.device,
-        )
+        targets = [
+            load_target(
+                target_dir,
+                layer_ids=config.target_layer_ids,
+                num_capture_layers=config.num_target_layers,
+                device=device,
+            )
+        ]
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-        regenerate = config.responses == "target" or (
-            config.responses == "auto" and not config.target and not config.data
-        )
-        self.loader = self._build_loader(
-            Path(config.data) if config.data else default_data_dir() / "train.jsonl", regenerate=regenerate
-        )
-
-        drafter_config = create_drafter_config(
-            self.target.config,
-            config.num_draft_layers,
-            block_size=config.block_size,
-            target_layer_ids=self.target.layer_ids,
-            mask_token_id=self._mask_token_id(),
-        )
-        attention = "flex_attention" if self.device.type == "cuda" else "sdpa"
-        self.drafter = (
-            DFlashDraftModel._from_config(drafter_config, attn_implementation=attention, dtype=torch.float32)
-            .to(self.device)
-            .train()
-        )
-        self.step_fn = torch.compile(drafter_forward_loss, dynamic=False) if self.compiled else drafter_forward_loss
-        self.monitor = CompileMonitor(self.compiled)
-
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(),
-            lr=config.lr,
-            betas=(0.9, 0.95),
-            weight_decay=config.weight_decay,
-            fused=self.device.type == "cuda",
-        )
+        self.loader = self._build_loader(targets[0])
+        targets += [
+            load_target(target_dir, layer_ids=targets[0].layer_ids, device=s.device) for s in self.layout.targets[1:]
+        ]
+        drafter = self._build_drafter(targets[0])
+        self.settings = LossSettings.from_config(config, drafter.config.mask_token_id)
+        self.dynamo_warnings = DynamoWarnings()
         self.total_steps = self._total_steps()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(config.warmup_steps, self.total_steps, config.min_lr_ratio)
-        )
-        self.position_weight = position_weights(config.block_size, config.gamma, device=self.device)
-        self.anchor_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.engine: StepEngine = self._build_engine(targets, drafter)
         self.step = 0
-        self._warmed_up = False  # the first step of this process compiles; later compiles are recompiles
-        self.peak_flops = 1e12 * (config.peak_tflops or detect_peak_tflops(self.device) or 0.0)
+        self.peak_flops = 1e12 * (config.peak_tflops or detect_peak_tflops(self.layout.drafters[0].device) or 0.0)
         if config.resume:
             self.load_checkpoint()
-        self.writer = None
+        if self.threaded:
+            _warn_if_unpatched(self.compiled, len(self.layout.drafters))
         logger.info(
-            "drafter: %d layers, %.2fM trainable parameters, block size %d, %s attention%s; "
-            "%d steps of %d x %d conversations x %d tokens",
-            drafter_config.num_hidden_layers,
-            self.num_params / 1e6,
+            "drafter: %d layers, %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d x %d x %d "
+            "conversations x %d tokens; target threads %s, drafter threads %s (process %d/%d)",
+            drafter.config.num_hidden_layers,
+            sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
             config.block_size,
-            attention,
+            drafter.config._attn_implementation,
             " (torch.compile)" if self.compiled else " (eager)",
             self.total_steps,
+            len(self.layout.drafters),
             config.grad_accum,
             config.batch_size,
             config.seq_len,
+            [s.name for s in self.layout.targets],
+            [s.name for s in self.layout.drafters],
+            self.process.rank,
+            self.process.world_size,
         )
 
-    # ---- construction helpers -------------------------------------------------------------
+    # ---- construction -----------------------------------------------------------------------
 
-    def _build_loader(self, data_path: Path, *, regenerate: bool) -> BatchLoader:
+    def _build_loader(self, target) -> BatchLoader:
+        from dflash.assets import default_data_dir
+
         cfg = self.config
+        data_path = Path(cfg.data) if cfg.data else default_data_dir() / "train.jsonl"
         conversations = read_conversations(data_path)
-        if regenerate:
-            conversations, data_path = self._regenerated(conversations), self.out / REGENERATED_NAME
+        if cfg.responses == "target" or (cfg.responses == "auto" and not cfg.target and not cfg.data):
+            conversations, data_path = self._regenerated(target, conversations), self.out / REGENERATED_NAME
         examples = build_examples(
             self.tokenizer, conversations, seq_len=cfg.seq_len, overflow=cfg.overflow, source=str(data_path)
         )
-        sampler = ShardedSampler(len(examples), batch_size=cfg.batch_size, seed=cfg.seed)
+        # Sharded by process; within a process jobs go round-robin to the drafter replicas.
+        sampler = ShardedSampler(
+            len(examples),
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+            rank=self.process.rank,
+            world_size=self.process.world_size,
+        )
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return BatchLoader(examples, sampler, seq_len=cfg.seq_len, pad_token_id=pad)
 
-    def _regenerated(self, conversations):
-        """Target-regenerated conversations, cached in ``out`` (reused on --resume)."""
+    def _regenerated(self, target, conversations):
+        """Target-regenerated conversations, cached in ``out`` (reused on --resume). Rank 0
+        regenerates and writes the cache; the other processes read what it wrote."""
         from dflash.regenerate import regenerate_conversations, write_conversations
 
         cache = self.out / REGENERATED_NAME
-        if self.config.resume and cache.is_file():
-            return read_conversations(cache)
-        conversations = regenerate_conversations(
-            self.target,
-            self.tokenizer,
-            conversations,
-            seq_len=self.config.seq_len,
-            max_new_tokens=self.config.regenerate_max_new_tokens,
-            progress=self.config.progress,
-        )
-        self.out.mkdir(parents=True, exist_ok=True)
-        write_conversations(cache, conversations)
-        return conversations
+        if self.process.is_main and not (self.config.resume and cache.is_file()):
+            conversations = regenerate_conversations(
+                target,
+                self.tokenizer,
+                conversations,
+                seq_len=self.config.seq_len,
+                max_new_tokens=self.config.regenerate_max_new_tokens,
+                progress=self.config.progress,
+            )
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_conversations(cache, conversations)
+            return conversations
+        barrier()
+        return read_conversations(cache)
 
-    def _mask_token_id(self) -> int:
+    def _mask_token_id(self, target) -> int:
         candidates = (
             self.config.mask_token_id,
             self.tokenizer.mask_token_id,
-            getattr(self.target.config, "dflash_mask_token_id", None),
+            getattr(target.config, "dflash_mask_token_id", None),
         )
         mask_id = next((c for c in candidates if c is not None), None)
         if mask_id is None:
@@ -439,223 +284,269 @@ class Trainer:
             )
         return mask_id
 
+    def _build_drafter(self, target):
+        from dflash.model import DFlashDraftModel, create_drafter_config
+
+        cfg = self.config
+        drafter_config = create_drafter_config(
+            target.config,
+            cfg.num_draft_layers,
+            block_size=cfg.block_size,
+            target_layer_ids=target.layer_ids,
+            mask_token_id=self._mask_token_id(target),
+        )
+        attention = "flex_attention" if self.layout.device_type == "cuda" else "sdpa"
+        # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
+        return DFlashDraftModel._from_config(drafter_config, attn_implementation=attention, dtype=torch.float32).train()
+
+    def _build_engine(self, targets, drafter) -> StepEngine:
+        cfg = self.config
+        replicas = build_replicas(
+            drafter,
+            self.layout.drafters,
+            targets,
+            cfg,
+            self.settings,
+            compiled=self.compiled,
+            warnings=self.dynamo_warnings,
+        )
+        seq_lens = seq_len_schedule(cfg.seq_len, cfg.vary_seq_len)
+        # Anchors are drawn on the host in job order, one stream per process.
+        source = JobSource(
+            self.loader,
+            torch.Generator().manual_seed(cfg.seed + self.process.rank),
+            num_drafters=len(replicas),
+            grad_accum=cfg.grad_accum,
+            max_anchors=cfg.max_anchors,
+            seq_lens=seq_lens,
+            pin=self.layout.device_type == "cuda",
+        )
+        common = dict(grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip, last_step=self.total_steps)
+        if not self.threaded:
+            return LocalEngine(targets[0], replicas[0], source, self.settings, **common)
+        return ThreadedEngine(
+            targets,
+            replicas,
+            source,
+            self.settings,
+            process=self.process,
+            prefetch_depth=cfg.prefetch_depth,
+            recompile_limit=len(seq_lens) + 8,
+            **common,
+        )
+
     def _total_steps(self) -> int:
         if self.config.steps is not None:
             return self.config.steps
-        per_epoch = self.loader.sampler.batches_per_epoch / self.config.grad_accum
+        per_epoch = self.loader.sampler.batches_per_epoch / (self.config.grad_accum * len(self.layout.drafters))
         return max(1, math.ceil(self.config.epochs * per_epoch))
 
     @property
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
-
-    # ---- the loop ---------------------------------------------------------------------------
+    def is_main(self) -> bool:
+        """Whether this process writes logs and checkpoints (rank 0)."""
+        return self.process.is_main
 
     @property
-    def is_main(self) -> bool:
-        """Whether this process writes logs and checkpoints (always, on one device)."""
-        return True
+    def drafter(self) -> torch.nn.Module:
+        """Replica 0 of the drafter (what checkpoints save)."""
+        return self.engine.drafter
+
+    # ---- the loop -------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
-        """Train to ``total_steps``; returns the last logged metrics."""
+        """Train to ``total_steps``; returns the last step's metrics ({} if there was nothing to do).
+
+        Raises:
+            TrainingStopped: a SIGTERM/SIGINT stopped training after a checkpoint was saved.
+        """
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         cfg = self.config
+        writer = None
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / SAVED_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            self.writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
+            writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc="train")
         metrics: dict[str, float] = {}
-        totals = dict.fromkeys(("steps", "tokens", "step_s", "drafter_s", "drafter_flops"), 0.0)
+        throughput = _Throughput()
+        first_step = self.step + 1
+        stop = _StopRequest()
         try:
-            with self._running():
+            with stop.installed(), logging_redirect_tqdm(), self.dynamo_warnings:
                 while self.step < self.total_steps:
                     self.step += 1
-                    warm = self._warmed_up
-                    metrics = self.train_step()
-                    if warm:
-                        totals["steps"] += 1
-                        for key in ("tokens", "step_s", "drafter_s", "drafter_flops"):
-                            totals[key] += metrics[key]
+                    stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
+                    if self.step > first_step:
+                        throughput.add(stats)
+                    metrics = self._metrics(stats)
                     bar.update(1)
-                    self._report(bar, metrics)
+                    bar.set_postfix(self._postfix(metrics), refresh=False)
+                    if self._log_due():
+                        self._log(metrics, writer)
+                    if stats.stop:
+                        self.save_checkpoint()
+                        raise TrainingStopped(stop.signum or signal.SIGTERM, self.step)
                     if cfg.save_every and self.step % cfg.save_every == 0:
                         self.save_checkpoint()
                 if not cfg.save_every or self.step % cfg.save_every:
                     self.save_checkpoint()
         finally:
             bar.close()
-            if self.writer is not None:
-                self.writer.close()
-            if self.is_main:  # also after a failure or Ctrl-C: a soak run ends that way
+            self.engine.close()
+            if writer is not None:
+                writer.close()
+            if self.is_main:  # also after a failure or a stop: a soak run ends that way
                 self._log_compile_summary()
         if self.is_main:
-            self._log_steady_state(totals)
+            self._log_throughput(throughput)
         return metrics
 
-    def _running(self):
-        """Context for the loop (the threaded trainer starts and stops its threads here)."""
-        return contextlib.nullcontext()
+    def _lr(self) -> float:
+        return learning_rate(self.step, self.config, self.total_steps)
 
     def _log_due(self) -> bool:
         return self.step % self.config.log_every == 0 or self.step in (1, self.total_steps)
 
-    def _report(self, bar, metrics: dict[str, float]) -> None:
-        bar.set_postfix(
-            loss=f"{metrics['loss']:.3f}", tau_hat=f"{metrics['tau_hat']:.2f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
-        )
-        if self._log_due():
-            self._log(metrics)
-
-    def _log_compile_summary(self) -> None:
-        if self.compiled:
-            logger.info(
-                "compiled step: %d recompile(s) after warm-up, %d graph break(s), %d frame(s) that "
-                "failed to compile and ran eagerly",
-                self.monitor.recompiles,
-                self.monitor.graph_breaks,
-                self.monitor.failed,
-            )
-
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
-        cfg = self.config
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        data_wait = 0.0
-        batches = []
-        for _ in range(cfg.grad_accum):
-            tick = time.perf_counter()
-            batch = next(self.loader)
-            data_wait += time.perf_counter() - tick
-            batches.append(produce_target_states(self.target, batch))
-        if self.device.type == "cuda":  # GPU work is async: sync so the target/drafter split is real
-            torch.cuda.synchronize(self.device)
-        target_done = time.perf_counter()
-
-        loss_sum = weight_sum = 0.0
-        correct = total = 0
-        pairs = blocks = 0
-        for batch in batches:
-            out = drafter_step(
-                self.step_fn,
-                self.drafter,
-                self.target,
-                batch,
-                max_anchors=cfg.max_anchors,
-                generator=self.anchor_generator,
-                position_weight=self.position_weight,
-                autocast=self.device.type == "cuda",
-                mask_token_id=self.drafter.config.mask_token_id,
-                soft_label_weight=cfg.soft_label_weight,
-                position_weighting="dpace" if cfg.dpace else "decay",
-                chunk_blocks=cfg.loss_chunk_blocks,
-            )
-            loss_sum, weight_sum = loss_sum + out.loss.loss_sum, weight_sum + out.loss.weight_sum
-            correct, total = correct + out.loss.correct, total + out.loss.total
-            pairs, blocks = pairs + out.attention_pairs, blocks + out.valid_blocks
-        # Normalise by the position weights of the whole optimizer step, not per micro-batch.
-        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
-        torch._foreach_div_(grads, weight_sum.clamp(min=1e-8))
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
-            if cfg.grad_clip
-            else torch.zeros(())
-        )
-        self.optimizer.step()
-        self.scheduler.step()
-        self.monitor.check(self.step, warmup=not self._warmed_up)
-        self._warmed_up = True
-
-        acc = per_position_accuracy(correct, total)
-        loss = float(loss_sum / weight_sum.clamp(min=1e-8))  # one host sync per step, for logging
-        elapsed = time.perf_counter() - start
-        tokens = sum(b.num_tokens for b in batches)
+    def _metrics(self, stats: StepStats) -> dict[str, float]:
         metrics = {
-            "loss": loss,
-            "tau_hat": acceptance_length_estimate(acc),
-            "grad_norm": float(grad_norm),
-            "lr": self.scheduler.get_last_lr()[0],
-            "tokens_per_s": tokens / elapsed,
-            "data_wait_frac": data_wait / elapsed,
-            "target_frac": (target_done - start - data_wait) / elapsed,
-            "step_s": elapsed,
-            **{f"acc/{k + 1}": float(a) for k, a in enumerate(acc)},
+            "loss": stats.loss,
+            "tau_hat": stats.tau_hat,
+            "grad_norm": stats.grad_norm,
+            "lr": self._lr(),
+            "tokens_per_s": stats.tokens / stats.step_s,
+            "drafter_tokens_per_s": stats.tokens / max(stats.drafter_s, 1e-9),
+            "data_wait_frac": stats.data_wait_frac,
+            "target_frac": stats.target_s / len(self.layout.targets) / stats.step_s,
+            "row_fill": stats.tokens / max(stats.row_tokens, 1),
+            **{f"acc/{k + 1}": a for k, a in enumerate(stats.acc)},
         }
-        drafter_s = time.perf_counter() - target_done
-        flops = drafter_step_flops(
-            self.drafter,
-            draft_tokens=float(blocks) * cfg.block_size,
-            context_tokens=cfg.grad_accum * cfg.batch_size * cfg.seq_len,
-            visible_pairs=float(pairs),
-        )
-        metrics.update(tokens=tokens, drafter_s=drafter_s, drafter_flops=flops, drafter_tokens_per_s=tokens / drafter_s)
         if self.peak_flops:
-            metrics["drafter_mfu"] = flops / drafter_s / self.peak_flops
+            metrics["drafter_mfu"] = stats.flops / max(stats.drafter_s, 1e-9) / self.peak_flops
         return metrics
 
-    def _log_steady_state(self, totals: dict[str, float]) -> None:
-        """Throughput over the steps after this process's first (compile/warm-up) step."""
-        if not totals["steps"]:
-            return
-        mfu = (
-            f", drafter MFU {100 * totals['drafter_flops'] / totals['drafter_s'] / self.peak_flops:.1f}% "
-            f"of {self.peak_flops / 1e12:.3g} TFLOP/s"
-            if self.peak_flops
-            else " (pass --peak-tflops for MFU)"
-        )
-        logger.info(
-            "steady state over %d steps: %.0f tok/s end to end, drafter step %.0f tok/s, %.3g TFLOP/s%s",
-            totals["steps"],
-            totals["tokens"] / totals["step_s"],
-            totals["tokens"] / totals["drafter_s"],
-            totals["drafter_flops"] / totals["drafter_s"] / 1e12,
-            mfu,
-        )
+    @staticmethod
+    def _postfix(metrics: dict[str, float]) -> dict[str, str]:
+        return {
+            "loss": f"{metrics['loss']:.3f}",
+            "tau_hat": f"{metrics['tau_hat']:.2f}",
+            "tok/s": f"{metrics['tokens_per_s']:.0f}",
+        }
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def _log(self, metrics: dict[str, float], writer) -> None:
+        threads = self.engine.interval_report() if self.threaded else {}
+        if not self.is_main:
+            return
         for name, value in metrics.items():
-            self.writer.add_scalar(name, value, self.step)
-        self.writer.flush()
-        extra = f" mfu {100 * metrics['drafter_mfu']:.1f}%" if "drafter_mfu" in metrics else ""
+            writer.add_scalar(name, value, self.step)
+        with open(self.out / METRICS_NAME, "a") as f:
+            f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+        mfu = f" mfu {100 * metrics['drafter_mfu']:.1f}%" if "drafter_mfu" in metrics else ""
         logger.info(
-            "step %d/%d loss %.4f tau_hat %.3f acc1 %.3f lr %.2e tok/s %.0f drafter tok/s %.0f "
-            "data-wait %.1f%% target %.1f%%%s",
+            "step %d/%d loss %.4f tau_hat %.3f acc1 %.3f lr %.2e tok/s %.0f drafter tok/s %.0f data-wait %.1f%% "
+            "target %.1f%% row fill %.0f%%%s",
             self.step,
             self.total_steps,
             metrics["loss"],
             metrics["tau_hat"],
-            metrics["acc/1"],
+            metrics.get("acc/1", 0.0),
             metrics["lr"],
             metrics["tokens_per_s"],
             metrics["drafter_tokens_per_s"],
             100 * metrics["data_wait_frac"],
             100 * metrics["target_frac"],
-            extra,
+            100 * metrics["row_fill"],
+            mfu,
         )
+        if threads:
+            self._log_threads(threads, writer)
+        writer.flush()
 
-    # ---- checkpoints ------------------------------------------------------------------------
+    def _log_threads(self, threads: dict[str, dict[str, float]], writer) -> None:
+        """Per-thread busy/wait shares since the last log line, and which side is the bottleneck."""
+        mean = lambda prefix, key: (
+            sum(s[key] for n, s in threads.items() if n.startswith(prefix)) / sum(n.startswith(prefix) for n in threads)
+        )
+        side = {
+            "target_busy": mean("target", "busy"),
+            "target_blocked": mean("target", "blocked"),
+            "drafter_busy": mean("drafter", "busy"),
+            "drafter_wait": mean("drafter", "wait"),
+        }
+        rows = []
+        for name, s in threads.items():
+            row = f"{name}: busy {100 * s['busy']:.0f}% wait {100 * s['wait']:.0f}%"
+            if name.startswith("target"):
+                row += f" blocked {100 * s['blocked']:.0f}%"
+            else:
+                row += f" queue {s['queue']:.0f}"
+                if self.peak_flops:
+                    row += f" mfu {100 * s['flops_per_busy_s'] / self.peak_flops:.1f}%"
+            rows.append(row + f" {s['tokens_per_s']:.0f} tok/s")
+        logger.info("step %d threads: %s; bottleneck: %s", self.step, "; ".join(rows), bottleneck(side))
+        for name, s in threads.items():
+            for key, value in s.items():
+                writer.add_scalar(f"threads/{name.split(' ')[0]}/{key}", value, self.step)
+        for key, value in side.items():
+            writer.add_scalar(f"threads/{key}", value, self.step)
 
-    def training_state(self) -> dict:
-        return {
+    def _log_compile_summary(self) -> None:
+        for name, counts in self.engine.compile_summary().items():
+            healthy = not (counts["eager_fallbacks"] or counts["unexpected_recompiles"] or counts["graph_breaks"])
+            (logger.info if healthy else logger.warning)(
+                "%s: %d compile(s), %d unexpected recompile(s), %d eager fallback step(s), %d graph break(s)",
+                name,
+                counts["compiles"],
+                counts["unexpected_recompiles"],
+                counts["eager_fallbacks"],
+                counts["graph_breaks"],
+            )
+
+    def _log_throughput(self, throughput: _Throughput) -> None:
+        """The steady-state summary line (benchmarks parse it: keep its shape)."""
+        if not throughput.steps:
+            return
+        t = throughput.totals
+        parts = [
+            f"steady state over {throughput.steps} steps: {t['tokens'] / t['step_s']:.0f} tok/s end to end",
+            f"drafter step {t['tokens'] / t['drafter_s']:.0f} tok/s",
+            f"{t['flops'] / t['drafter_s'] / 1e12:.3g} TFLOP/s",
+            (
+                f"drafter MFU {100 * t['flops'] / t['drafter_s'] / self.peak_flops:.1f}% of "
+                f"{self.peak_flops / 1e12:.3g} TFLOP/s"
+                if self.peak_flops
+                else "drafter MFU n/a (pass --peak-tflops)"
+            ),
+            f"row fill {100 * t['tokens'] / max(t['row_tokens'], 1):.1f}%",
+            f"target share {100 * t['target_s'] / len(self.layout.targets) / t['step_s']:.1f}%",
+        ]
+        if self.layout.device_type == "cuda":
+            devices = dict.fromkeys(s.device for s in self.layout.targets + self.layout.drafters)
+            peaks = ", ".join(f"{d} {torch.cuda.max_memory_allocated(d) / 2**30:.1f} GiB" for d in devices)
+            parts.append(f"peak memory {peaks}")
+        logger.info(", ".join(parts))
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path | None:
+        """Save the drafter and the exact training state (a collective: every process calls it;
+        rank 0 writes). Returns the step directory on rank 0."""
+        state = {
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "data": self.loader.state_dict(),
-            "anchor_rng": self.anchor_generator.get_state(),
+            "engine": self.engine.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
         }
-
-    def save_checkpoint(self) -> Path:
+        if not self.is_main:
+            return None
         return checkpoint.save_checkpoint(
             self.out,
             self.step,
             weights=self.drafter.state_dict(),
             drafter_config=self.drafter.config.to_diff_dict(),
-            training_state=self.training_state(),
+            training_state=state,
             keep_last=self.config.keep_last,
         )
 
@@ -663,19 +554,46 @@ class Trainer:
         """Restore the latest checkpoint in ``out`` for an exact continuation.
 
         Raises:
-            CheckpointError: no/corrupt checkpoint, or it was trained with a different config.
+            CheckpointError: no/corrupt checkpoint, a different config, a different number of
+                processes, or a training state from an older dflash.
         """
         step_dir = checkpoint.find_checkpoint(self.out)
         state = checkpoint.load_training_state(step_dir)
         _check_resume_config(state["config"], self.config, step_dir)
-        self.drafter.load_state_dict(checkpoint.load_drafter_files(step_dir)[1])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["data"])
-        self.anchor_generator.set_state(state["anchor_rng"])
+        engine_state = state.get("engine")
+        if engine_state is None:
+            raise checkpoint.CheckpointError(
+                f"{step_dir} holds a training state of an older dflash version; evaluate it with dflash eval, "
+                "or train into a new --out"
+            )
+        rngs = engine_state["anchor_rng"]
+        if len(rngs) != self.process.world_size:
+            raise checkpoint.CheckpointError(
+                f"{step_dir} was saved by {len(rngs)} process(es), this run has {self.process.world_size}; "
+                "resume with the same torchrun layout"
+            )
+        self.engine.load_state_dict(engine_state, checkpoint.load_drafter_files(step_dir)[1])
         checkpoint.set_rng_state(state["rng"])
         self.step = state["step"]
         logger.info("resumed from %s at step %d (epoch %d)", step_dir, self.step, self.loader.epoch)
+
+    def close(self) -> None:
+        """Leave the torchrun process group (call once, after a successful :meth:`train`)."""
+        barrier()
+        destroy_process_group()
+
+
+def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
+    """Compiling from several threads of one process is what plain torch gets wrong (bug classes A-H)."""
+    from dflash.patching.importhook import active_finder
+
+    if compiled and drafter_threads > 1 and active_finder() is None:
+        logger.warning(
+            "the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported before the "
+            "hook): %d drafter threads compiling in this process can crash or fall back to eager; "
+            "`dflash patches status` says why",
+            drafter_threads,
+        )
 
 
 def _refuse_to_overwrite(out: Path, resume: bool) -> None:

@@ -1,4 +1,11 @@
-"""Shared pytest setup: the ``slow`` marker (deselect with ``-m "not slow"``)."""
+"""Shared pytest setup for both tiers (``tests/unit``: fast, in one process; ``tests/integration``:
+fresh interpreters, threads, subprocesses, torchrun): ``tiny.py`` importable from both, and the
+``slow`` marker (deselect with ``-m "not slow"``)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_configure(config):

@@ -118,15 +118,18 @@ def write_chat_data(path: Path, repeat: int = 4) -> Path:
     return write_jsonl(path, [{"messages": c} for c in CONVERSATIONS * repeat])
 
 
-class RecordingTrainer:
-    """Mixin for a trainer class: records each step's loss in ``losses``; ``crash_after`` raises
-    (like a kill) once that many steps ran."""
+def record_losses(trainer, *, crash_after: int | None = None):
+    """Record each step's loss of ``trainer`` in ``trainer.losses``; with ``crash_after``, the step
+    after that many raises KeyboardInterrupt (like a kill) before it runs. Returns ``trainer``."""
+    run = trainer.engine.run
+    trainer.losses = []
 
-    crash_after = None
-
-    def train_step(self):
-        if self.crash_after is not None and self.step > self.crash_after:
+    def recording(step, **kwargs):
+        if crash_after is not None and step > crash_after:
             raise KeyboardInterrupt("simulated kill")
-        metrics = super().train_step()
-        self.losses = getattr(self, "losses", []) + [metrics["loss"]]
-        return metrics
+        stats = run(step, **kwargs)
+        trainer.losses.append(stats.loss)
+        return stats
+
+    trainer.engine.run = recording
+    return trainer

@@ -59,22 +59,23 @@ def _saved_config(out: str) -> dict:
     return {k: v for k, v in read_saved_config(out).items() if k not in ("out", "resume")}
 
 
-def _report_interrupt(out: str) -> None:
-    """After Ctrl-C: how to go on (once per job, from rank 0)."""
+def _resume_hint(out: str, what: str) -> None:
+    """After a stop: how to go on (once per job, from rank 0)."""
     import shlex
     from pathlib import Path
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    if (Path(out) / "checkpoints" / "latest").is_file():
+    if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").glob("step_*")):
         # Checkpoints are written atomically, so the newest one on disk is complete.
         logger.error(
-            "interrupted; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
+            "%s; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
+            what,
             out,
             shlex.quote(out),
         )
     else:
-        logger.error("interrupted before the first checkpoint; nothing to resume in %s", out)
+        logger.error("%s before the first checkpoint; nothing to resume in %s", what, out)
 
 
 def register(subparsers) -> None:
@@ -104,27 +105,19 @@ def run(args: argparse.Namespace) -> int:
             # Flags not given again come from the run being resumed, not from the defaults.
             values = {**_saved_config(values.get("out", TrainConfig.out)), **values}
         config = TrainConfig.from_dict(values)
-        if config.drafter_devices is not None:  # threaded multi-device layout, torchrun-aware
-            from dflash.pipeline import PipelineTrainer
+        from dflash.trainer import Trainer, TrainingStopped
 
-            trainer = PipelineTrainer(config)
-            metrics = trainer.train()
-            trainer.close()  # not after a failure: the other ranks may be inside a collective
-        else:
-            from dflash.trainer import Trainer
-
-            if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-                raise ValueError(
-                    "torchrun with several processes needs the threaded layout: pass "
-                    "--target-devices and --drafter-devices"
-                )
-            trainer = Trainer(config)
-            metrics = trainer.train()
+        trainer = Trainer(config)
+        metrics = trainer.train()
+        trainer.close()  # not after a failure: the other ranks may be inside a collective
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
+    except TrainingStopped as stopped:
+        _resume_hint(values.get("out", TrainConfig.out), f"{stopped}, checkpoint saved")
+        return 128 + stopped.signum
     except KeyboardInterrupt:
-        _report_interrupt(values.get("out", TrainConfig.out))
+        _resume_hint(values.get("out", TrainConfig.out), "interrupted")
         return 130
     if not metrics:
         print(

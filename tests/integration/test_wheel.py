@@ -28,7 +28,7 @@ from dflash.patchtools.verify.catalogue import applies_to
 from dflash.patchtools.verify.checks import CheckResult
 from dflash.patchtools.wheel import WheelBuildError, build_wheel, labelled_version, patch_unpacked
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 TORCH_VERSION = importlib.metadata.version("torch")
 # torch's Requires-Dist and their own dependencies (so `pip check` passes), pinned to this environment's versions.
 TORCH_RUNTIME_DEPS = (

@@ -1,6 +1,5 @@
-"""dflash.distributed and the threaded trainer under torchrun: two CPU processes (gloo) end
-with identical drafter weights, only rank 0 writes checkpoints, and a checkpoint of a
-2-process run resumes exactly; gradient sums over replicas."""
+"""The threaded engine under torchrun: two CPU processes (gloo) end with identical drafter
+weights, only rank 0 writes checkpoints, and a checkpoint of a 2-process run resumes exactly."""
 
 import json
 import os
@@ -8,19 +7,17 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import torch
 from tiny import make_target, write_chat_data
 
 from dflash.checkpoint import find_checkpoint, load_drafter_files
-from dflash.distributed import FlatGradients, ProcessInfo, sum_replicas
 
 WORKER = """
 import json, sys, torch
 from dflash.config import TrainConfig
-from dflash.pipeline import PipelineTrainer
+from dflash.trainer import Trainer
 config = TrainConfig(**json.loads(sys.argv[1]))
-trainer = PipelineTrainer(config)
+trainer = Trainer(config)
 trainer.train()
 torch.save(trainer.drafter.state_dict(), f"{config.out}/rank{trainer.process.rank}.pt")
 trainer.close()
@@ -81,8 +78,9 @@ def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
     for name in saved:
         assert torch.equal(saved[name], rank0[name]), name
     state = torch.load(find_checkpoint(full) / "training_state.pt", weights_only=True)
-    assert len(state["anchor_rng"]) == 2  # one anchor RNG per process
-    assert not any(torch.equal(state["anchor_rng"][0], s) for s in state["anchor_rng"][1:])
+    rngs = state["engine"]["anchor_rng"]
+    assert len(rngs) == 2  # one anchor RNG per process
+    assert not any(torch.equal(rngs[0], s) for s in rngs[1:])
 
     # Roll the run back to its step-2 checkpoint and resume: must end on the same weights, bitwise.
     shutil.rmtree(full / "checkpoints" / "step_00000004")
@@ -92,35 +90,3 @@ def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
     assert find_checkpoint(full).name == "step_00000004"
     for name in rank0:
         assert torch.equal(resumed[name], rank0[name]), name
-
-
-def test_sum_replicas_on_cpu_is_an_ordered_sum_in_every_buffer():
-    modules = [torch.nn.Linear(3, 2) for _ in range(3)]
-    flats = [FlatGradients(m, extra=1) for m in modules]
-    for i, (m, flat) in enumerate(zip(modules, flats)):
-        m(torch.full((1, 3), float(i + 1))).sum().backward()
-        flat.stats.fill_(i + 1)
-    expected = (flats[0].buffer + flats[1].buffer) + flats[2].buffer
-    sum_replicas([f.buffer for f in flats])
-    for m, flat in zip(modules, flats):
-        assert torch.equal(flat.buffer, expected)
-        assert flat.stats.item() == 6.0
-        flat.check_views()  # .grad still views the buffer
-        assert torch.equal(m.weight.grad, flat.grads[0])
-
-
-def test_flat_gradients_notice_a_replaced_grad_and_refuse_bf16_weights():
-    module = torch.nn.Linear(2, 2)
-    flat = FlatGradients(module)
-    module.zero_grad(set_to_none=True)
-    with pytest.raises(RuntimeError, match="replaced"):
-        flat.check_views()
-    with pytest.raises(ValueError, match="fp32"):
-        FlatGradients(torch.nn.Linear(2, 2).to(torch.bfloat16))
-
-
-def test_process_info_rejects_a_bad_environment(monkeypatch):
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="not a valid torchrun environment"):
-        ProcessInfo.from_env()

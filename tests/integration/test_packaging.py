@@ -7,7 +7,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 STARTUP_FILES = ("dflash-patches.pth", "dflash-patches.start")
 
 

@@ -158,7 +158,7 @@ def test_torch_imported_before_the_hook_is_reported():
     # -S skips site-packages' .pth files; put site-packages back by hand, import torch, then the hook.
     site = sysconfig.get_paths()["purelib"]
     code = f"import sys; sys.path.append({site!r}); import torch; import dflash.patching.startup as s; s.install()"
-    proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[1])})
+    proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[2])})
     assert "torch was imported before the dflash thread-safety patch hook ran" in proc.stderr
     assert "Fix:" in proc.stderr
 
@@ -220,7 +220,7 @@ def test_status_prints_a_long_reason_shared_by_several_patches_once():
     code = (
         f"import sys; sys.path.append({site!r}); import torch; from dflash.cli import main; main(['patches', 'status'])"
     )
-    proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[1]), "DFLASH_PATCHES": "1"})
+    proc = _python(code, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[2]), "DFLASH_PATCHES": "1"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert sum("see [1] below" in line for line in lines) >= 2, proc.stdout

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from tiny import RecordingTrainer, make_target, write_chat_data
+from tiny import make_target, record_losses, write_chat_data
 
 from dflash.checkpoint import CheckpointError, find_checkpoint
 from dflash.cli import main
 from dflash.config import TrainConfig
-from dflash.trainer import CompileMonitor, Trainer
+from dflash.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +48,16 @@ def _config(assets, out, **overrides):
     return TrainConfig(**values)
 
 
-class _Recording(RecordingTrainer, Trainer):
-    pass
-
-
 def test_resume_continues_exactly(assets, tmp_path):
-    reference = _Recording(_config(assets, tmp_path / "full"))
+    reference = record_losses(Trainer(_config(assets, tmp_path / "full")))
     reference.train()
     assert len(reference.losses) == 6
 
-    first = _Recording(_config(assets, tmp_path / "split"))
-    first.crash_after = 3
+    first = record_losses(Trainer(_config(assets, tmp_path / "split")), crash_after=3)
     with pytest.raises(KeyboardInterrupt):
         first.train()
     assert find_checkpoint(tmp_path / "split").name == "step_00000003"
-    resumed = _Recording(_config(assets, tmp_path / "split", resume=True))
+    resumed = record_losses(Trainer(_config(assets, tmp_path / "split", resume=True)))
     assert resumed.step == 3
     resumed.train()
     assert first.losses + resumed.losses == reference.losses  # bitwise, not approximately
@@ -84,7 +79,7 @@ def test_grad_accumulation_normalises_over_the_whole_optimizer_step(assets, tmp_
     # anchors): the loss is divided by the weight sum of the step, not averaged per micro-batch.
     one = Trainer(_config(assets, tmp_path / "a", batch_size=4, grad_accum=1, grad_clip=0.0, steps=1))
     two = Trainer(_config(assets, tmp_path / "b", batch_size=2, grad_accum=2, grad_clip=0.0, steps=1))
-    loss_one, loss_two = one.train_step()["loss"], two.train_step()["loss"]
+    loss_one, loss_two = one.engine.run(1, lr=1e-2).loss, two.engine.run(1, lr=1e-2).loss
     assert loss_one == pytest.approx(loss_two, rel=1e-5)
     for (name, p1), p2 in zip(one.drafter.named_parameters(), two.drafter.parameters()):
         torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-6, msg=name)
@@ -116,34 +111,11 @@ def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path)
 
 
 def test_llama_target_trains_through_the_same_path(assets, tmp_path):
-    trainer = _Recording(_config(assets, tmp_path, target=str(assets["llama"]), steps=8, save_every=0))
+    trainer = record_losses(Trainer(_config(assets, tmp_path, target=str(assets["llama"]), steps=8, save_every=0)))
     trainer.train()
-    assert type(trainer.target.model).__name__ == "LlamaForCausalLM"
-    assert trainer.target.layer_ids == [1, 2]
+    assert type(trainer.engine.target.model).__name__ == "LlamaForCausalLM"
+    assert trainer.engine.target.layer_ids == [1, 2]
     assert all(map(math.isfinite, trainer.losses)) and trainer.losses[-1] < trainer.losses[0]
-
-
-def test_compile_monitor_reports_recompiles_and_graph_breaks(caplog):
-    torch._dynamo.reset()
-
-    def step(x, n):
-        if n > 1:
-            torch._dynamo.graph_break()
-        return x * n
-
-    compiled = torch.compile(step, backend="eager")
-    monitor = CompileMonitor(enabled=True)
-    compiled(torch.ones(2), 1)
-    monitor.check(1, warmup=True)
-    compiled(torch.ones(2), 1)
-    monitor.check(2, warmup=False)
-    assert monitor.recompiles == 0
-    with caplog.at_level(logging.WARNING, logger="dflash.trainer"):
-        compiled(torch.ones(2), 2)  # a new constant: dynamo recompiles, and breaks the graph
-        monitor.check(3, warmup=False)
-    assert monitor.recompiles >= 1 and monitor.graph_breaks >= 1
-    assert "RECOMPILED" in caplog.text and "graph break" in caplog.text
-    torch._logging.set_logs()
 
 
 def test_config_errors_name_the_field():
@@ -190,7 +162,15 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     assert main(argv[:4] + [str(bad)] + argv[5:] + ["--out", str(tmp_path / "b")]) == 2
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in caplog.text
     assert (
-        main(["train", "--device", "cuda:7"] if not torch.cuda.is_available() else ["train", "--device", "cuda:99"])
+        main(
+            [
+                "train",
+                "--out",
+                str(tmp_path / "c"),
+                "--device",
+                "cuda:7" if not torch.cuda.is_available() else "cuda:99",
+            ]
+        )
         == 2
     )
     assert "--device cuda" in caplog.text
@@ -215,7 +195,7 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     history, reply = regenerated[0][:-1], regenerated[0][-1]
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     greedy = greedy_generate(
-        trainer.target,
+        trainer.engine.target,
         torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),
         max_new_tokens=6,
         eos_ids={tokenizer.eos_token_id},
@@ -226,36 +206,36 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
 def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dflash.trainer import drafter_step, drafter_step_flops, produce_target_states
+    from dflash.engine.step import drafter_step, drafter_step_flops, produce_target_states
 
     trainer = Trainer(_config(assets, tmp_path, max_anchors=2))
-    batch = produce_target_states(trainer.target, next(trainer.loader))
+    engine = trainer.engine
+    engine.source.restart(first_step=1, last_step=1)
+    job = engine.source.take()
+    batch = produce_target_states(engine.target, job.batch)
+    r = engine.replica
     with FlopCounterMode(display=False) as counter:
-        out = drafter_step(
-            trainer.step_fn,
-            trainer.drafter,
-            trainer.target,
+        stats = drafter_step(
+            r.step_fn,
+            r.model,
+            r.heads,
             batch,
-            max_anchors=2,
-            generator=trainer.anchor_generator,
-            position_weight=trainer.position_weight,
-            autocast=False,
-            mask_token_id=3,
-            soft_label_weight=0.0,
-            position_weighting="decay",
+            job.anchors,
+            job.valid,
+            settings=engine.settings,
+            position_weight=r.position_weight,
         )
-    assert bool(out.valid_blocks == 4)  # every block real, so no padding work is uncounted
+    blocks, pairs = float(stats[2]), float(stats[3])
+    assert blocks == 4  # every block real, so no padding work is uncounted
     cfg = trainer.drafter.config
     draft_tokens = 4 * cfg.block_size
     estimate = drafter_step_flops(
-        trainer.drafter, draft_tokens=draft_tokens, context_tokens=2 * 48, visible_pairs=float(out.attention_pairs)
+        trainer.drafter, draft_tokens=draft_tokens, context_tokens=2 * 48, visible_pairs=pairs
     )
     # The counter also sees the checkpointed LM head recomputed in backward (2 V H per draft token),
     # and it has no formula for CPU SDPA, so compare the matmul part (attention term excluded).
     recompute = 2 * cfg.vocab_size * cfg.hidden_size * draft_tokens
-    matmuls = estimate - drafter_step_flops(
-        trainer.drafter, draft_tokens=0, context_tokens=0, visible_pairs=float(out.attention_pairs)
-    )
+    matmuls = estimate - drafter_step_flops(trainer.drafter, draft_tokens=0, context_tokens=0, visible_pairs=pairs)
     assert counter.get_total_flops() - recompute == pytest.approx(matmuls, rel=0.02)
 
 
@@ -269,12 +249,19 @@ def test_a_new_run_never_overwrites_an_existing_one(tmp_path):
     _refuse_to_overwrite(tmp_path, resume=True)
 
 
-def test_resume_takes_unrepeated_flags_from_the_saved_run(tmp_path):
-    from dflash.commands.train import _saved_config
-
-    (tmp_path / "train_config.json").write_text(json.dumps({"out": "/elsewhere", "steps": 80, "resume": False}))
-    assert _saved_config(str(tmp_path)) == {"steps": 80}
-    assert _saved_config(str(tmp_path / "missing")) == {}
+def test_cli_resume_takes_unrepeated_flags_from_the_saved_run(assets, tmp_path, capsys):
+    flags = ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48"]
+    flags += ["--batch-size", "2", "--max-anchors", "4", "--lr", "0.02", "--seed", "3", "--no-progress"]
+    inputs = ["--target", str(assets["qwen3"]), "--data", str(assets["data"])]
+    assert main(["train", *inputs, *flags, "--out", str(tmp_path), "--steps", "2"]) == 0
+    capsys.readouterr()
+    # Only --out, --resume and a longer --steps: every other flag (block size, lr, seed, inputs)
+    # must come from train_config.json, or the resume would be refused as a different config.
+    assert main(["train", "--resume", "--out", str(tmp_path), "--steps", "3", "--no-progress"]) == 0
+    assert "trained 3 steps" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "train_config.json").read_text())
+    assert (saved["block_size"], saved["lr"], saved["seed"], saved["steps"]) == (4, 0.02, 3, 3)
+    assert find_checkpoint(tmp_path).name == "step_00000003"
 
 
 def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypatch):
@@ -366,14 +353,13 @@ def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(
 
 
 def test_ctrl_c_after_a_checkpoint_says_how_to_resume_once_per_job(tmp_path, caplog, monkeypatch):
-    from dflash.commands.train import _report_interrupt
+    from dflash.commands.train import _resume_hint
 
     out = tmp_path / "my run"
-    (out / "checkpoints").mkdir(parents=True)
-    (out / "checkpoints" / "latest").write_text("step_00000003\n")
+    (out / "checkpoints" / "step_00000003").mkdir(parents=True)
     monkeypatch.setenv("RANK", "1")
-    _report_interrupt(str(out))
+    _resume_hint(str(out), "interrupted")
     assert not caplog.text
     monkeypatch.setenv("RANK", "0")
-    _report_interrupt(str(out))
+    _resume_hint(str(out), "interrupted")
     assert f"continue with `dflash train --resume --out '{out}'`" in caplog.text

@@ -1,0 +1,24 @@
+"""The benchmarks still run (CPU smoke runs in a subprocess; their numbers come from GPU runs)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_drafter_scaling_smoke_on_cpu():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "drafter_scaling.py"), "--device", "cpu", "--size", "tiny"]
+        + ["--phase", "scaling", "--steps", "2", "--warmup", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["solo"]["threads"] == 1 and result["multi"]["threads"] == 2
+    assert result["multi"]["tokens_per_s_per_device"] > 0 and result["scaling"] > 0
+    assert result["multi"]["eager_fallbacks"] == 0
+    assert "scaling: W=2 per-device / solo" in done.stdout

@@ -1,0 +1,47 @@
+"""dflash.devices: the device-spec grammar of --target-devices/--drafter-devices and its errors."""
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.devices import DeviceSpecError, parse_devices, parse_layout
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("cuda:0", "CUDA is not available"),
+        ("cpu:3-1", "descending range; write cpu:1-3"),
+        ("gpu:0", "'gpu:0' is not a device"),
+        ("cpu,,cpu:1", "empty device item"),
+        ("cpu:0,cpu:0", "cpu:0 listed twice"),
+        ("2", "'2' has no device type"),
+    ],
+)
+def test_bad_device_specs_are_named(spec, message):
+    with pytest.raises(DeviceSpecError, match=message):
+        parse_devices(spec, flag="--drafter-devices")
+
+
+def test_device_specs_parse():
+    assert [s.name for s in parse_devices("cpu:0-2", flag="x")] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert [s.name for s in parse_devices("cpu:0,2", flag="x")] == ["cpu:0", "cpu:2"]
+    layout = parse_layout("cpu", "cpu:0-1")
+    assert layout.device_type == "cpu" and len(layout.drafters) == 2
+
+
+def test_missing_gpu_names_the_gpu_count(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(DeviceSpecError, match=r"cuda:5 does not exist; this host has 2 GPU\(s\) \(cuda:0..cuda:1\)"):
+        parse_devices("cuda:0,5", flag="--drafter-devices")
+    with pytest.raises(DeviceSpecError, match="mix cpu and cuda"):
+        parse_layout("cuda:0", "cpu")
+
+
+def test_cli_reports_bad_layouts(tmp_path, caplog):
+    base = ["train", "--out", str(tmp_path)]
+    assert main(base + ["--target-devices", "cpu", "--drafter-devices", "cpu:1-0"]) == 2
+    assert "descending range" in caplog.text
+    assert main(base + ["--drafter-devices", "cpu"]) == 2
+    assert "give both --target-devices and --drafter-devices" in caplog.text

@@ -1,0 +1,199 @@
+"""dflash.engine on CPU "devices": the threaded engine equals the local engine on the same global
+batch with every loss option, replicas stay bit-identical, exact resume, thread failures reach
+the main thread with their names, the prefetch buffer orders and bounds."""
+
+import threading
+
+import pytest
+import torch
+from tiny import make_target, record_losses, write_chat_data
+
+import dflash.loss
+from dflash.checkpoint import CheckpointError
+from dflash.config import TrainConfig
+from dflash.engine import threaded
+from dflash.engine.jobs import seq_len_schedule
+from dflash.engine.threaded import Control, Inbox, PipelineError
+from dflash.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return {
+        "target": make_target(root / "qwen3", num_layers=5),
+        "data": write_chat_data(root / "train.jsonl", repeat=4),
+    }
+
+
+def _config(assets, out, **overrides):
+    values = dict(
+        target=str(assets["target"]),
+        data=str(assets["data"]),
+        out=str(out),
+        block_size=4,
+        gamma=2.0,
+        num_target_layers=2,
+        seq_len=48,
+        batch_size=2,
+        max_anchors=6,
+        steps=4,
+        warmup_steps=2,
+        lr=1e-2,
+        save_every=2,
+        log_every=1,
+        progress=False,
+        seed=7,
+        target_devices="cpu",
+        drafter_devices="cpu:0-1",
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def _gradients(trainer) -> torch.Tensor:
+    """The last step's (normalised) gradients of replica 0, flattened."""
+    return torch.cat([p.grad.flatten() for p in trainer.drafter.parameters()])
+
+
+LOSS_FLAGS = dict(loss_chunk_blocks=1, soft_label_weight=0.3, dpace=True)
+
+
+def test_threaded_engine_equals_the_local_engine_with_every_loss_flag(assets, tmp_path):
+    # Same global batch: 2 drafter threads x 1 micro-batch == 1 device x grad_accum 2 (same
+    # batches, same anchor stream). The two-term gradient sum g0 + g1 is the same float sum in
+    # both, and AdamW sees identical inputs, so losses, gradients and weights match bit for bit.
+    local = Trainer(
+        _config(assets, tmp_path / "local", grad_accum=2, target_devices=None, drafter_devices=None, **LOSS_FLAGS)
+    )
+    threaded_ = Trainer(_config(assets, tmp_path / "threaded", **LOSS_FLAGS))
+    assert local.engine.settings == threaded_.engine.settings  # one LossSettings, built once
+    try:
+        for step in range(1, 4):
+            a = local.engine.run(step, lr=1e-2)
+            b = threaded_.engine.run(step, lr=1e-2)
+            assert (a.loss, a.acc, a.grad_norm, a.tokens, a.row_tokens) == (
+                b.loss,
+                b.acc,
+                b.grad_norm,
+                b.tokens,
+                b.row_tokens,
+            )
+            assert torch.equal(_gradients(local), _gradients(threaded_))
+        for replica in threaded_.engine.replicas:
+            _assert_same_weights(replica.model, local.drafter)
+    finally:
+        threaded_.engine.close()
+
+
+def test_every_engine_runs_the_lm_head_in_chunks_of_loss_chunk_blocks(assets, tmp_path, monkeypatch):
+    # A micro-batch has 2 rows x 6 anchors = 12 draft blocks: 12 chunks of 1 block, or 3 of 4;
+    # each chunk runs once forward and once more in backward (activation checkpointing).
+    sizes = []
+    real = dflash.loss._chunk_loss
+
+    def counting(hidden, *args):
+        sizes.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(dflash.loss, "_chunk_loss", counting)
+    layouts = {"local": (dict(target_devices=None, drafter_devices=None), 1), "threaded": ({}, 2)}
+    for name, (layout, micro_batches) in layouts.items():
+        for chunk in (1, 4):
+            sizes.clear()
+            trainer = Trainer(_config(assets, tmp_path / f"{name}{chunk}", loss_chunk_blocks=chunk, **layout))
+            trainer.engine.run(1, lr=1e-2)
+            trainer.engine.close()
+            assert sorted(sizes) == [chunk] * (2 * (12 // chunk) * micro_batches), (name, chunk)
+
+
+def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path):
+    config = dict(
+        drafter_devices="cpu:0-2", target_devices="cpu:0-1", grad_accum=2, steps=6, save_every=3, batch_size=1
+    )
+    reference = record_losses(Trainer(_config(assets, tmp_path / "full", **config)))
+    reference.train()
+    first, second, third = (r.model for r in reference.engine.replicas)
+    _assert_same_weights(first, second)
+    _assert_same_weights(first, third)
+
+    crashed = record_losses(Trainer(_config(assets, tmp_path / "split", **config)), crash_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    assert all(not w.is_alive() for w in crashed.engine.threads)  # the threads were stopped
+    resumed = record_losses(Trainer(_config(assets, tmp_path / "split", resume=True, **config)))
+    assert resumed.step == 3
+    resumed.train()
+    assert crashed.losses + resumed.losses == reference.losses  # bitwise
+    for replica in resumed.engine.replicas:
+        _assert_same_weights(replica.model, first)
+
+
+def test_resume_with_a_different_drafter_layout_is_refused(assets, tmp_path):
+    Trainer(_config(assets, tmp_path, steps=1)).train()
+    with pytest.raises(CheckpointError, match="drafter_devices: 'cpu:0-1' -> 'cpu:0-2'"):
+        Trainer(_config(assets, tmp_path, steps=2, drafter_devices="cpu:0-2", resume=True))
+    # Target threads may change between runs: the math does not depend on them.
+    resumed = Trainer(_config(assets, tmp_path, steps=2, target_devices="cpu:0-1", resume=True))
+    assert resumed.step == 1
+
+
+def test_a_failing_target_thread_stops_all_threads_and_is_reraised_with_its_name(assets, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = threaded.produce_target_states
+
+    def flaky(target, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("target exploded")
+        return real(target, batch)
+
+    monkeypatch.setattr(threaded, "produce_target_states", flaky)
+    trainer = Trainer(_config(assets, tmp_path))
+    with pytest.raises(PipelineError, match=r"thread 'target0 \(cpu\)' failed: RuntimeError: target exploded") as info:
+        trainer.train()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert all(not w.is_alive() for w in trainer.engine.threads)
+    assert not [t for t in threading.enumerate() if t.name.startswith(("target", "drafter"))]
+
+
+def test_a_failing_drafter_thread_is_named(assets, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("drafter exploded")
+
+    monkeypatch.setattr(threaded, "drafter_step", broken)
+    with pytest.raises(PipelineError, match=r"thread 'drafter\d \(cpu:\d\)' failed: ValueError: drafter exploded"):
+        Trainer(_config(assets, tmp_path)).train()
+
+
+def test_inbox_orders_out_of_order_puts_and_bounds_the_prefetch():
+    control = Control()
+    inbox = Inbox(2, control)
+    inbox.put(1, "b")
+    inbox.put(0, "a")
+    blocked = threading.Thread(target=inbox.put, args=(2, "c"))  # slot 2 >= next(0) + depth(2): waits
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive() and len(inbox) == 2
+    assert inbox.get() == "a"  # frees room: slot 2 goes in
+    blocked.join(2)
+    assert not blocked.is_alive()
+    assert [inbox.get(), inbox.get()] == ["b", "c"]
+    control.fail("test", RuntimeError("boom"))
+    with pytest.raises(PipelineError, match="'test' failed"):
+        inbox.get()
+
+
+def test_seq_len_schedule():
+    assert seq_len_schedule(48, 1) == [48]
+    assert seq_len_schedule(48, 3) == [48, 40, 32]
+    assert seq_len_schedule(4096, 4) == [4096, 3416, 2736, 2056]
+    with pytest.raises(ValueError, match="too short"):
+        seq_len_schedule(32, 4)
