@@ -13,7 +13,7 @@ locating the turn's content text. ``{% generation %}`` markers are not needed.
 
 Length policy (``overflow``): ``"truncate"`` keeps the first ``seq_len`` tokens, ``"drop"``
 skips longer conversations. Conversations left with fewer than two supervised tokens (no
-possible anchor, see ``dflash_reference.md``: an anchor needs ``loss_mask[a]`` and
+possible anchor, see ``docs/dflash.md``: an anchor needs ``loss_mask[a]`` and
 ``loss_mask[a + 1]``) are skipped; the counts are logged.
 
 Batches are right-padded to a fixed ``seq_len`` (one conversation per row) so compiled code

@@ -6,7 +6,7 @@ Hugging Face forward with ``output_hidden_states=True`` (index 0 is the embeddin
 as in z-lab/dflash ``extract_context_feature``. Off by one here trains a drafter that
 reaches good training accuracy and accepts nothing at serving time. NOTE: HF returns the
 final-norm output as ``hidden_states[L]``, so id ``L - 1`` gets the normed state; the
-default ids never pick it (``dflash_reference.md``).
+default ids never pick it (``docs/dflash.md``).
 """
 
 from __future__ import annotations

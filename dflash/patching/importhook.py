@@ -1,6 +1,6 @@
 """A ``sys.meta_path`` finder that patches torch modules' source before they execute.
 
-Shaped like wrapt's post-import hooks (``../shared/style_examples.md`` section 5),
+Shaped like wrapt's post-import hooks,
 but it rewrites source instead of running callbacks afterwards. The first time
 ``torch`` is imported the finder settles the :class:`~dflash.patching.plan.Plan`
 for the installed release (cached on disk, see ``cache``); each module the plan

@@ -36,9 +36,9 @@ from dflash.patching.series import Patch, concerns
 
 # States of a concern in the kit (besides the plan's `upstream` and `not-applicable`).
 REBASED, PRESENT, DOES_NOT_APPLY = "rebased", "already-present", "does-not-apply"
-# The umbrella issue of torch.compile thread safety (../shared/torch_races.md): a PR is part of it, never fixes it.
+# The umbrella issue of torch.compile thread safety (docs/bug-classes.md): a PR is part of it, never fixes it.
 UMBRELLA_ISSUES = {"118260"}
-# Our race-class letters (../shared/torch_races.md) mean nothing upstream: "(class C)", "Race class D."
+# Our race-class letters (docs/bug-classes.md) mean nothing upstream: "(class C)", "Race class D."
 _CLASS_REF = re.compile(r"\s*\((?:race )?class(?:es)? [^)]*\)|^Race class(?:es)? [A-H](?:(?:, | and )[A-H])*\.\s*")
 LOCK_TEXT = """\
 The flags these patches touch become attributes of a `threading.local`: reading one is an

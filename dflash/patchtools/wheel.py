@@ -3,7 +3,7 @@
 The patched torch needs no startup hook: its Python files carry the fix, and
 ``torch/_dflash_patches.json`` (:data:`~dflash.patching.plan.WHEEL_MARKER`) tells
 the engine (``dflash patches status``) to report those concerns as ``built-in``
-and install nothing. Steps (see ``../shared/packaging_notes.md``, "Rebuilding a
+and install nothing. Steps (see ``docs/packaging.md``, "Rebuilding a
 torch wheel"):
 
 1. ``wheel unpack`` the input wheel, or copy the installed torch's files listed
