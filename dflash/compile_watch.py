@@ -9,7 +9,7 @@ reason (dynamo logs why it gave up, e.g. the recompile limit, just before it fal
 
 Also here: :func:`fresh_function` (a copy of a function with its own code object, so dynamo gives
 it its own cache and recompile limit) and the recompile-limit helpers (the config field was
-renamed from ``cache_size_limit`` to ``recompile_limit`` in torch 2.6; 2.12+ makes a plain
+renamed from ``cache_size_limit`` to ``recompile_limit`` in torch 2.7; 2.12+ makes a plain
 assignment on one thread invisible to the others unless the project's patches are active).
 
 Importing this module imports torch.
@@ -110,7 +110,7 @@ class DynamoWarnings(logging.Handler):
 
 
 def recompile_limit_name() -> str:
-    """``recompile_limit``, or ``cache_size_limit`` before torch 2.6 renamed it."""
+    """``recompile_limit``, or ``cache_size_limit`` before torch 2.7 renamed it."""
     import torch._dynamo.config as dynamo_config
 
     return "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"

@@ -1,4 +1,9 @@
-"""``dflash patches status|verify``: is the thread-safety patch series active, and does it work?"""
+"""``dflash patches ...``: the thread-safety patch series from the command line.
+
+``status`` (is it active here, and what became of each concern), ``verify`` (the bug-class checks,
+plain vs patched), ``build-wheel`` (a torch wheel with the series built in) and ``upstream`` (the
+PyTorch PR kit). The subcommands and their help are registered in :func:`register`.
+"""
 
 from __future__ import annotations
 
