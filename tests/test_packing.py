@@ -1,14 +1,19 @@
 """Sequence packing (dflash/packing.py) and what it needs from data, masks, the drafter and the target:
 rows of several conversations (documents), kept apart exactly as if each ran alone.
 
-All fast (CPU, tiny models); the one test that compiles HF's flex_attention on CPU is marked slow.
+Fast (CPU, tiny models) except: the test that compiles HF's flex_attention on CPU (marked slow, ~3 min)
+and the CPU smoke run of benchmarks/packing_e2e.py (two `dflash train` subprocesses, ~40 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
+import subprocess
+import sys
 from itertools import islice
+from pathlib import Path
 
 import pytest
 import torch
@@ -541,3 +546,62 @@ def test_pack_is_on_by_default_and_switched_off_with_no_pack():
     assert parser.parse_args(["train", "--no-pack"]).pack is False
     assert parser.parse_args(["train", "--pack"]).pack is True
     assert "Several conversations per row" in parser._subparsers._group_actions[0].choices["train"].format_help()
+
+
+# ---------------------------------------------------------------------------------------
+# The end-to-end benchmark
+# ---------------------------------------------------------------------------------------
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "packing_e2e.py"
+
+
+def _benchmark_module():
+    spec = importlib.util.spec_from_file_location("packing_e2e", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_parses_the_agreed_summary_line():
+    parse = _benchmark_module().parse_summary
+    line = (
+        "2026-01-01 00:00:00,000 INFO dflash.trainer: steady state over 39 steps: 11769 tok/s end to end, "
+        "drafter step 13446 tok/s, 467 TFLOP/s, drafter MFU 47.2% of 989 TFLOP/s, row fill 93.1%, "
+        "target share 28.4%, peak memory cuda:0 61.2 GiB, cuda:1 40.3 GiB"
+    )
+    fields = parse("earlier lines\n" + line + "\nsaved checkpoint\n")
+    assert fields == {
+        "steps": 39,
+        "e2e_tok_s": 11769,
+        "drafter_tok_s": 13446,
+        "tflops": 467,
+        "mfu_pct": 47.2,
+        "row_fill_pct": 93.1,
+        "target_share_pct": 28.4,
+        "peak_memory": {"cuda:0": 61.2, "cuda:1": 40.3},
+    }
+    # Today's line (no MFU without --peak-tflops, no fill/share/memory) parses to what it has.
+    older = parse(
+        "steady state over 5 steps: 1896 tok/s end to end, drafter step 3002 tok/s, 0.0123 TFLOP/s "
+        "(pass --peak-tflops for MFU)"
+    )
+    assert older == {"steps": 5, "e2e_tok_s": 1896, "drafter_tok_s": 3002, "tflops": 0.0123, "peak_memory": {}}
+    with pytest.raises(ValueError, match="no 'steady state over' line"):
+        parse("Traceback: boom")
+
+
+def test_packing_benchmark_smoke_on_cpu(tmp_path):
+    """Subprocess: `packing_e2e.py --tiny` runs `dflash train --pack` and `--no-pack` on CPU (~40 s)."""
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--tiny", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    table = [line.split() for line in done.stdout.splitlines() if not line.startswith("packed /")]
+    rows = {cells[0]: cells for cells in table if cells[:1] in (["packed"], ["unpacked"])}
+    assert set(rows) == {"packed", "unpacked"}
+    assert all(float(row[1].replace(",", "")) > 0 for row in rows.values()), done.stdout
+    assert "packed / unpacked: end to end" in done.stdout
+    assert not list(tmp_path.iterdir()), "the benchmark removes its target, data and runs"
