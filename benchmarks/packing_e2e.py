@@ -16,7 +16,9 @@ The target is a random-weight model of a named public shape (:data:`SHAPES`), wr
 directory: its ``config.json``, the embedded default target's tokenizer and chat template, and a
 weight file holding only the final norm; ``from_pretrained`` initialises every missing weight
 randomly (``initializer_range``), so a 16 GB (8B) or 65 GB (32B) random checkpoint never touches the
-disk. The drafter is the published DFlash geometry: 5 layers sized like the target, 5 tapped layers,
+disk; the price is the CPU time of that initialisation in each run (``normal_`` over every weight,
+tens of seconds for 8B, minutes for 32B; run one mode per command with ``--modes`` when a command's
+time is short). The drafter is the published DFlash geometry: 5 layers sized like the target, 5 tapped layers,
 block size 16.
 
 Data (``--data``): ``synthetic`` writes chats whose lengths vary like real chat corpora (token
@@ -246,7 +248,7 @@ def print_table(results: dict[str, dict]) -> None:
         memory = ", ".join(f"{device} {gib:.1f}" for device, gib in fields["peak_memory"].items()) or "n/a"
         cells = "".join(f"{_cell(fields.get(key), fmt):>16}" for _, key, fmt in columns)
         print(f"{mode:<9}{cells}  {memory}")
-    packed, unpacked = results["packed"], results["unpacked"]
+    packed, unpacked = results.get("packed", {}), results.get("unpacked", {})
     ratios = [
         f"{title} {packed[key] / unpacked[key]:.2f}x"
         for title, key in (("end to end", "e2e_tok_s"), ("drafter step", "drafter_tok_s"), ("MFU", "mfu_pct"))
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=("colocated", "split"), default="colocated")
     parser.add_argument("--device", default="cuda", help="device of the colocated layout")
     parser.add_argument("--data", default="synthetic", help="synthetic, embedded or a JSONL chat file")
-    parser.add_argument("--conversations", type=int, default=4000, help="synthetic conversations")
+    parser.add_argument("--conversations", type=int, default=2000, help="synthetic conversations")
     parser.add_argument("--median-tokens", type=int, default=800, help="median tokens of a synthetic chat")
     parser.add_argument("--sigma", type=float, default=0.9, help="log-normal sigma of synthetic chat lengths")
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -275,58 +277,66 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per training run")
+    parser.add_argument(
+        "--modes", default="packed,unpacked", help="runs to make, in order (one alone if time is short)"
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
     args = parser.parse_args(argv)
     if args.tiny:
         args.shape, args.device, args.compile, args.cpu_threads = "tiny", "cpu", "off", args.cpu_threads or 1
         args.seq_len, args.batch_size, args.max_anchors, args.block_size = 256, 2, 16, 8
         args.draft_layers, args.steps, args.conversations, args.median_tokens = 1, 6, 300, 60
+    modes = args.modes.split(",")
+    if set(modes) - {"packed", "unpacked"}:
+        parser.error(f"--modes: a comma list of packed and unpacked, got {args.modes!r}")
     if args.layout == "split" and args.device != "cuda":
         parser.error("--layout split puts the target on cuda:0 and the drafter on cuda:1")
 
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="packing_e2e_") as tmp:
         workdir = Path(tmp)
         target = write_target(workdir / "target", args.shape)
-        if args.data == "synthetic":
-            data = write_synthetic_chats(
-                workdir / "chats.jsonl",
-                count=args.conversations,
-                median_tokens=args.median_tokens,
-                sigma=args.sigma,
-                seed=args.seed,
-            )
-        elif args.data == "embedded":
-            from dflash.assets import default_data_dir
-
-            data = default_data_dir() / "train.jsonl"
-        else:
-            data = Path(args.data)
-        lengths = sorted(token_lengths(target, data, args.seq_len))
-        shape = SHAPES[args.shape]
-        print(
-            f"packing_e2e: target {args.shape} ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
-            f"random weights), drafter {args.draft_layers} layers, block {args.block_size}, seq {args.seq_len} x "
-            f"batch {args.batch_size}, {args.max_anchors} anchors, layout {args.layout}, {args.steps} steps"
-        )
-        print(
-            f"data {args.data}: {len(lengths)} conversations, tokens median {statistics.median(lengths):.0f}, "
-            f"p90 {lengths[int(0.9 * (len(lengths) - 1))]}, max {lengths[-1]} (truncated at {args.seq_len}); "
-            f"one per row would fill {100 * statistics.mean(lengths) / args.seq_len:.1f}% of a row",
-            flush=True,
-        )
-        env_note = f"torch {_torch_version()}, DFLASH_PATCHES={os.environ.get('DFLASH_PATCHES', '1')}"
-        results = {
-            mode: run_train(args, target, data, workdir, pack=mode == "packed") for mode in ("packed", "unpacked")
-        }
-        print(env_note)
+        data = chat_data(args, workdir)
+        describe(args, target, data)
+        results = {mode: run_train(args, target, data, workdir, pack=mode == "packed") for mode in modes}
         print_table(results)
     return 0
 
 
-def _torch_version() -> str:
+def chat_data(args, workdir: Path) -> Path:
+    """The JSONL file ``--data`` names (module docstring)."""
+    if args.data == "synthetic":
+        return write_synthetic_chats(
+            workdir / "chats.jsonl",
+            count=args.conversations,
+            median_tokens=args.median_tokens,
+            sigma=args.sigma,
+            seed=args.seed,
+        )
+    if args.data == "embedded":
+        from dflash.assets import default_data_dir
+
+        return default_data_dir() / "train.jsonl"
+    return Path(args.data)
+
+
+def describe(args, target: Path, data: Path) -> None:
+    """Print the setup and the data's length distribution, as the trainer will tokenize it."""
     import torch
 
-    return torch.__version__
+    lengths = sorted(token_lengths(target, data, args.seq_len))
+    shape = SHAPES[args.shape]
+    print(
+        f"packing_e2e: target {args.shape} ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"random weights), drafter {args.draft_layers} layers, block {args.block_size}, seq {args.seq_len} x "
+        f"batch {args.batch_size}, {args.max_anchors} anchors, layout {args.layout}, {args.steps} steps; "
+        f"torch {torch.__version__}, DFLASH_PATCHES={os.environ.get('DFLASH_PATCHES', '1')}"
+    )
+    print(
+        f"data {args.data}: {len(lengths)} conversations, tokens median {statistics.median(lengths):.0f}, "
+        f"p90 {lengths[int(0.9 * (len(lengths) - 1))]}, max {lengths[-1]} (truncated at {args.seq_len}); "
+        f"one per row would fill {100 * statistics.mean(lengths) / args.seq_len:.1f}% of a row",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
