@@ -77,7 +77,12 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per optimizer step (the loss is normalised by the position weights of the whole step)."""
     max_anchors: int = 32
-    """Draft blocks (anchors) sampled per conversation (512 is common on GPU at seq 4k)."""
+    """Draft blocks (anchors) sampled per row (512 is common on GPU at seq 4k); with --pack the row's budget, shared
+    max-min fairly by its conversations (each keeps all its candidates when they fit, the rest split evenly)."""
+    pack: bool = True
+    """Several conversations per row, each kept apart as if alone (document-masked target and drafter attention,
+    positions restarting per conversation, anchors per conversation), so rows are not mostly padding; --no-pack puts
+    one conversation per row."""
     responses: str = "auto"
     """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached
     in --out), `auto` (`target` for the embedded default target and corpus, else `data`)."""

@@ -15,11 +15,21 @@ Layout used everywhere in this package:
 Anchor tensors are always a pair ``anchors`` (int64 ``[B, N]``) and ``valid`` (bool ``[B, N]``);
 ``N`` is fixed to ``max_anchors`` so compiled code sees one shape. Invalid (padding) blocks see
 nothing, produce zero attention output and get zero loss weight.
+
+Packed rows (:mod:`dflash.packing`) hold several conversations, each a *document*, named by
+``document_ids`` (int ``[B, S]``): a document is a maximal run of equal ids (packing writes 0, 1,
+2, ... and -1 on padding). Every function here takes ``document_ids=None`` (one document per row,
+the unpacked case) or the row's ids, and then keeps each document on its own as if the target had
+seen it alone (speculators' DFlash packing does the same): anchors are drawn per document, a block
+sees context of its anchor's document only (``start(a_b) <= kv < a_b``), a slot's label must lie in
+the anchor's document, and draft positions come from the row's ``position_ids`` (restarting at 0 in
+each document). :func:`document_causal_mask` and :func:`document_causal_block_mask` are the frozen
+target's side of the same rule: causal attention within each document.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -29,19 +39,51 @@ from torch.nn.attention.flex_attention import BlockMask
 DEFAULT_TILE = 128
 
 
-def sample_anchors(
-    loss_mask: Tensor, max_anchors: int, *, generator: torch.Generator | None = None
-) -> tuple[Tensor, Tensor]:
-    """Sample up to ``max_anchors`` anchor positions per sequence, uniformly without replacement.
+def document_starts(document_ids: Tensor) -> Tensor:
+    """Position where each token's document starts (documents are maximal runs of equal ids).
 
-    A position ``a`` is a candidate when ``loss_mask[a]`` and ``loss_mask[a + 1]`` are both set, so
-    every block has at least one supervised slot (slot 1 predicts ``x[a + 1]``).
+    Args:
+        document_ids (Tensor): int ``[B, S]``.
+
+    Returns:
+        Tensor: int64 ``[B, S]``; ``start[b, i] <= i`` and tokens i, j lie in the same document iff
+        ``start[b, i] == start[b, j]``.
+    """
+    positions = torch.arange(document_ids.shape[1], device=document_ids.device)
+    boundary = torch.ones_like(document_ids, dtype=torch.bool)
+    boundary[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return torch.where(boundary, positions, 0).cummax(dim=1).values
+
+
+def sample_anchors(
+    loss_mask: Tensor,
+    max_anchors: int,
+    *,
+    document_ids: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Sample up to ``max_anchors`` anchor positions per row, uniformly without replacement within
+    each document, the row's budget shared max-min fairly by its documents.
+
+    A position ``a`` is a candidate when ``loss_mask[a]`` and ``loss_mask[a + 1]`` are both set and
+    lie in the same document, so every block has at least one supervised slot (slot 1 predicts
+    ``x[a + 1]``) of its own document.
+
+    Fair share (max-min fairness, "equal split with leftovers redistributed"): a document with
+    ``c_d`` candidates gets ``q_d = min(c_d, t)`` anchors, t the largest integer with
+    ``sum_d min(c_d, t) <= max_anchors``; the ``max_anchors - sum_d q_d`` slots left over go one
+    each to documents with ``c_d > t``, picked uniformly at random. So a short conversation keeps all
+    of its candidates, as it would alone in an unpacked row capped at ``max_anchors``, and long ones
+    split the rest evenly; ``sum_d q_d = min(max_anchors, sum_d c_d)``. (Speculators instead gives
+    every document ``num_anchors`` slots, a shape that varies with the document count.) With one
+    document per row this is a uniform sample of ``min(max_anchors, c)`` candidates.
 
     Args:
         loss_mask (Tensor): bool ``[B, S]``, True on tokens whose prediction is trained
             (assistant tokens).
-        max_anchors (int): N, the number of blocks per sequence. The output always has N columns
-            (fixed shape, no recompiles); sequences with fewer candidates get padding blocks.
+        max_anchors (int): N, the number of blocks per row. The output always has N columns
+            (fixed shape, no recompiles); rows with fewer candidates get padding blocks.
+        document_ids (Tensor, optional): int ``[B, S]`` (module docstring); None = one document.
         generator (torch.Generator, optional): RNG on ``loss_mask.device`` for reproducible draws.
 
     Returns:
@@ -50,7 +92,8 @@ def sample_anchors(
         tiles); padding entries have anchor 0 and ``valid=False``.
 
     Raises:
-        ValueError: ``loss_mask`` is not a 2-D bool tensor, or ``max_anchors < 1``.
+        ValueError: ``loss_mask`` is not a 2-D bool tensor, ``document_ids`` is not an integer tensor
+            of its shape, or ``max_anchors < 1``.
     """
     if loss_mask.dtype != torch.bool or loss_mask.dim() != 2:
         raise ValueError(
@@ -59,22 +102,38 @@ def sample_anchors(
         )
     if max_anchors < 1:
         raise ValueError(f"max_anchors must be >= 1, got {max_anchors}")
+    _check_documents(document_ids, loss_mask.shape)
     batch, seq_len = loss_mask.shape
     device = loss_mask.device
     if seq_len < 2:
         zeros = torch.zeros(batch, max_anchors, dtype=torch.long, device=device)
         return zeros, torch.zeros(batch, max_anchors, dtype=torch.bool, device=device)
     candidate = loss_mask[:, :-1] & loss_mask[:, 1:]  # [B, S-1]
-    # Random keys in [0, 1) for candidates, 2 for the rest: the k smallest keys are a uniform
-    # sample without replacement among candidates, taken in one batched topk.
-    keys = torch.rand(candidate.shape, generator=generator, device=device)
-    keys = keys.masked_fill(~candidate, 2.0)
+    if document_ids is None:
+        doc = torch.zeros(candidate.shape, dtype=torch.long, device=device)
+    else:
+        candidate &= document_ids[:, :-1] == document_ids[:, 1:]
+        doc = document_starts(document_ids)[:, :-1]  # a document is named by its start position
+    # One draw per row, so a row's anchors do not depend on how rows are split into micro-batches.
+    noise = torch.rand(batch, 2 * seq_len - 1, generator=generator, device=device)
+    counts = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+    counts.scatter_add_(1, doc, candidate.long())
+    quota = _max_min_fair_share(counts, max_anchors, noise[:, seq_len - 1 :])  # [B, S], per document start
+
+    # Uniform sample without replacement per document: order candidates by (document, random key)
+    # and keep the first quota[d] of each document. Non-candidates get key 2, after every candidate.
+    keys = noise[:, : seq_len - 1].masked_fill(~candidate, 2.0)
+    order = (doc.double() * 4 + keys.double()).argsort(dim=1)
+    sorted_doc = doc.gather(1, order)
+    columns = torch.arange(seq_len - 1, device=device)
+    first_of_doc = torch.ones_like(sorted_doc, dtype=torch.bool)
+    first_of_doc[:, 1:] = sorted_doc[:, 1:] != sorted_doc[:, :-1]
+    rank_in_doc = columns - torch.where(first_of_doc, columns, 0).cummax(dim=1).values
+    picked = candidate.gather(1, order) & (rank_in_doc < quota.gather(1, sorted_doc))
+
+    # Sort the picked positions ascending and push the rest to the end (they sort after every position).
     k = min(max_anchors, seq_len - 1)
-    picked_keys, picked = keys.topk(k, dim=1, largest=False)
-    picked_valid = picked_keys < 1.0
-    # Sort valid anchors ascending and push padding to the end: padding sorts after every position.
-    order_key = torch.where(picked_valid, picked, seq_len)
-    order_key, _ = order_key.sort(dim=1)
+    order_key = torch.where(picked, order, seq_len).sort(dim=1).values[:, :k]
     valid = order_key < seq_len
     anchors = torch.where(valid, order_key, 0)
     if k < max_anchors:
@@ -82,6 +141,29 @@ def sample_anchors(
         anchors = torch.nn.functional.pad(anchors, (0, pad), value=0)
         valid = torch.nn.functional.pad(valid, (0, pad), value=False)
     return anchors, valid
+
+
+def _max_min_fair_share(counts: Tensor, budget: int, noise: Tensor) -> Tensor:
+    """Integer max-min fair split of ``budget`` slots over documents with ``counts`` candidates.
+
+    ``counts`` int64 ``[B, D]`` (0 for unused slots) -> quota int64 ``[B, D]``, see
+    :func:`sample_anchors`; ``noise`` uniform ``[B, D]`` picks who gets the leftovers. The threshold
+    t is found by a fixed-length binary search (no host sync).
+    """
+    lo = torch.zeros(counts.shape[0], dtype=torch.long, device=counts.device)
+    hi = counts.amax(dim=1)
+    for _ in range(int(counts.shape[1]).bit_length() + 1):  # hi <= D + 1 at the start
+        mid = (lo + hi + 1) // 2
+        fits = torch.minimum(counts, mid[:, None]).sum(dim=1) <= budget
+        lo, hi = torch.where(fits, mid, lo), torch.where(fits, hi, mid - 1)
+    base = torch.minimum(counts, lo[:, None])
+    left = budget - base.sum(dim=1, keepdim=True)
+    eligible = counts > lo[:, None]  # fewer of them than `left` only when every document is saturated
+    keys = noise.masked_fill(~eligible, 2.0)
+    rank = torch.empty_like(counts).scatter_(
+        1, keys.argsort(dim=1), torch.arange(counts.shape[1], device=counts.device).expand_as(counts)
+    )
+    return base + (eligible & (rank < left)).long()
 
 
 def draft_input_ids(input_ids: Tensor, anchors: Tensor, valid: Tensor, block_size: int, mask_token_id: int) -> Tensor:
@@ -106,22 +188,31 @@ def draft_input_ids(input_ids: Tensor, anchors: Tensor, valid: Tensor, block_siz
     return ids.view(batch, num_blocks * block_size)
 
 
-def draft_position_ids(anchors: Tensor, block_size: int) -> Tensor:
-    """RoPE positions of the draft slots: slot k of the block anchored at a is at ``a + k``.
+def draft_position_ids(anchors: Tensor, block_size: int, position_ids: Tensor | None = None) -> Tensor:
+    """RoPE positions of the draft slots: slot k of the block anchored at a is at ``pos[a] + k``.
 
     Args:
         anchors (Tensor): int64 ``[B, N]``.
         block_size (int): Bs.
+        position_ids (Tensor, optional): int64 ``[B, S]``, the context tokens' positions (restarting
+            at 0 in each packed document); None means context token j sits at position j.
 
     Returns:
-        Tensor: int64 ``[B, N * Bs]``. (Context token j sits at position j.)
+        Tensor: int64 ``[B, N * Bs]``: the positions the slots would have in their conversation run
+        alone, continuing the anchor's.
     """
+    start = anchors if position_ids is None else position_ids.gather(1, anchors)
     offsets = torch.arange(block_size, device=anchors.device)
-    return (anchors[:, :, None] + offsets).flatten(1)
+    return (start[:, :, None] + offsets).flatten(1)
 
 
 def build_labels(
-    input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, valid: Tensor, block_size: int
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    block_size: int,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Targets of every draft slot: slot k of block b predicts ``x[a_b + k]`` (no ``+1`` shift).
 
@@ -131,32 +222,72 @@ def build_labels(
         anchors (Tensor): int64 ``[B, N]``.
         valid (Tensor): bool ``[B, N]``.
         block_size (int): Bs.
+        document_ids (Tensor, optional): int ``[B, S]``; None = one document per row.
 
     Returns:
         tuple[Tensor, Tensor]: ``labels`` int64 ``[B, N, Bs]`` and ``label_mask`` bool ``[B, N, Bs]``.
         ``label_mask`` is False for slot 0 (the anchor is given, not predicted), for padding blocks,
-        for ``a_b + k >= S`` and where ``loss_mask[a_b + k]`` is False; ``labels`` is 0 there.
+        for ``a_b + k >= S``, where ``loss_mask[a_b + k]`` is False and where ``a_b + k`` lies in
+        another document than ``a_b`` (the next conversation of a packed row); ``labels`` is 0 there.
     """
     _check_anchors(anchors, valid, input_ids.shape[0])
+    _check_documents(document_ids, input_ids.shape)
     batch, seq_len = input_ids.shape
-    positions = draft_position_ids(anchors, block_size).view(batch, -1, block_size)
-    inside = positions < seq_len
-    flat = positions.clamp(max=seq_len - 1).flatten(1)
-    labels = torch.gather(input_ids, 1, flat).view_as(positions)
-    supervised = torch.gather(loss_mask, 1, flat).view_as(positions)
+    positions = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).view(batch, -1)
+    inside = (positions < seq_len).view(batch, -1, block_size)
+    flat = positions.clamp(max=seq_len - 1)
+    labels = torch.gather(input_ids, 1, flat).view_as(inside)
+    supervised = torch.gather(loss_mask, 1, flat).view_as(inside)
     not_anchor = torch.arange(block_size, device=anchors.device) > 0
     label_mask = valid[:, :, None] & inside & supervised & not_anchor
+    if document_ids is not None:
+        starts = document_starts(document_ids)
+        same_document = starts.gather(1, flat).view_as(inside) == starts.gather(1, anchors)[:, :, None]
+        label_mask &= same_document
     return labels.masked_fill(~label_mask, 0), label_mask
 
 
+def visible_context(anchors: Tensor, valid: Tensor, document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The context positions each block sees: ``[start, end)`` with ``end = a_b`` and ``start`` the
+    first position of the anchor's document (0 without documents); both 0 for padding blocks.
+
+    Args:
+        anchors (Tensor): int64 ``[B, N]``.
+        valid (Tensor): bool ``[B, N]``.
+        document_ids (Tensor, optional): int ``[B, S]``.
+
+    Returns:
+        tuple[Tensor, Tensor]: ``start``, ``end`` int64 ``[B, N]``. ``end - start`` context keys per
+        block; :func:`visible_pairs` counts them for the FLOP estimate.
+    """
+    start = torch.zeros_like(anchors) if document_ids is None else document_starts(document_ids).gather(1, anchors)
+    return torch.where(valid, start, 0), torch.where(valid, anchors, 0)
+
+
+def visible_pairs(anchors: Tensor, valid: Tensor, block_size: int, document_ids: Tensor | None = None) -> Tensor:
+    """Visible (query, key) pairs of the DFlash mask: ``sum_b Bs * (end_b - start_b + Bs)`` over the
+    valid blocks (each slot sees its block's context and the Bs keys of its own block).
+
+    Returns:
+        Tensor: int64 scalar on ``anchors.device`` (no host sync), for attention FLOPs / MFU.
+    """
+    start, end = visible_context(anchors, valid, document_ids)
+    return (block_size * (end - start + block_size) * valid).sum()
+
+
 def dflash_mask_mod(
-    anchors: Tensor, valid: Tensor, context_len: int, block_size: int
+    anchors: Tensor,
+    valid: Tensor,
+    context_len: int,
+    block_size: int,
+    document_ids: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The DFlash ``mask_mod`` for flex_attention: True where query ``q`` may attend to key ``kv``.
 
     Query q is slot ``q % Bs`` of block ``b = q // Bs``. It sees context key ``kv < S`` iff
-    ``kv < anchors[batch, b]`` (strict: the anchor's own target hidden state is not yet known at
-    inference), and draft key ``kv >= S`` iff it belongs to block b; nothing if ``valid[batch, b]``
+    ``start_b <= kv < anchors[batch, b]`` (strict: the anchor's own target hidden state is not yet
+    known at inference; ``start_b`` is the first position of the anchor's document, 0 without
+    documents), and draft key ``kv >= S`` iff it belongs to block b; nothing if ``valid[batch, b]``
     is False. Elementwise with broadcasting, so it also evaluates on index grids
     (:func:`dense_attention_mask`).
 
@@ -166,25 +297,30 @@ def dflash_mask_mod(
         context_len (int): S, the number of context keys before the draft blocks. A Python int:
             a new S is a new compiled graph, so pad sequences to a fixed length or a few buckets.
         block_size (int): Bs.
+        document_ids (Tensor, optional): int ``[B, S]``; None = one document per row. Either way the
+            mask_mod has the same structure (one compiled graph).
 
     Returns:
         Callable: ``mask_mod(batch, head, q_idx, kv_idx) -> bool Tensor``; ``head`` is ignored
         (the mask is shared by all heads, BlockMask ``H=None``).
     """
     last_block = anchors.shape[1] - 1
+    context_start, _ = visible_context(anchors, valid, document_ids)
 
     def mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # Clamp: flex may evaluate padded query rows of the last tile; never index past N.
         block = torch.clamp(q_idx // block_size, max=last_block)
         in_context = kv_idx < context_len
-        sees_context = in_context & (kv_idx < anchors[batch, block])
+        sees_context = in_context & (kv_idx < anchors[batch, block]) & (kv_idx >= context_start[batch, block])
         sees_own_block = ~in_context & ((kv_idx - context_len) // block_size == block)
         return valid[batch, block] & (sees_context | sees_own_block)
 
     return mask_mod
 
 
-def dense_attention_mask(anchors: Tensor, valid: Tensor, context_len: int, block_size: int) -> Tensor:
+def dense_attention_mask(
+    anchors: Tensor, valid: Tensor, context_len: int, block_size: int, document_ids: Tensor | None = None
+) -> Tensor:
     """The DFlash mask as a dense bool tensor for SDPA (CPU and small cases only).
 
     Evaluates :func:`dflash_mask_mod` on the full grid, so it costs ``B * N*Bs * (S + N*Bs)``
@@ -197,13 +333,8 @@ def dense_attention_mask(anchors: Tensor, valid: Tensor, context_len: int, block
     """
     batch, num_blocks = anchors.shape
     q_len = num_blocks * block_size
-    device = anchors.device
-    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size)
-    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    q = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
-    kv = torch.arange(context_len + q_len, device=device).view(1, 1, 1, -1)
-    return mask_mod(b, h, q, kv)
+    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids)
+    return _evaluate_on_grid(mask_mod, batch, q_len, context_len + q_len, anchors.device)
 
 
 def build_block_mask(
@@ -211,22 +342,19 @@ def build_block_mask(
     valid: Tensor,
     context_len: int,
     block_size: int,
+    document_ids: Tensor | None = None,
     *,
     tile: int | tuple[int, int] = DEFAULT_TILE,
 ) -> BlockMask:
     """The DFlash BlockMask (``H=None``), built from tile indices without a dense Q x KV grid.
 
-    Choice: ``BlockMask.from_kv_blocks`` on tile-level "any"/"all" tables computed in closed form
-    from the anchors, rather than ``create_block_mask``. ``create_block_mask`` evaluates the
-    ``mask_mod`` on every (q, kv) pair (B * N*Bs * (S + N*Bs) booleans, ~100 MB per sample at S=4k,
-    N=512, Bs=16, unless compiled); the closed form costs O(B * N*Bs * #kv-tiles) and has no
-    compile step, so it runs on any device, outside the compiled training step. Tests check it
-    equals ``create_block_mask`` tile for tile.
-
-    Tile (qt, kt) is *full* (mask_mod skipped) when every pair in it is visible: a tile wholly
-    inside the context whose rows are all valid and have ``anchor >= tile end``, or a tile wholly
-    inside the one draft block that all its rows belong to. It is *partial* (mask_mod applied) when
-    some but not all pairs are visible. Tiles crossing the Q or KV end are never full.
+    Choice: ``BlockMask.from_kv_blocks`` on tile tables computed in closed form from the anchors,
+    rather than ``create_block_mask``. ``create_block_mask`` evaluates the ``mask_mod`` on every
+    (q, kv) pair (B * N*Bs * (S + N*Bs) booleans, ~100 MB per sample at S=4k, N=512, Bs=16, unless
+    compiled); the closed form (:func:`interval_block_mask`, each query row sees its block's context
+    interval ``[start_b, a_b)`` and its own block) costs O(B * N*Bs + B * #q-tiles * #kv-tiles) and
+    has no compile step, so it runs on any device, outside the compiled training step. Tests check
+    it equals ``create_block_mask`` tile for tile, with and without documents.
 
     Args:
         anchors (Tensor): int64 ``[B, N]``, valid entries sorted ascending per row (sorting is
@@ -234,6 +362,7 @@ def build_block_mask(
         valid (Tensor): bool ``[B, N]``.
         context_len (int): S.
         block_size (int): Bs.
+        document_ids (Tensor, optional): int ``[B, S]``; None = one document per row.
         tile (int | tuple[int, int]): BlockMask tile (Q rows, KV columns); flex's default is 128.
 
     Returns:
@@ -241,58 +370,138 @@ def build_block_mask(
         (broadcast over heads), with :func:`dflash_mask_mod` attached.
     """
     _check_anchors(anchors, valid, anchors.shape[0])
-    q_tile, kv_tile = (tile, tile) if isinstance(tile, int) else tile
-    batch, num_blocks = anchors.shape
-    device = anchors.device
+    _check_documents(document_ids, (anchors.shape[0], context_len))
+    num_blocks = anchors.shape[1]
     q_len = num_blocks * block_size
-    kv_len = context_len + q_len
-    num_q_tiles = -(-q_len // q_tile)
-    num_kv_tiles = -(-kv_len // kv_tile)
-
-    # Per query row (padded to whole tiles): its block, validity and visible context [0, ctx_end).
-    rows = torch.arange(num_q_tiles * q_tile, device=device)
-    real_row = rows < q_len
-    block = torch.clamp(rows // block_size, max=num_blocks - 1)
-    row_valid = valid[:, block] & real_row  # [B, Rq]
-    ctx_end = torch.where(row_valid, anchors[:, block], 0).view(batch, num_q_tiles, q_tile)
-    row_valid_t = row_valid.view(batch, num_q_tiles, q_tile)
-
-    kv_start = torch.arange(num_kv_tiles, device=device) * kv_tile  # [Tk]
-    kv_end = kv_start + kv_tile
-
-    # Context part: rows see [0, ctx_end); tile columns [kv_start, min(kv_end, S)).
-    ctx_any = (kv_start < context_len) & (ctx_end.amax(-1, keepdim=True) > kv_start)
-    q_tile_whole = (torch.arange(num_q_tiles, device=device) + 1) * q_tile <= q_len  # [Tq]
-    all_rows_valid = row_valid_t.all(-1, keepdim=True) & q_tile_whole[:, None]
-    ctx_full = all_rows_valid & (kv_end <= context_len) & (ctx_end.amin(-1, keepdim=True) >= kv_end)
-
-    # Own-block part: row r sees draft keys [S + blk*Bs, S + (blk+1)*Bs), i.e. kv tiles first..last.
-    own_first = (context_len + block * block_size) // kv_tile  # [Rq]
-    own_last = (context_len + (block + 1) * block_size - 1) // kv_tile
-    own_count = torch.zeros(batch, num_q_tiles, num_kv_tiles, dtype=torch.int32, device=device)
-    for step in range(-(-block_size // kv_tile) + 1):  # tiles one block can touch
-        tile_idx = torch.minimum(own_first + step, own_last).view(1, num_q_tiles, q_tile)
-        own_count.scatter_add_(2, tile_idx.expand(batch, -1, -1), row_valid_t.to(torch.int32))
-    own_any = own_count > 0
-    # Full only if every row of the q tile is in one block b and the kv tile lies inside block b.
-    block_t = block.view(num_q_tiles, q_tile)
-    one_block = block_t.amin(-1) == block_t.amax(-1)  # [Tq]
-    own_start = context_len + block_t[:, 0] * block_size
-    own_full = (
-        all_rows_valid
-        & one_block[:, None]
-        & (kv_start >= own_start[:, None])
-        & (kv_end <= (own_start + block_size)[:, None])
-        & (kv_end <= kv_len)
+    block = torch.arange(q_len, device=anchors.device) // block_size
+    row_valid = valid[:, block]  # [B, Q]
+    start, end = visible_context(anchors, valid, document_ids)
+    own_start = torch.where(row_valid, context_len + block * block_size, 0)
+    own_end = torch.where(row_valid, own_start + block_size, 0)
+    return interval_block_mask(
+        [(start[:, block], end[:, block]), (own_start, own_end)],
+        kv_len=context_len + q_len,
+        mask_mod=dflash_mask_mod(anchors, valid, context_len, block_size, document_ids),
+        tile=tile,
     )
 
-    full = ctx_full | own_full
-    partial = (ctx_any | own_any) & ~full
+
+def document_causal_mask(document_ids: Tensor) -> Tensor:
+    """The frozen target's mask for packed rows: token q sees tokens ``start(q) <= kv <= q`` of its
+    own document (causal within each conversation, nothing across).
+
+    Padding (a run of -1 ids) is a document of its own, so its rows are never empty (SDPA kernels
+    may return NaN for a query that sees nothing) and real tokens never see it.
+
+    Args:
+        document_ids (Tensor): int ``[B, S]``.
+
+    Returns:
+        Tensor: bool ``[B, 1, S, S]``, True = attend: the 4-D mask HF's "sdpa" backend takes as is.
+        It costs ``B * S * S`` bytes (256 MiB at B=4, S=8192) and makes SDPA run its masked kernel
+        over the whole S x S grid; :func:`document_causal_block_mask` skips the hidden tiles instead.
+    """
+    _check_documents(document_ids, document_ids.shape)
+    batch, seq_len = document_ids.shape
+    mask_mod = _document_causal_mask_mod(document_starts(document_ids))
+    return _evaluate_on_grid(mask_mod, batch, seq_len, seq_len, document_ids.device)
+
+
+def document_causal_block_mask(document_ids: Tensor, *, tile: int | tuple[int, int] = DEFAULT_TILE) -> BlockMask:
+    """:func:`document_causal_mask` as a BlockMask (``H=None``) for HF's "flex_attention" backend,
+    built in closed form (one interval ``[start(q), q]`` per query row, no dense grid). Tiles that
+    cross documents are skipped, so attention costs ~``sum_d len_d^2 / 2`` per row instead of
+    ``S^2 / 2``.
+
+    Args:
+        document_ids (Tensor): int ``[B, S]``.
+        tile (int | tuple[int, int]): BlockMask tile (Q rows, KV columns).
+
+    Returns:
+        BlockMask: ``Q_LEN = KV_LEN = S``, batch B, one head row.
+    """
+    _check_documents(document_ids, document_ids.shape)
+    starts = document_starts(document_ids)
+    ends = torch.arange(1, document_ids.shape[1] + 1, device=document_ids.device).expand_as(starts)
+    return interval_block_mask(
+        [(starts, ends)], kv_len=document_ids.shape[1], mask_mod=_document_causal_mask_mod(starts), tile=tile
+    )
+
+
+def _document_causal_mask_mod(starts: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    last = starts.shape[1] - 1
+
+    def mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        # Clamp: flex may evaluate padded query rows of the last tile.
+        return (kv_idx <= q_idx) & (kv_idx >= starts[batch, torch.clamp(q_idx, max=last)])
+
+    return mask_mod
+
+
+def _evaluate_on_grid(mask_mod: Callable, batch: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    return mask_mod(b, h, q, kv)
+
+
+def interval_block_mask(
+    intervals: Sequence[tuple[Tensor, Tensor]],
+    *,
+    kv_len: int,
+    mask_mod: Callable,
+    tile: int | tuple[int, int] = DEFAULT_TILE,
+) -> BlockMask:
+    """A BlockMask for masks where each query row sees a union of key intervals, in closed form.
+
+    Query row r of batch b sees the keys ``[lo_i[b, r], hi_i[b, r])`` of every interval i (empty
+    when ``lo >= hi``); ``mask_mod`` must say the same elementwise. A tile is *partial* (mask_mod
+    applied) when some row of it sees some key of it, *full* (mask_mod skipped) when one interval of
+    every row covers the whole tile. The intervals of a row must not touch (a tile covered only by
+    two adjacent intervals together is marked partial, which is correct but slower; the DFlash
+    context interval ends before S and the own-block interval starts at S or later). Tiles crossing
+    the Q or KV end are never full, as in ``create_block_mask``.
+
+    Cost: O(B * Q) to scatter each row's first/last kv tile into a per-tile difference table, plus
+    O(B * #q-tiles * #kv-tiles); no Q x KV grid.
+
+    Args:
+        intervals: pairs ``(lo, hi)`` of int64 ``[B, Q]`` tensors.
+        kv_len (int): KV_LEN.
+        mask_mod (Callable): the elementwise mask attached to the BlockMask.
+        tile (int | tuple[int, int]): BlockMask tile (Q rows, KV columns).
+
+    Returns:
+        BlockMask: ``Q_LEN = Q``, ``KV_LEN = kv_len``, batch B, one head row.
+    """
+    q_tile, kv_tile = (tile, tile) if isinstance(tile, int) else tile
+    batch, q_len = intervals[0][0].shape
+    device = intervals[0][0].device
+    num_q_tiles, num_kv_tiles = -(-q_len // q_tile), -(-kv_len // kv_tile)
+    kv_start = torch.arange(num_kv_tiles, device=device) * kv_tile
+    kv_end = kv_start + kv_tile
+    pad = num_q_tiles * q_tile - q_len  # padded query rows see nothing
+
+    # Difference table over kv tiles: +1 at a row's first tile, -1 after its last; the running sum
+    # counts rows of the q tile that touch each kv tile.
+    touched = torch.zeros(batch, num_q_tiles, num_kv_tiles + 1, dtype=torch.int32, device=device)
+    full = torch.zeros(batch, num_q_tiles, num_kv_tiles, dtype=torch.bool, device=device)
+    for lo, hi in intervals:
+        lo = torch.nn.functional.pad(lo, (0, pad)).view(batch, num_q_tiles, q_tile)
+        hi = torch.nn.functional.pad(hi, (0, pad)).view(batch, num_q_tiles, q_tile)
+        nonempty = (lo < hi).to(torch.int32)
+        touched.scatter_add_(2, torch.where(lo < hi, lo // kv_tile, 0), nonempty)
+        touched.scatter_add_(2, torch.where(lo < hi, (hi - 1) // kv_tile + 1, 0), -nonempty)
+        # An empty row (lo >= hi) can never satisfy lo <= tile start < tile end <= hi.
+        full |= (lo.amax(-1, keepdim=True) <= kv_start) & (hi.amin(-1, keepdim=True) >= kv_end)
+    full &= kv_end <= kv_len
+    partial = (touched.cumsum(-1)[..., :num_kv_tiles] > 0) & ~full
     return BlockMask.from_kv_blocks(
         *_to_indices(partial),
         *_to_indices(full),
         BLOCK_SIZE=(q_tile, kv_tile),
-        mask_mod=dflash_mask_mod(anchors, valid, context_len, block_size),
+        mask_mod=mask_mod,
         seq_lengths=(q_len, kv_len),
     )
 
@@ -314,3 +523,17 @@ def _check_anchors(anchors: Tensor, valid: Tensor, batch: int) -> None:
         )
     if anchors.dim() != 2 or anchors.shape[0] != batch:
         raise ValueError(f"anchors must be [B={batch}, N], got {tuple(anchors.shape)}")
+
+
+def _check_documents(document_ids: Tensor | None, shape) -> None:
+    if document_ids is None:
+        return
+    if document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool or document_ids.is_complex():
+        raise ValueError(
+            f"document_ids must be an integer tensor [B, S], got {document_ids.dtype}; use Batch.document_ids"
+        )
+    if tuple(document_ids.shape) != tuple(shape):
+        raise ValueError(
+            f"document_ids has shape {tuple(document_ids.shape)}, expected [B, S] = {tuple(shape)} "
+            "(one id per context token)"
+        )

@@ -6,7 +6,8 @@ frozen ``lm_head``. It is conditioned on K hidden states tapped from the target 
 they are concatenated on the feature axis and fused once, ``hidden_norm(fc(x))``, into one context
 sequence that every layer attends to. Queries come only from draft-block tokens; keys/values are the
 same ``k_proj``/``v_proj`` over ``[context ; draft blocks]`` with ``k_norm`` on both; RoPE puts context
-token j at position j and slot k of a block anchored at a at ``a + k``; the attention is non-causal and
+token j at position ``p_j`` (j, or its position within its conversation in a packed row) and slot k of
+a block anchored at a at ``p_a + k``; the attention is non-causal and
 the DFlash mask (``dflash.masks``) decides visibility.
 
 Checkpoints use the z-lab layout that vLLM and SGLang load: a Qwen3 ``config.json`` (``model_type``
@@ -330,17 +331,19 @@ class DFlashDraftModel(PreTrainedModel):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def build_attention_mask(self, anchors: Tensor, valid: Tensor, context_len: int):
+    def build_attention_mask(
+        self, anchors: Tensor, valid: Tensor, context_len: int, document_ids: Tensor | None = None
+    ):
         """The DFlash mask in the form the configured backend takes.
 
         Returns a :class:`~torch.nn.attention.flex_attention.BlockMask` for "flex_attention" (see
         :func:`dflash.masks.build_block_mask`) or a dense bool ``[B, 1, Q, S + Q]`` tensor for "sdpa".
+        ``document_ids`` (int ``[B, S]``, packed rows) limits each block to its anchor's document.
         The trainer calls this outside its compiled step and passes the result to :meth:`forward`.
         """
         impl = self._attention_backend()
-        if impl == "flex_attention":
-            return masks.build_block_mask(anchors, valid, context_len, self.config.block_size)
-        return masks.dense_attention_mask(anchors, valid, context_len, self.config.block_size)
+        build = masks.build_block_mask if impl == "flex_attention" else masks.dense_attention_mask
+        return build(anchors, valid, context_len, self.config.block_size, document_ids)
 
     def forward(
         self,
@@ -349,6 +352,8 @@ class DFlashDraftModel(PreTrainedModel):
         anchors: Tensor,
         valid: Tensor | None = None,
         attention_mask=None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Drafter hidden states for N draft blocks of one training batch.
 
@@ -361,6 +366,11 @@ class DFlashDraftModel(PreTrainedModel):
             valid (Tensor, optional): bool ``[B, N]``; None means all valid.
             attention_mask (BlockMask | Tensor, optional): from :meth:`build_attention_mask`; built
                 here when None (keep it outside ``torch.compile`` by passing it in).
+            position_ids (Tensor, optional): int64 ``[B, S]``, RoPE positions of the context tokens
+                (packed rows restart at 0 in each document); slot k of the block anchored at a sits
+                at ``position_ids[a] + k``. None: context token j at position j.
+            document_ids (Tensor, optional): int ``[B, S]``, only read to build the mask when
+                ``attention_mask`` is None (:mod:`dflash.masks`).
 
         Returns:
             Tensor: ``[B, N*Bs, H]`` after the final norm; apply the target's ``lm_head``
@@ -379,10 +389,10 @@ class DFlashDraftModel(PreTrainedModel):
                 f"{tuple(anchors.shape)} with block_size {bs}"
             )
         if attention_mask is None:
-            attention_mask = self.build_attention_mask(anchors, valid, target_hidden.shape[1])
-        positions = masks.draft_position_ids(anchors, bs)
+            attention_mask = self.build_attention_mask(anchors, valid, target_hidden.shape[1], document_ids)
+        positions = masks.draft_position_ids(anchors, bs, position_ids)
         query_valid = valid.repeat_interleave(bs, dim=1)[:, :, None]
-        return self._run(draft_embeds, target_hidden, positions, attention_mask, query_valid)
+        return self._run(draft_embeds, target_hidden, positions, attention_mask, query_valid, position_ids)
 
     @torch.no_grad()
     def draft_block(self, target_hidden: Tensor, block_embeds: Tensor, lm_head: nn.Module) -> Tensor:
@@ -430,7 +440,11 @@ class DFlashDraftModel(PreTrainedModel):
         # attention_mask=None: every draft slot sees all context and its block (full attention).
         return self._run(block_embeds, target_hidden, positions, None, None)
 
-    def _run(self, draft_embeds, target_hidden, positions, attention_mask, query_valid) -> Tensor:
+    def _run(
+        self, draft_embeds, target_hidden, positions, attention_mask, query_valid, context_positions=None
+    ) -> Tensor:
+        """Layers over ``draft_embeds`` [B, Q, H] at RoPE ``positions`` [B, Q], attending to the fused
+        ``target_hidden`` [B, S, K*H] at ``context_positions`` [B, S] (None: 0..S-1)."""
         self._attention_backend()
         batch, context_len, width = target_hidden.shape
         expected = len(self.config.target_layer_ids) * self.config.hidden_size
@@ -440,7 +454,8 @@ class DFlashDraftModel(PreTrainedModel):
                 f"({len(self.config.target_layer_ids)} tapped layers x hidden {self.config.hidden_size})"
             )
         context = self.hidden_norm(self.fc(target_hidden))
-        context_positions = torch.arange(context_len, device=positions.device).expand(batch, context_len)
+        if context_positions is None:
+            context_positions = torch.arange(context_len, device=positions.device).expand(batch, context_len)
         kv_positions = torch.cat([context_positions, positions], dim=1)
         cos, sin = self.rotary_emb(draft_embeds, kv_positions)
         rope_kv = (cos, sin)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from dflash import masks
+
 logger = logging.getLogger(__name__)
 
 
@@ -124,7 +126,7 @@ class Target:
         """The target's LM head (frozen; shared with the drafter)."""
         return self.model.get_output_embeddings()
 
-    def decoder_forward(self, input_ids: torch.Tensor, *, past_key_values=None, position_ids=None):
+    def decoder_forward(self, input_ids: torch.Tensor, *, past_key_values=None, position_ids=None, attention_mask=None):
         """One forward of the decoder stack with all hidden states (no LM head: callers
         project only the positions they need). Returns the HF output."""
         decoder = self.model.get_decoder()
@@ -132,6 +134,7 @@ class Target:
             return decoder(
                 input_ids=input_ids,
                 position_ids=position_ids,
+                attention_mask=attention_mask,
                 use_cache=past_key_values is not None,
                 output_hidden_states=True,
                 **{self._cache_arg: past_key_values},
@@ -147,14 +150,79 @@ class Target:
         """Concatenate ``hidden_states[k + 1]`` for k in ``layer_ids``: ``[B, S, K*H]``."""
         return torch.cat([hidden_states[k + 1] for k in self.layer_ids], dim=-1)
 
-    def capture(self, input_ids: torch.Tensor) -> TargetStates:
-        """Target hidden states of a right-padded batch ``[B, S]`` int64.
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> TargetStates:
+        """Target hidden states of a right-padded batch.
 
-        No attention mask is passed: with right padding and causal attention the real tokens
-        never see the padding, and the unmasked call keeps SDPA on its causal fast path.
+        Without ``document_ids`` no attention mask is passed: with right padding and causal
+        attention the real tokens never see the padding, and the unmasked call keeps SDPA on its
+        causal fast path. With ``document_ids`` (packed rows, :mod:`dflash.packing`) each token
+        attends only to earlier tokens of its own document, so every conversation's states equal
+        those of the conversation run alone. The mask takes the form of the model's attention
+        backend (HF passes a 4-D mask through as is; transformers 5 would also infer documents
+        from resets in ``position_ids``, which this does not rely on):
+
+        - ``sdpa`` (HF's default): a dense bool ``[B, 1, S, S]`` document-causal mask
+          (:func:`dflash.masks.document_causal_mask`). Cost: ``B * S^2`` bytes (256 MiB at B=4,
+          S=8192), and SDPA leaves its causal flash kernel for the masked (memory-efficient) one,
+          which computes the whole S x S grid (twice the causal work) and needs K/V expanded to
+          all query heads (GQA). For a Qwen3-8B shape, per token and layer, the projections and
+          MLP cost ~0.39 GFLOP and full-grid attention ``4 * S * 4096`` FLOPs: 0.034 GFLOP at
+          S=2048 (~4% more than causal), 0.134 at S=8192 (~15% more, before the masked kernel's
+          lower throughput). Fine at 2k, worth the flex path at 8k.
+        - ``eager``: the same mask as an additive float mask.
+        - ``flex_attention``: a BlockMask (:func:`dflash.masks.document_causal_block_mask`) that
+          skips every tile across documents: attention costs ~``sum_d len_d^2 / 2`` per row, less
+          than plain causal; HF compiles flex_attention once per shape.
+
+        Args:
+            input_ids (torch.Tensor): int64 ``[B, S]``.
+            position_ids (torch.Tensor, optional): int64 ``[B, S]``, positions restarting at 0 in
+                each document (:class:`dflash.data.Batch`); None: ``0..S-1`` (or, with
+                ``document_ids``, the position within each document).
+            document_ids (torch.Tensor, optional): int ``[B, S]``, documents as maximal runs of
+                equal ids (-1 on padding); None: one conversation per row.
+
+        Returns:
+            TargetStates: ``context [B, S, K*H]`` and ``last_hidden [B, S, H]``.
+
+        Raises:
+            ValueError: ``document_ids`` with an attention backend other than the three above.
         """
-        out = self.decoder_forward(input_ids.to(self.device))
+        input_ids = input_ids.to(self.device)
+        attention_mask = None
+        if document_ids is not None:
+            document_ids = document_ids.to(self.device)
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=self.device) - masks.document_starts(
+                    document_ids
+                )
+            attention_mask = self._document_mask(document_ids)
+        if position_ids is not None:
+            position_ids = position_ids.to(self.device)
+        out = self.decoder_forward(input_ids, position_ids=position_ids, attention_mask=attention_mask)
         return TargetStates(context=self.select(out.hidden_states), last_hidden=out.hidden_states[-1])
+
+    def _document_mask(self, document_ids: torch.Tensor):
+        backend = self.config._attn_implementation
+        if backend == "flex_attention":
+            return masks.document_causal_block_mask(document_ids)
+        if backend not in ("sdpa", "eager"):
+            raise ValueError(
+                f"packed rows need a document mask, which the target's attention backend {backend!r} "
+                "does not take here; load the target with attn_implementation='sdpa', 'eager' or "
+                "'flex_attention', or train without packing (--no-pack)"
+            )
+        mask = masks.document_causal_mask(document_ids)
+        if backend == "eager":
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.dtype).min
+            )
+        return mask
 
 
 def load_target(

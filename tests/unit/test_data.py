@@ -140,15 +140,21 @@ def test_sampler_resumes_exactly_and_shards_disjointly():
     resumed.load_state_dict(first.state_dict())
     assert first.state_dict() == {"epoch": 1, "position": 2}
     assert head + list(islice(resumed, 5)) == reference
-    assert sorted(sum(reference[:5], [])) == list(range(10))  # one epoch = a permutation
+    assert all(len(row) == 1 for batch in reference for row in batch)  # one example per row
+    assert sorted(_indices(reference[:5])) == list(range(10))  # one epoch = a permutation
 
     shards = [ShardedSampler(11, batch_size=2, seed=3, rank=r, world_size=2) for r in range(2)]
-    epoch = [sum(islice(s, s.batches_per_epoch), []) for s in shards]
+    epoch = [_indices(islice(s, s.batches_per_epoch)) for s in shards]
     assert not set(epoch[0]) & set(epoch[1]) and len(epoch[0]) == len(epoch[1]) == 4
     with pytest.raises(ValueError, match="rank must be in"):
         ShardedSampler(10, batch_size=2, rank=2, world_size=2)
     with pytest.raises(ValueError, match="fewer than one global batch"):
         ShardedSampler(3, batch_size=2, world_size=2)
+
+
+def _indices(batches) -> list[int]:
+    """Example indices of sampler batches (lists of rows), in order."""
+    return [i for batch in batches for row in batch for i in row]
 
 
 def test_prompt_is_the_conversation_before_the_first_assistant_turn():

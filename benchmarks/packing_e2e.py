@@ -1,0 +1,343 @@
+"""End-to-end throughput of ``dflash train`` with and without sequence packing, side by side.
+
+    python benchmarks/packing_e2e.py --shape qwen3-8b                      # one GPU, colocated
+    python benchmarks/packing_e2e.py --shape qwen3-8b --layout split       # target cuda:0, drafter cuda:1
+    python benchmarks/packing_e2e.py --shape qwen3-32b --seq-len 4096      # the 27B-class shape
+    python benchmarks/packing_e2e.py --tiny                                # CPU smoke test, about a minute
+
+One run trains the same drafter on the same conversations twice through the real CLI, ``python -m
+dflash train ... --pack`` and ``... --no-pack``, each in a fresh interpreter, and prints one table:
+end-to-end tok/s, drafter-step tok/s, drafter TFLOP/s and MFU, row fill, the target's share of the
+step time and peak memory per device, then the packed/unpacked ratios. The numbers are the
+trainer's own: the last line of its log that starts with ``steady state over``, whose format is
+:data:`SUMMARY_FORMAT` (fields the trainer does not print show as ``n/a``).
+
+The target is a random-weight model of a named public shape (:data:`SHAPES`), written as a HF
+directory: its ``config.json``, the embedded default target's tokenizer and chat template, and a
+weight file holding only the final norm; ``from_pretrained`` initialises every missing weight
+randomly (``initializer_range``), so a 16 GB (8B) or 65 GB (32B) random checkpoint never touches the
+disk; the price is the CPU time of that initialisation in each run (``normal_`` over every weight,
+tens of seconds for 8B, minutes for 32B; run one mode per command with ``--modes`` when a command's
+time is short). The drafter is the published DFlash geometry: 5 layers sized like the target, 5 tapped layers,
+block size 16.
+
+Data (``--data``): ``synthetic`` writes chats whose lengths vary like real chat corpora (token
+counts log-normal, median ``--median-tokens``, sigma ``--sigma``, 1 to 6 exchanges, replies three
+times the length of prompts, words drawn from the embedded chat corpus so the tokenizer sees
+ordinary text); ``embedded`` is the embedded chat corpus (short chats, median ~240 tokens); any
+other value is a JSONL chat file. Conversations longer than ``--seq-len`` are truncated, as in
+training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: Random-weight target shapes, from the public configs (Qwen3-8B, Qwen3-32B: the issue's 27B-class
+#: shape, 64 layers x 5120) plus a tiny one for the CPU smoke test.
+SHAPES = {
+    "qwen3-8b": dict(
+        num_hidden_layers=36,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        rope_theta=1e6,
+    ),
+    "qwen3-32b": dict(
+        num_hidden_layers=64,
+        hidden_size=5120,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=25600,
+        vocab_size=151936,
+        rope_theta=1e6,
+    ),
+    "tiny": dict(
+        num_hidden_layers=8,  # 5 distinct tapped layers need >= 8
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=4096,  # the embedded tokenizer's
+        rope_theta=1e6,
+    ),
+}
+
+#: The trainer's final summary line (agreed with the trainer; fields after the TFLOP/s are parsed
+#: one by one, so a line without MFU, row fill, target share or peak memory still parses):
+SUMMARY_FORMAT = (
+    "steady state over {steps} steps: {e2e:.0f} tok/s end to end, drafter step {drafter:.0f} tok/s, "
+    "{tflops:.3g} TFLOP/s, drafter MFU {mfu:.1f}% of {peak:.3g} TFLOP/s, row fill {fill:.1f}%, "
+    "target share {target:.1f}%, peak memory {device} {gib:.1f} GiB[, {device} {gib:.1f} GiB ...]"
+)
+_NUMBER = r"([0-9][0-9.]*(?:e[+-]?\d+)?)"
+_FIELDS = {
+    "steps": r"steady state over (\d+) steps",
+    "e2e_tok_s": rf"{_NUMBER} tok/s end to end",
+    "drafter_tok_s": rf"drafter step {_NUMBER} tok/s",
+    "tflops": rf"drafter step [0-9.e+-]+ tok/s, {_NUMBER} TFLOP/s",
+    "mfu_pct": rf"drafter MFU {_NUMBER}%",
+    "row_fill_pct": rf"row fill {_NUMBER}%",
+    "target_share_pct": rf"target share {_NUMBER}%",
+}
+_MEMORY = re.compile(rf"(\S+) {_NUMBER} GiB")
+
+
+def parse_summary(log: str) -> dict:
+    """The fields of the last ``steady state over`` line of a trainer log.
+
+    Returns:
+        dict: floats by name (missing fields absent) and ``peak_memory``, a ``{device: GiB}`` dict.
+
+    Raises:
+        ValueError: the log has no summary line (the message quotes its tail).
+    """
+    lines = [line for line in log.splitlines() if "steady state over" in line]
+    if not lines:
+        raise ValueError("no 'steady state over' line in the trainer's log; its tail:\n" + log[-3000:])
+    line = lines[-1]
+    fields = {name: float(m.group(1)) for name, pattern in _FIELDS.items() if (m := re.search(pattern, line))}
+    memory = line.split("peak memory", 1)[1] if "peak memory" in line else ""
+    fields["peak_memory"] = {device.rstrip(":"): float(gib) for device, gib in _MEMORY.findall(memory)}
+    return fields
+
+
+def write_target(directory: Path, shape: str) -> Path:
+    """A HF directory of a random-weight Qwen3 of ``shape`` (module docstring)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    from dflash.assets import default_target_dir
+
+    fields = dict(SHAPES[shape])
+    theta = fields.pop("rope_theta")
+    config = Qwen3Config(
+        **fields,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
+        dtype="bfloat16",
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    source = default_target_dir()
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    for name in tokenizer_files:
+        shutil.copy(source / name, directory / name)
+    config.pad_token_id, config.eos_token_id = 0, 2  # the embedded tokenizer's
+    config.save_pretrained(directory)
+    norm = torch.ones(config.hidden_size, dtype=torch.bfloat16)
+    save_file({"model.norm.weight": norm}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def write_synthetic_chats(path: Path, *, count: int, median_tokens: int, sigma: float, seed: int) -> Path:
+    """``count`` chats with log-normal token counts (module docstring), as OpenAI JSONL."""
+    from dflash.assets import default_data_dir
+
+    words = [w for line in (default_data_dir() / "train.jsonl").read_text().splitlines() for w in line.split()]
+    words = [w for w in words if w.isalpha()]
+    rng = random.Random(seed)
+    tokens_per_word = 1.3  # the embedded BPE on this corpus; only the length distribution matters
+    text = lambda tokens: " ".join(rng.choices(words, k=max(1, round(tokens / tokens_per_word))))
+    with open(path, "w") as f:
+        for _ in range(count):
+            total = rng.lognormvariate(math.log(median_tokens), sigma)
+            exchanges = rng.randint(1, 6)
+            messages = []
+            for _ in range(exchanges):
+                messages.append({"role": "user", "content": text(0.25 * total / exchanges)})
+                messages.append({"role": "assistant", "content": text(0.75 * total / exchanges)})
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def token_lengths(target: Path, data: Path, seq_len: int) -> list[int]:
+    """Tokens per conversation after the chat template and truncation, as the trainer sees them."""
+    from transformers import AutoTokenizer
+
+    from dflash.data import build_examples, read_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return [len(e.input_ids) for e in build_examples(tokenizer, read_conversations(data), seq_len=seq_len)]
+
+
+def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> list[str]:
+    flags = {
+        "target": target,
+        "data": data,
+        "out": out,
+        "responses": "data",
+        "seq-len": args.seq_len,
+        "batch-size": args.batch_size,
+        "max-anchors": args.max_anchors,
+        "block-size": args.block_size,
+        "num-draft-layers": args.draft_layers,
+        "num-target-layers": 5,
+        "steps": args.steps,
+        "warmup-steps": 0,
+        "log-every": max(1, args.steps // 5),
+        "save-every": 0,
+        "seed": args.seed,
+    }
+    if args.layout == "split":
+        flags |= {"target-devices": "cuda:0", "drafter-devices": "cuda:1"}
+    else:
+        flags["device"] = args.device
+    if args.compile:
+        flags["compile"] = args.compile
+    if args.cpu_threads:
+        flags["cpu-threads"] = args.cpu_threads
+    argv = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
+    return argv + ["--no-progress", "--pack" if pack else "--no-pack"]
+
+
+def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool) -> dict:
+    """One ``dflash train`` in a fresh interpreter; its parsed summary plus wall time."""
+    out = workdir / ("packed" if pack else "unpacked")
+    command = [sys.executable, "-m", "dflash", "train", *train_flags(args, target, data, out, pack=pack)]
+    print("$", " ".join(command), flush=True)
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    shutil.rmtree(out, ignore_errors=True)  # checkpoints of a 1B drafter: gigabytes each
+    log = done.stdout + done.stderr
+    if done.returncode:
+        raise SystemExit(
+            f"dflash train ({'packed' if pack else 'unpacked'}) failed, rc {done.returncode}:\n{log[-4000:]}"
+        )
+    return {**parse_summary(log), "wall_s": wall}
+
+
+def _cell(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def print_table(results: dict[str, dict]) -> None:
+    columns = [
+        ("e2e tok/s", "e2e_tok_s", ",.0f"),
+        ("drafter tok/s", "drafter_tok_s", ",.0f"),
+        ("TFLOP/s", "tflops", ".3g"),
+        ("MFU %", "mfu_pct", ".1f"),
+        ("row fill %", "row_fill_pct", ".1f"),
+        ("target share %", "target_share_pct", ".1f"),
+        ("steps", "steps", ".0f"),
+        ("wall s", "wall_s", ".0f"),
+    ]
+    header = f"{'mode':<9}" + "".join(f"{title:>16}" for title, _, _ in columns) + "  peak memory (GiB)"
+    print(header)
+    for mode, fields in results.items():
+        memory = ", ".join(f"{device} {gib:.1f}" for device, gib in fields["peak_memory"].items()) or "n/a"
+        cells = "".join(f"{_cell(fields.get(key), fmt):>16}" for _, key, fmt in columns)
+        print(f"{mode:<9}{cells}  {memory}")
+    packed, unpacked = results.get("packed", {}), results.get("unpacked", {})
+    ratios = [
+        f"{title} {packed[key] / unpacked[key]:.2f}x"
+        for title, key in (("end to end", "e2e_tok_s"), ("drafter step", "drafter_tok_s"), ("MFU", "mfu_pct"))
+        if packed.get(key) and unpacked.get(key)
+    ]
+    print("packed / unpacked: " + (", ".join(ratios) or "n/a"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, short rows, few steps")
+    parser.add_argument("--layout", choices=("colocated", "split"), default="colocated")
+    parser.add_argument("--device", default="cuda", help="device of the colocated layout")
+    parser.add_argument("--data", default="synthetic", help="synthetic, embedded or a JSONL chat file")
+    parser.add_argument("--conversations", type=int, default=2000, help="synthetic conversations")
+    parser.add_argument("--median-tokens", type=int, default=800, help="median tokens of a synthetic chat")
+    parser.add_argument("--sigma", type=float, default=0.9, help="log-normal sigma of synthetic chat lengths")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-anchors", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--draft-layers", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40, help="steps per run; the first is warm-up")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default=None)
+    parser.add_argument("--cpu-threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per training run")
+    parser.add_argument(
+        "--modes", default="packed,unpacked", help="runs to make, in order (one alone if time is short)"
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.shape, args.device, args.compile, args.cpu_threads = "tiny", "cpu", "off", args.cpu_threads or 1
+        args.seq_len, args.batch_size, args.max_anchors, args.block_size = 256, 2, 16, 8
+        args.draft_layers, args.steps, args.conversations, args.median_tokens = 1, 6, 300, 60
+    modes = args.modes.split(",")
+    if set(modes) - {"packed", "unpacked"}:
+        parser.error(f"--modes: a comma list of packed and unpacked, got {args.modes!r}")
+    if args.layout == "split" and args.device != "cuda":
+        parser.error("--layout split puts the target on cuda:0 and the drafter on cuda:1")
+
+    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="packing_e2e_") as tmp:
+        workdir = Path(tmp)
+        target = write_target(workdir / "target", args.shape)
+        data = chat_data(args, workdir)
+        describe(args, target, data)
+        results = {mode: run_train(args, target, data, workdir, pack=mode == "packed") for mode in modes}
+        print_table(results)
+    return 0
+
+
+def chat_data(args, workdir: Path) -> Path:
+    """The JSONL file ``--data`` names (module docstring)."""
+    if args.data == "synthetic":
+        return write_synthetic_chats(
+            workdir / "chats.jsonl",
+            count=args.conversations,
+            median_tokens=args.median_tokens,
+            sigma=args.sigma,
+            seed=args.seed,
+        )
+    if args.data == "embedded":
+        from dflash.assets import default_data_dir
+
+        return default_data_dir() / "train.jsonl"
+    return Path(args.data)
+
+
+def describe(args, target: Path, data: Path) -> None:
+    """Print the setup and the data's length distribution, as the trainer will tokenize it."""
+    import torch
+
+    lengths = sorted(token_lengths(target, data, args.seq_len))
+    shape = SHAPES[args.shape]
+    print(
+        f"packing_e2e: target {args.shape} ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"random weights), drafter {args.draft_layers} layers, block {args.block_size}, seq {args.seq_len} x "
+        f"batch {args.batch_size}, {args.max_anchors} anchors, layout {args.layout}, {args.steps} steps; "
+        f"torch {torch.__version__}, DFLASH_PATCHES={os.environ.get('DFLASH_PATCHES', '1')}"
+    )
+    print(
+        f"data {args.data}: {len(lengths)} conversations, tokens median {statistics.median(lengths):.0f}, "
+        f"p90 {lengths[int(0.9 * (len(lengths) - 1))]}, max {lengths[-1]} (truncated at {args.seq_len}); "
+        f"one per row would fill {100 * statistics.mean(lengths) / args.seq_len:.1f}% of a row",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
