@@ -42,6 +42,7 @@ from dflash.engine.local import LocalEngine
 from dflash.engine.replica import build_replicas
 from dflash.engine.step import LossSettings, detect_peak_tflops
 from dflash.engine.threaded import ThreadedEngine, bottleneck
+from dflash.packing import row_packer
 from dflash.target import load_target, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -245,6 +246,7 @@ class Trainer:
             seed=cfg.seed,
             rank=self.process.rank,
             world_size=self.process.world_size,
+            packer=row_packer(examples, seq_len=cfg.seq_len) if cfg.pack else None,
         )
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return BatchLoader(examples, sampler, seq_len=cfg.seq_len, pad_token_id=pad)

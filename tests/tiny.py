@@ -133,3 +133,42 @@ def record_losses(trainer, *, crash_after: int | None = None):
 
     trainer.engine.run = recording
     return trainer
+
+
+def example(length: int, seed: int, supervised: float = 0.7):
+    """A tokenized conversation (:class:`dflash.data.Example`) of ``length`` random tokens, about
+    ``supervised`` of them in the loss mask."""
+    import random
+
+    from dflash.data import Example
+
+    rng = random.Random(seed)
+    return Example(
+        [rng.randrange(3, 200) for _ in range(length)], [int(rng.random() < supervised) for _ in range(length)]
+    )
+
+
+def packed_batch(row_lengths: list[list[int]], seq_len: int, seed: int = 0):
+    """A collated batch whose row r holds documents of ``row_lengths[r]`` tokens."""
+    from dflash.data import collate
+
+    rows = [
+        [example(n, seed * 1000 + 10 * r + d) for d, n in enumerate(lengths)] for r, lengths in enumerate(row_lengths)
+    ]
+    return collate(rows, seq_len=seq_len, pad_token_id=0)
+
+
+def capture_packed_and_alone(target, sizes: list[int], seq_len: int):
+    """Target states of two packed rows (documents of ``sizes`` and reversed), checked to equal each
+    conversation run alone (fp32 tolerance); returns (batch, packed states)."""
+    batch = packed_batch([sizes, sizes[::-1]], seq_len, seed=4)
+    packed = target.capture(batch.input_ids, batch.position_ids, batch.document_ids)
+    for row, order in enumerate([sizes, sizes[::-1]]):
+        start = 0
+        for size in order:
+            alone = target.capture(batch.input_ids[row : row + 1, start : start + size])
+            for field in ("context", "last_hidden"):
+                got = getattr(packed, field)[row : row + 1, start : start + size]
+                torch.testing.assert_close(got, getattr(alone, field), rtol=1e-5, atol=1e-5)
+            start += size
+    return batch, packed

@@ -114,7 +114,9 @@ class JobSource:
             length = self.seq_lens[(step + drafter) % len(self.seq_lens)]
             if length < batch.input_ids.shape[1]:
                 batch = batch.truncated(length)
-            anchors, valid = sample_anchors(batch.loss_mask, self.max_anchors, generator=self.generator)
+            anchors, valid = sample_anchors(
+                batch.loss_mask, self.max_anchors, document_ids=batch.document_ids, generator=self.generator
+            )
             state = self.resume_state()
         if self.pin:
             batch = batch.pinned()

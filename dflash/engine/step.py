@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dflash.data import Batch
 from dflash.loss import dflash_loss, position_weights
-from dflash.masks import build_labels, draft_input_ids
+from dflash.masks import build_labels, draft_input_ids, visible_pairs
 from dflash.target import Target, TargetStates
 
 # Dense bf16 tensor-core peaks (TFLOP/s) for the MFU estimate, matched against the device name.
@@ -108,12 +108,16 @@ class TargetBatch:
     Args:
         input_ids (Tensor): int64 ``[B, S]``.
         loss_mask (Tensor): bool ``[B, S]``.
+        position_ids (Tensor): int64 ``[B, S]``, positions within each document (packed rows).
+        document_ids (Tensor): int64 ``[B, S]``, document of each token, -1 on padding.
         states (TargetStates): context ``[B, S, K*H]`` and last hidden ``[B, S, H]`` (no grad).
         num_tokens (int): real (non-padding) tokens, counted on the host.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
     states: TargetStates
     num_tokens: int
 
@@ -122,14 +126,24 @@ class TargetBatch:
         move = lambda t: t.to(device, non_blocking=True)
         last = move(self.states.last_hidden) if keep_last_hidden else None
         states = TargetStates(move(self.states.context), last)
-        return TargetBatch(move(self.input_ids), move(self.loss_mask), states, self.num_tokens)
+        ids, mask, positions, documents = map(
+            move, (self.input_ids, self.loss_mask, self.position_ids, self.document_ids)
+        )
+        return TargetBatch(ids, mask, positions, documents, states, self.num_tokens)
 
 
 def produce_target_states(target: Target, batch: Batch) -> TargetBatch:
-    """Run the frozen target on a host batch and keep what the drafter needs (stage 1)."""
-    num_tokens = batch.num_tokens  # before the copy: counting a device tensor would sync
+    """Run the frozen target on a host batch and keep what the drafter needs (stage 1).
+
+    Rows holding several documents (packing) get a document-causal target forward, so each
+    conversation's states are those of the conversation run alone; one-document rows keep the
+    plain causal forward (SDPA's fast path).
+    """
+    # Read on the host before the copy: the same on a device tensor would sync.
+    num_tokens, packed = batch.num_tokens, bool(batch.document_ids.max() > 0)
     batch = batch.to(target.device)
-    return TargetBatch(batch.input_ids, batch.loss_mask, target.capture(batch.input_ids), num_tokens)
+    states = target.capture(batch.input_ids, batch.position_ids, batch.document_ids if packed else None)
+    return TargetBatch(batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, states, num_tokens)
 
 
 def drafter_forward_loss(
@@ -139,6 +153,8 @@ def drafter_forward_loss(
     position_weight,
     input_ids,
     loss_mask,
+    position_ids,
+    document_ids,
     context,
     last_hidden,
     anchors,
@@ -158,8 +174,8 @@ def drafter_forward_loss(
     block_size = drafter.config.block_size
     ids = draft_input_ids(input_ids, anchors, valid, block_size, mask_token_id)
     embeds = F.embedding(ids, embed_weight)  # the target's frozen embedding, [B, N*Bs, H]
-    hidden = drafter(embeds, context, anchors, valid, attention_mask)
-    labels, label_mask = build_labels(input_ids, loss_mask, anchors, valid, block_size)
+    hidden = drafter(embeds, context, anchors, valid, attention_mask, position_ids=position_ids)
+    labels, label_mask = build_labels(input_ids, loss_mask, anchors, valid, block_size, document_ids)
     return dflash_loss(
         hidden,
         lm_head_weight,
@@ -200,7 +216,7 @@ def drafter_step(
     Returns:
         Tensor: float32 ``[StatsLayout(Bs).size]`` on the drafter's device (``stop`` = 0); no host sync.
     """
-    attention_mask = drafter.build_attention_mask(anchors, valid, batch.input_ids.shape[1])
+    attention_mask = drafter.build_attention_mask(anchors, valid, batch.input_ids.shape[1], batch.document_ids)
     device_type = batch.input_ids.device.type
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
         out = step_fn(
@@ -210,6 +226,8 @@ def drafter_step(
             position_weight,
             batch.input_ids,
             batch.loss_mask,
+            batch.position_ids,
+            batch.document_ids,
             batch.states.context,
             batch.states.last_hidden,
             anchors,
@@ -218,8 +236,7 @@ def drafter_step(
             **settings.loss_kwargs(),
         )
     out.loss_sum.backward()
-    block_size = drafter.config.block_size
-    pairs = (block_size * (anchors + block_size) * valid).sum()  # block at a sees a context keys + Bs
+    pairs = visible_pairs(anchors, valid, drafter.config.block_size, batch.document_ids)
     scalars = [out.loss_sum.detach(), out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs)]
     return torch.cat([torch.stack([s.float() for s in scalars]), out.correct.float(), out.total.float()])
 
@@ -236,7 +253,8 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
     """Model FLOPs of drafter training (forward + backward), the MFU numerator.
 
     Count only useful work: ``draft_tokens`` = valid blocks * Bs (padding blocks excluded),
-    ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the mask allows.
+    ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the mask allows
+    (:func:`dflash.masks.visible_pairs`).
     6 * params * tokens for the drafter layers on the draft tokens and for the context
     ``k_proj``/``v_proj`` on the context tokens; 4 * params * tokens for ``fc`` (its input, the
     target states, needs no grad); 4 * V * H per draft token for the frozen

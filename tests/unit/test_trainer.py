@@ -363,3 +363,27 @@ def test_ctrl_c_after_a_checkpoint_says_how_to_resume_once_per_job(tmp_path, cap
     monkeypatch.setenv("RANK", "0")
     _resume_hint(str(out), "interrupted")
     assert f"continue with `dflash train --resume --out '{out}'`" in caplog.text
+
+
+def test_packing_is_the_default_and_fills_rows(assets, tmp_path, monkeypatch):
+    import dflash.engine.local as local_module
+
+    documents = []
+    real = local_module.produce_target_states
+
+    def spy(target, batch):
+        documents.append(int(batch.document_ids.max()) + 1)  # documents in the fullest row
+        return real(target, batch)
+
+    monkeypatch.setattr(local_module, "produce_target_states", spy)
+    packed = Trainer(_config(assets, tmp_path / "packed", seq_len=96))
+    unpacked = Trainer(_config(assets, tmp_path / "unpacked", seq_len=96, pack=False))
+    assert packed.config.pack and not unpacked.config.pack
+    fills = {}
+    for name, trainer in (("packed", packed), ("unpacked", unpacked)):
+        documents.clear()
+        stats = [trainer.engine.run(step, lr=1e-2) for step in (1, 2)]
+        fills[name] = sum(s.tokens for s in stats) / sum(s.row_tokens for s in stats)
+        assert all(map(math.isfinite, (s.loss for s in stats)))
+        assert (max(documents) > 1) == (name == "packed")
+    assert fills["packed"] > 1.5 * fills["unpacked"], fills

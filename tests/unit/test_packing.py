@@ -1,8 +1,8 @@
 """Sequence packing (dflash/packing.py) and what it needs from data, masks, the drafter and the target:
 rows of several conversations (documents), kept apart exactly as if each ran alone.
 
-Fast (CPU, tiny models) except: the test that compiles HF's flex_attention on CPU (marked slow, ~3 min)
-and the CPU smoke run of benchmarks/packing_e2e.py (two `dflash train` subprocesses, ~40 s).
+Fast (CPU, tiny models); the flex_attention target path and the benchmark smoke run are in
+tests/integration/test_packing_e2e.py.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
-import subprocess
-import sys
 from itertools import islice
 from pathlib import Path
 
@@ -19,14 +17,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import make_target
+from tiny import capture_packed_and_alone, example, make_target, packed_batch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from dflash import masks
 from dflash.commands import train as train_command
 from dflash.compile_watch import CountingBackend
 from dflash.config import TrainConfig
-from dflash.data import Batch, BatchLoader, Example, ShardedSampler, build_examples, collate, read_conversations
+from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, collate, read_conversations
 from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.packing import pack_rows, row_fill, row_packer
 from dflash.target import load_target
@@ -34,21 +32,6 @@ from dflash.target import load_target
 # ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
-
-
-def _example(length: int, seed: int, supervised: float = 0.7) -> Example:
-    rng = random.Random(seed)
-    return Example(
-        [rng.randrange(3, 200) for _ in range(length)], [int(rng.random() < supervised) for _ in range(length)]
-    )
-
-
-def _packed(row_lengths: list[list[int]], seq_len: int, seed: int = 0) -> Batch:
-    """A collated batch whose row r holds documents of ``row_lengths[r]`` tokens."""
-    rows = [
-        [_example(n, seed * 1000 + 10 * r + d) for d, n in enumerate(lengths)] for r, lengths in enumerate(row_lengths)
-    ]
-    return collate(rows, seq_len=seq_len, pad_token_id=0)
 
 
 @st.composite
@@ -63,7 +46,7 @@ def packed_batches(draw, max_batch: int = 3, max_len: int = 40):
             lengths.append(draw(st.integers(1, room)))
             room -= lengths[-1]
         rows.append(lengths)
-    packed = _packed(rows, seq_len, seed=draw(st.integers(0, 2**16)))
+    packed = packed_batch(rows, seq_len, seed=draw(st.integers(0, 2**16)))
     bits = draw(st.lists(st.booleans(), min_size=batch * seq_len, max_size=batch * seq_len))
     loss_mask = torch.tensor(bits).view(batch, seq_len) & (packed.document_ids >= 0)
     return loss_mask, packed.document_ids
@@ -110,7 +93,7 @@ def test_pack_rows_rejects_an_example_longer_than_the_row():
     with pytest.raises(ValueError, match=r"example 1 has 9 tokens, more than seq_len=8; apply --overflow"):
         pack_rows([3, 9], [0, 1], seq_len=8)
     with pytest.raises(ValueError, match=r"1 examples are longer than seq_len=8 \(e.g. example 1, 9 tokens\)"):
-        row_packer([_example(3, 0), _example(9, 1)], seq_len=8)
+        row_packer([example(3, 0), example(9, 1)], seq_len=8)
 
 
 def test_embedded_chat_corpus_fills_rows_at_seq_2048():
@@ -141,7 +124,7 @@ def _lengths(n: int, seed: int = 0) -> list[int]:
 
 
 def test_packed_sampler_resumes_exactly_and_covers_each_example_once_per_epoch():
-    examples = [_example(n, i) for i, n in enumerate(_lengths(100))]
+    examples = [example(n, i) for i, n in enumerate(_lengths(100))]
     make = lambda **kw: ShardedSampler(100, batch_size=3, seed=5, packer=row_packer(examples, seq_len=64), **kw)
     full = make()
     per_epoch = full.batches_per_epoch
@@ -169,7 +152,7 @@ def test_packed_sampler_resumes_exactly_and_covers_each_example_once_per_epoch()
 
 
 def test_packed_loader_resumes_with_identical_batches():
-    examples = [_example(n, i) for i, n in enumerate(_lengths(60, seed=1))]
+    examples = [example(n, i) for i, n in enumerate(_lengths(60, seed=1))]
     make = lambda: BatchLoader(
         examples,
         ShardedSampler(60, batch_size=2, seed=1, packer=row_packer(examples, seq_len=48)),
@@ -187,7 +170,7 @@ def test_packed_loader_resumes_with_identical_batches():
 
 
 def test_too_few_rows_for_one_global_batch_is_named():
-    examples = [_example(4, i) for i in range(6)]
+    examples = [example(4, i) for i in range(6)]
     with pytest.raises(ValueError, match=r"6 examples pack into 1 rows, which are fewer than one global batch"):
         ShardedSampler(6, batch_size=2, packer=row_packer(examples, seq_len=64))
 
@@ -198,7 +181,7 @@ def test_too_few_rows_for_one_global_batch_is_named():
 
 
 def test_collate_lays_documents_back_to_back_with_restarting_positions():
-    a, b, c = _example(3, 1), _example(4, 2), _example(5, 3)
+    a, b, c = example(3, 1), example(4, 2), example(5, 3)
     batch = collate([[a, b], [c]], seq_len=10, pad_token_id=0)
     assert batch.input_ids[0].tolist() == a.input_ids + b.input_ids + [0] * 3
     assert batch.loss_mask[0].tolist() == [bool(m) for m in a.loss_mask + b.loss_mask] + [False] * 3
@@ -214,7 +197,7 @@ def test_collate_lays_documents_back_to_back_with_restarting_positions():
 
 def test_unpacked_rows_match_the_batch_defaults():
     """One example per row (--no-pack) gives what a Batch built from ids, mask and lengths derives."""
-    examples = [_example(n, n) for n in (4, 9, 1)]
+    examples = [example(n, n) for n in (4, 9, 1)]
     collated = collate([[e] for e in examples], seq_len=9, pad_token_id=0)
     plain = Batch(collated.input_ids, collated.loss_mask, collated.lengths)
     assert torch.equal(plain.position_ids, collated.position_ids)
@@ -258,7 +241,7 @@ def test_anchors_stay_in_their_document_and_share_the_budget_fairly(data, max_an
 def test_fair_share_keeps_short_documents_whole_and_splits_the_rest():
     # Documents with 3, 40 and 40 candidates and a budget of 33: the short one keeps its 3, the
     # others split 30 evenly; with 34 one of the long ones gets the leftover, at random.
-    batch = _packed([[4, 41, 41]], seq_len=90)
+    batch = packed_batch([[4, 41, 41]], seq_len=90)
     loss_mask = batch.document_ids >= 0
     counts = []
     for budget, seed in [(33, 0)] + [(34, s) for s in range(40)]:
@@ -272,7 +255,7 @@ def test_fair_share_keeps_short_documents_whole_and_splits_the_rest():
 
 
 def test_anchors_are_uniform_within_a_document():
-    batch = _packed([[30, 30]], seq_len=60)
+    batch = packed_batch([[30, 30]], seq_len=60)
     loss_mask = batch.document_ids >= 0
     seen = torch.zeros(60, dtype=torch.long)
     for seed in range(300):
@@ -287,7 +270,7 @@ def test_anchors_are_uniform_within_a_document():
 
 
 def test_one_document_rows_draw_the_same_anchors_as_without_documents():
-    batch = _packed([[20], [7], [25]], seq_len=25, seed=3)
+    batch = packed_batch([[20], [7], [25]], seq_len=25, seed=3)
     loss_mask = batch.loss_mask
     plain = masks.sample_anchors(loss_mask, 6, generator=torch.Generator().manual_seed(9))
     with_docs = masks.sample_anchors(
@@ -310,7 +293,7 @@ def test_document_ids_are_checked():
 
 
 def test_labels_stop_at_the_end_of_the_anchor_document():
-    batch = _packed([[6, 6]], seq_len=12)
+    batch = packed_batch([[6, 6]], seq_len=12)
     loss_mask = torch.ones(1, 12, dtype=torch.bool)
     anchors, valid = torch.tensor([[3, 6]]), torch.tensor([[True, True]])
     labels, label_mask = masks.build_labels(
@@ -322,7 +305,7 @@ def test_labels_stop_at_the_end_of_the_anchor_document():
 
 
 def test_draft_positions_continue_the_anchor_position_in_its_document():
-    batch = _packed([[5, 7]], seq_len=14)
+    batch = packed_batch([[5, 7]], seq_len=14)
     anchors = torch.tensor([[2, 8]])
     assert masks.draft_position_ids(anchors, 3, batch.position_ids).tolist() == [[2, 3, 4, 3, 4, 5]]
     assert masks.draft_position_ids(anchors, 3).tolist() == [[2, 3, 4, 8, 9, 10]]
@@ -370,7 +353,7 @@ def _assert_same_block_mask(ours: BlockMask, ref: BlockMask) -> None:
             assert torch.equal(getattr(ours, attr)[tuple(idx)][:n], getattr(ref, attr)[tuple(idx)][:n]), attr
 
 
-def _random_packed(gen: torch.Generator, batch: int, seq_len: int) -> Batch:
+def _randompacked_batch(gen: torch.Generator, batch: int, seq_len: int) -> Batch:
     rows = []
     for _ in range(batch):
         lengths, room = [], seq_len - int(torch.randint(0, 6, (1,), generator=gen))
@@ -378,7 +361,7 @@ def _random_packed(gen: torch.Generator, batch: int, seq_len: int) -> Batch:
             lengths.append(int(torch.randint(1, room + 1, (1,), generator=gen)))
             room -= lengths[-1]
         rows.append(lengths)
-    return _packed(rows, seq_len, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    return packed_batch(rows, seq_len, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
 
 
 @pytest.mark.parametrize("tile", [4, 8, (8, 4), (4, 16), 128])
@@ -387,7 +370,7 @@ def test_block_mask_with_documents_equals_create_block_mask_tile_for_tile(tile, 
     gen = torch.Generator().manual_seed(block_size)
     for _ in range(4):
         context_len = int(torch.randint(3, 80, (1,), generator=gen))
-        batch = _random_packed(gen, 2, context_len)
+        batch = _randompacked_batch(gen, 2, context_len)
         loss_mask = (torch.rand(2, context_len, generator=gen) < 0.8) & (batch.document_ids >= 0)
         num = int(torch.randint(1, 9, (1,), generator=gen))
         anchors, valid = masks.sample_anchors(loss_mask, num, document_ids=batch.document_ids, generator=gen)
@@ -403,7 +386,7 @@ def test_document_causal_block_mask_equals_create_block_mask(tile):
     gen = torch.Generator().manual_seed(7)
     for _ in range(4):
         seq_len = int(torch.randint(2, 90, (1,), generator=gen))
-        batch = _random_packed(gen, 3, seq_len)
+        batch = _randompacked_batch(gen, 3, seq_len)
         ours = masks.document_causal_block_mask(batch.document_ids, tile=tile)
         ids, last = batch.document_ids, seq_len - 1  # the rule by document id, independent of masks.py
 
@@ -445,7 +428,7 @@ def test_drafter_on_a_packed_row_equals_each_conversation_alone():
     width, bs = 3 * 32, 4
     gen = torch.Generator().manual_seed(0)
     sizes, seq_len = [9, 12], 24  # two documents, then 3 padding tokens
-    batch = _packed([sizes], seq_len)
+    batch = packed_batch([sizes], seq_len)
     target_hidden = torch.randn(1, seq_len, width, generator=gen)
     embeds = torch.randn(1, 4 * bs, 32, generator=gen)
     anchors, valid = torch.tensor([[2, 6, 10, 16]]), torch.ones(1, 4, dtype=torch.bool)
@@ -467,36 +450,14 @@ def target_dir(request, tmp_path_factory):
     return make_target(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=3)
 
 
-def _capture_packed_and_alone(target, sizes: list[int], seq_len: int):
-    batch = _packed([sizes, sizes[::-1]], seq_len, seed=4)
-    packed = target.capture(batch.input_ids, batch.position_ids, batch.document_ids)
-    for row, order in enumerate([sizes, sizes[::-1]]):
-        start = 0
-        for size in order:
-            alone = target.capture(batch.input_ids[row : row + 1, start : start + size])
-            for field in ("context", "last_hidden"):
-                got = getattr(packed, field)[row : row + 1, start : start + size]
-                torch.testing.assert_close(got, getattr(alone, field), rtol=1e-5, atol=1e-5)
-            start += size
-    return batch, packed
-
-
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_target_states_of_a_packed_row_equal_each_conversation_alone(target_dir, backend):
     target = load_target(target_dir, layer_ids=[0, 2], device="cpu")
     target.model.set_attn_implementation(backend)
-    batch, packed = _capture_packed_and_alone(target, [7, 11, 4], seq_len=26)
+    batch, packed = capture_packed_and_alone(target, [7, 11, 4], seq_len=26)
     # Plain causal attention over the row would let the later conversations see the earlier ones.
     leaky = target.capture(batch.input_ids)
     assert not torch.allclose(leaky.context[0, 7:18], packed.context[0, 7:18], atol=1e-3)
-
-
-@pytest.mark.slow
-def test_target_states_with_flex_attention_equal_each_conversation_alone(tmp_path):
-    """Compiles HF's flex_attention on CPU (tens of seconds)."""
-    target = load_target(make_target(tmp_path, num_layers=2), layer_ids=[0, 1], device="cpu")
-    target.model.set_attn_implementation("flex_attention")
-    _capture_packed_and_alone(target, [5, 9, 6], seq_len=24)
 
 
 def test_unsupported_target_backend_is_named(target_dir):
@@ -520,7 +481,7 @@ def test_packed_batches_of_any_layout_compile_once():
     gen = torch.Generator().manual_seed(3)
     block_masks = []
     for layout in ([[40]], [[20, 20]], [[8, 8, 8, 8, 7]]):
-        batch = _packed(layout * 2, 40)
+        batch = packed_batch(layout * 2, 40)
         loss_mask = (torch.rand(2, 40, generator=gen) < 0.9) & (batch.document_ids >= 0)
         anchors, valid = masks.sample_anchors(loss_mask, 6, document_ids=batch.document_ids, generator=gen)
         mask = drafter.build_attention_mask(anchors, valid, 40, batch.document_ids)
@@ -553,7 +514,7 @@ def test_pack_is_on_by_default_and_switched_off_with_no_pack():
 # The end-to-end benchmark
 # ---------------------------------------------------------------------------------------
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "packing_e2e.py"
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "packing_e2e.py"
 
 
 def _benchmark_module():
@@ -589,20 +550,3 @@ def test_benchmark_parses_the_agreed_summary_line():
     assert older == {"steps": 5, "e2e_tok_s": 1896, "drafter_tok_s": 3002, "tflops": 0.0123, "peak_memory": {}}
     with pytest.raises(ValueError, match="no 'steady state over' line"):
         parse("Traceback: boom")
-
-
-def test_packing_benchmark_smoke_on_cpu(tmp_path):
-    """Subprocess: `packing_e2e.py --tiny` runs `dflash train --pack` and `--no-pack` on CPU (~40 s)."""
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--tiny", "--workdir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    table = [line.split() for line in done.stdout.splitlines() if not line.startswith("packed /")]
-    rows = {cells[0]: cells for cells in table if cells[:1] in (["packed"], ["unpacked"])}
-    assert set(rows) == {"packed", "unpacked"}
-    assert all(float(row[1].replace(",", "")) > 0 for row in rows.values()), done.stdout
-    assert "packed / unpacked: end to end" in done.stdout
-    assert not list(tmp_path.iterdir()), "the benchmark removes its target, data and runs"
