@@ -250,3 +250,57 @@ def test_bf16_export_keeps_full_precision_weights_for_resume(trained):
     weights = resume_weights(step_dir, state)
     for name, value in drafter.state_dict().items():
         assert torch.equal(weights[name], value), name
+
+
+def test_save_dtype_choices_and_the_as_is_default(tmp_path):
+    from dflash.checkpoint import resolve_save_dtype
+    from dflash.config import TrainConfig
+
+    assert resolve_save_dtype("auto", torch.bfloat16) == torch.bfloat16  # training in bf16 exports bf16
+    assert resolve_save_dtype("auto", torch.float32) == torch.float32
+    assert resolve_save_dtype("float32", torch.bfloat16) == torch.float32
+    with pytest.raises(ValueError, match="save_dtype must be one of"):
+        resolve_save_dtype("fp8", torch.bfloat16)
+    with pytest.raises(ValueError, match="save_dtype must be one of"):
+        TrainConfig(save_dtype="fp8")
+    with pytest.raises(ValueError, match="dpace_alpha must be in"):
+        TrainConfig(dpace_alpha=1.5)
+    step_dir = save_checkpoint(
+        tmp_path,
+        1,
+        weights={"fc.weight": torch.ones(2, 2)},
+        drafter_config={"rope_theta": 1e6, "rope_scaling": None},  # the transformers 4.x form
+        training_state={"step": 1},
+    )
+    assert json.loads((step_dir / "config.json").read_text())["dtype"] == "float32"
+    assert MASTER_WEIGHTS_KEY not in load_training_state(step_dir)  # nothing was narrowed
+    raw = json.loads((step_dir / "config.json").read_text())
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+    with pytest.raises(ValueError, match="no RoPE base"):
+        save_checkpoint(tmp_path, 2, weights={}, drafter_config={}, training_state=None)
+    assert not (tmp_path / "checkpoints" / "step_00000002").exists()
+
+
+@pytest.mark.parametrize("form", ["transformers 4", "transformers 5"])
+def test_scaled_rope_survives_the_config_in_either_form(form):
+    """A yarn-scaled RoPE written from either config form reads back as the installed transformers
+    builds it natively (4.x: rope_scaling without rope_theta; 5.x: one rope_parameters dict)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from dflash.portable import portable_config
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    geometry = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096)
+    native = Qwen3Config(**geometry, rope_theta=ROPE_THETA, rope_scaling=dict(scaling))
+    written = (
+        {**geometry, "rope_theta": ROPE_THETA, "rope_scaling": dict(scaling)}
+        if form == "transformers 4"
+        else {**geometry, "rope_parameters": {**scaling, "rope_theta": ROPE_THETA}}
+    )
+    raw = json.loads(json.dumps(portable_config(written, dtype=None)))
+    assert raw["rope_theta"] == ROPE_THETA and raw["rope_scaling"] == scaling
+    assert raw["rope_parameters"] == {**scaling, "rope_theta": ROPE_THETA}
+    expected, read = Qwen3RotaryEmbedding(native), Qwen3RotaryEmbedding(Qwen3Config.from_dict(raw))
+    torch.testing.assert_close(read.inv_freq, expected.inv_freq)
+    assert read.attention_scaling == expected.attention_scaling != 1.0  # yarn's attention factor applies
