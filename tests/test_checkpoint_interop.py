@@ -304,3 +304,19 @@ def test_scaled_rope_survives_the_config_in_either_form(form):
     expected, read = Qwen3RotaryEmbedding(native), Qwen3RotaryEmbedding(Qwen3Config.from_dict(raw))
     torch.testing.assert_close(read.inv_freq, expected.inv_freq)
     assert read.attention_scaling == expected.attention_scaling != 1.0  # yarn's attention factor applies
+
+
+def test_modeling_file_imports_only_torch_and_transformers(trained):
+    """The copy in a checkpoint must load where dflash is not installed (a serving host)."""
+    import ast
+
+    step_dir = trained[2]["installed"]
+    source = (step_dir / "modeling_dflash.py").read_text()
+    modules = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import"
+            modules.add(node.module.split(".")[0])
+    assert modules <= {"__future__", "inspect", "torch", "transformers"}, modules
