@@ -4,13 +4,18 @@ Layout under ``<out>/checkpoints/``::
 
     step_00000100/
         config.json           drafter config (architectures ["DFlashDraftModel"], dflash_config,
-                              block_size, num_target_layers; otherwise a Qwen3 config)
-        model.safetensors     drafter weights under the public names (fc.weight, layers.0...)
+                              block_size, num_target_layers, auto_map; otherwise a Qwen3 config
+                              with RoPE in both the transformers 4.x and 5.x form)
+        modeling_dflash.py    the drafter's code, for ``trust_remote_code=True`` loading
+        model.safetensors     drafter weights under the public names (fc.weight, layers.0...), in
+                              the export dtype (bf16 when training in bf16)
         training_state.pt     optimizer, scheduler, step, data position, RNG states, train config
+                              (+ the full-precision weights when the export dtype is narrower)
         manifest.json         size and sha256 of every file above (written last)
     latest                    text file naming the newest complete step directory
 
-So a step directory doubles as a drafter that vLLM/SGLang/``transformers`` load.
+So a step directory doubles as a drafter that vLLM, SGLang and ``transformers`` 4.57+ load
+(:mod:`dflash.portable` says what each of them needs).
 
 Every write is atomic: files go into ``step_N.tmp/`` and are fsynced, the directory is renamed
 to ``step_N`` (one ``rename``), then ``latest`` is replaced through a temp file + ``os.replace``.
@@ -39,6 +44,11 @@ WEIGHTS_NAME = "model.safetensors"
 STATE_NAME = "training_state.pt"
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
+#: Key of the full-precision drafter weights in the training state (see :func:`save_checkpoint`).
+MASTER_WEIGHTS_KEY = "master_weights"
+
+#: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
+SAVE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class CheckpointError(ValueError):
@@ -128,6 +138,22 @@ def _as_tuples(value):
 # ---------------------------------------------------------------------------------------
 
 
+def resolve_save_dtype(choice: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype to export drafter weights in, for ``--save-dtype``.
+
+    Args:
+        choice (str): a key of :data:`SAVE_DTYPES`; "auto" means ``compute_dtype``.
+        compute_dtype (torch.dtype): what the drafter computes in (bf16 under CUDA autocast,
+            float32 on CPU); published drafters are bf16.
+
+    Raises:
+        ValueError: an unknown choice, naming the valid ones.
+    """
+    if choice not in SAVE_DTYPES:
+        raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {choice!r}")
+    return SAVE_DTYPES[choice] or compute_dtype
+
+
 def save_checkpoint(
     out_dir: str | Path,
     step: int,
@@ -136,21 +162,43 @@ def save_checkpoint(
     drafter_config: dict[str, Any],
     training_state: dict[str, Any] | None,
     keep_last: int = 2,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Atomically save a drafter (+ training state) as ``<out_dir>/checkpoints/step_<step>``.
 
+    The step directory is a complete drafter for vLLM, SGLang and ``transformers``:
+    ``config.json`` (:func:`dflash.portable.portable_config`), ``modeling_dflash.py`` and
+    ``model.safetensors``.
+
     Args:
-        weights: drafter state dict under the public names, any device/dtype (saved as is,
-            moved to CPU, contiguous).
-        drafter_config: the ``config.json`` content.
+        weights: drafter state dict under the public names, any device/dtype (moved to CPU,
+            contiguous).
+        drafter_config: the drafter config dict (``DFlashDraftConfig.to_diff_dict()``); RoPE,
+            ``auto_map`` and ``dtype`` are added for every loader.
         training_state: what :func:`load_training_state` returns on resume; None for a
-            weights-only export.
+            weights-only export. When ``dtype`` changes a weight's dtype, the training state also
+            keeps the weights as given under :data:`MASTER_WEIGHTS_KEY`, so a resume is exact
+            (:func:`resume_weights`).
         keep_last: complete checkpoints to keep; older ones are deleted after the save.
+        dtype: dtype of the floating weights in ``model.safetensors`` (see
+            :func:`resolve_save_dtype`); None saves them as they are.
 
     Returns:
         Path: the new step directory.
+
+    Raises:
+        ValueError: ``drafter_config`` has no RoPE base (before anything is written).
     """
     from safetensors.torch import save_file
+
+    from dflash.portable import MODELING_FILE, modeling_source, portable_config
+
+    exported = {k: _export(v, dtype) for k, v in weights.items()}
+    float_dtypes = {v.dtype for v in exported.values() if v.is_floating_point()}
+    config = portable_config(drafter_config, dtype=float_dtypes.pop() if len(float_dtypes) == 1 else None)
+    if training_state is not None and any(exported[k].dtype != v.dtype for k, v in weights.items()):
+        master = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+        training_state = {**training_state, MASTER_WEIGHTS_KEY: master}
 
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -160,15 +208,12 @@ def save_checkpoint(
     tmp, final = root / f"{name}.tmp", root / name
     tmp.mkdir()
 
-    (tmp / CONFIG_NAME).write_text(json.dumps(drafter_config, indent=2, sort_keys=True) + "\n")
-    save_file(
-        {k: v.detach().to("cpu").contiguous() for k, v in weights.items()},
-        str(tmp / WEIGHTS_NAME),
-        metadata={"format": "pt"},
-    )
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (tmp / MODELING_FILE).write_bytes(modeling_source())
+    save_file(exported, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     # safetensors writes 0600; serving engines often run as another user.
     os.chmod(tmp / WEIGHTS_NAME, 0o644)
-    names = [CONFIG_NAME, WEIGHTS_NAME]
+    names = [CONFIG_NAME, MODELING_FILE, WEIGHTS_NAME]
     if training_state is not None:
         torch.save(training_state, tmp / STATE_NAME)
         names.append(STATE_NAME)
@@ -187,6 +232,13 @@ def save_checkpoint(
     _prune(root, keep_last)
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _export(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = tensor.detach().to("cpu")
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor.contiguous()
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -271,6 +323,19 @@ def load_drafter_files(step_dir: Path) -> tuple[dict[str, Any], dict[str, torch.
     from safetensors.torch import load_file
 
     return json.loads((step_dir / CONFIG_NAME).read_text()), load_file(str(step_dir / WEIGHTS_NAME))
+
+
+def resume_weights(step_dir: Path, training_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The drafter weights to resume training from: the full-precision copy the training state
+    keeps when ``model.safetensors`` was exported in a narrower dtype, else ``model.safetensors``.
+
+    Args:
+        step_dir: a verified step directory.
+        training_state: its :func:`load_training_state`.
+    """
+    if MASTER_WEIGHTS_KEY in training_state:
+        return training_state[MASTER_WEIGHTS_KEY]
+    return load_drafter_files(step_dir)[1]
 
 
 def load_training_state(step_dir: Path) -> dict[str, Any]:

@@ -99,7 +99,11 @@ class TrainConfig:
     """Draft blocks per chunk of the LM head + loss (peak logits memory = chunk * Bs * vocab floats; fewer chunks
     compile faster)."""
     dpace: bool = False
-    """D-PACE confidence-weighted positions (arXiv 2605.18810) on top of the decay weights."""
+    """D-PACE confidence-weighted positions (arXiv 2605.18810) instead of the decay weights, as SpecForge and
+    speculators define it."""
+    dpace_alpha: float = 0.5
+    """D-PACE confidence smoothing alpha in [0, 1]: slot confidence (1 - alpha) * p + alpha (SpecForge and
+    speculators default 0.5)."""
 
     # ---- schedule -------------------------------------------------------------------------
     steps: int | None = 300
@@ -131,6 +135,9 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
     keep_last: int = 2
     """Checkpoints to keep (older ones are deleted after a successful save)."""
+    save_dtype: str = "auto"
+    """dtype of the saved drafter weights: `auto` (the compute dtype: bfloat16 when training in bf16, as published
+    drafters are; float32 on CPU), `bfloat16`, `float16` or `float32`. Resuming stays exact either way."""
     log_every: int = 10
     """Log metrics to the console and tensorboard every this many steps."""
     peak_tflops: float | None = None
@@ -195,6 +202,12 @@ class TrainConfig:
                 f"gamma: the paper gives no decay for block_size={self.block_size} (only for "
                 f"{sorted(PAPER_GAMMA)}); pass --gamma (about block_size / 2)"
             )
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+        from dflash.checkpoint import SAVE_DTYPES
+
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if not 0.0 <= self.soft_label_weight <= 1.0:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -8,8 +8,19 @@ they equal the target's argmax, and the target's next argmax is the bonus token.
 therefore emits ``accepted + 1`` tokens, and the output is exactly the target's greedy output
 (:func:`greedy_generate`; ``tests/test_evaluate.py`` checks it).
 
-tau = mean of ``accepted + 1`` over steps; speedup = (target-only seconds per output token) /
-(speculative seconds per output token), both timed on the same prompts after a warm-up.
+Each figure comes in two conventions, both reported (labelled) so results compare with ours and
+with the published ones (z-lab/dflash ``benchmark.py``, whose numbers the DFlash paper reports):
+
+- tau per step: mean of ``accepted + 1`` over all steps of all prompts, the last step of a prompt
+  cut at EOS / the token budget (it counts only tokens the step really emitted).
+- tau per prompt (z-lab): mean over prompts of each prompt's mean ``accepted + 1``, the last step
+  counted in full. It is higher on short generations, where the cut last step weighs more.
+- speedup with prefill: (target-only seconds per output token) / (speculative seconds per output
+  token), whole generations, summed over prompts.
+- decoding speedup (z-lab): the same ratio of per-prompt decoding time per output token, prefill
+  excluded, each averaged over prompts.
+
+Both methods run on the same prompts after a warm-up.
 """
 
 from __future__ import annotations
@@ -35,23 +46,50 @@ class Generation:
         tokens (list[int]): generated ids (prompt excluded), ending at the first EOS if any.
         accept_lengths (list[int]): per speculative step, accepted drafts + 1, cut at EOS and at
             ``max_new_tokens`` (empty for greedy).
+        full_accept_lengths (list[int]): the same with no cut: accepted drafts + 1 of every step
+            (differs from ``accept_lengths`` at most in the last step; z-lab's count).
         seconds (float): wall time of the generation.
+        prefill_seconds (float): the part of ``seconds`` spent on the prompt forward and the
+            first token.
     """
 
     tokens: list[int]
     accept_lengths: list[int] = field(default_factory=list)  # sum + 1 (prefill token) == len(tokens)
+    full_accept_lengths: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        """Milliseconds per output token after prefill (z-lab's time per output token)."""
+        return 1e3 * (self.seconds - self.prefill_seconds) / len(self.tokens)
 
 
 @dataclass
 class EvalReport:
-    """Aggregate over prompts (what ``dflash eval`` prints)."""
+    """Aggregate over prompts (what ``dflash eval`` prints; see the module docstring).
 
-    tau: float
+    Args:
+        tau_per_step (float): mean emitted tokens per step, last step cut at EOS/budget.
+        tau_per_prompt (float): z-lab's: mean over prompts of the per-prompt mean, last step in full.
+        histogram (dict[int, int]): steps by emitted tokens (``accepted + 1``, cut), 1..block_size.
+        speedup (float): target-only / speculative time per output token, prefill included.
+        decode_speedup (float): the same after prefill, per-prompt times averaged (z-lab's).
+        target_ms_per_token, speculative_ms_per_token (float): whole generations, prefill included.
+        target_decode_ms_per_token, speculative_decode_ms_per_token (float): mean over prompts of
+            the decoding time per output token.
+        num_prompts, num_tokens, block_size (int): speculative output tokens over all prompts.
+    """
+
+    tau_per_step: float
+    tau_per_prompt: float
     histogram: dict[int, int]
     speedup: float
+    decode_speedup: float
     target_ms_per_token: float
     speculative_ms_per_token: float
+    target_decode_ms_per_token: float
+    speculative_decode_ms_per_token: float
     num_prompts: int
     num_tokens: int
     block_size: int
@@ -93,15 +131,21 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
     start = time.perf_counter()
     cache = DynamicCache()
     out = target.decoder_forward(prompt_ids.to(target.device), past_key_values=cache)
-    tokens = []
+    tokens, prefill_seconds = [], None
     while True:
         token = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1]
-        tokens.append(int(token))
+        tokens.append(int(token))  # int() waits for the device
+        if prefill_seconds is None:
+            prefill_seconds = time.perf_counter() - start
         if len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
             break
         out = target.decoder_forward(token[:, None], past_key_values=cache)
     _sync(target.device)
-    return Generation(tokens=_finish(tokens, max_new_tokens, eos_ids), seconds=time.perf_counter() - start)
+    return Generation(
+        tokens=_finish(tokens, max_new_tokens, eos_ids),
+        seconds=time.perf_counter() - start,
+        prefill_seconds=prefill_seconds,
+    )
 
 
 @torch.no_grad()
@@ -133,7 +177,8 @@ def speculative_generate(
     out = target.decoder_forward(prompt_ids.to(device), past_key_values=cache)
     context = target.select(out.hidden_states)  # [1, P, K*H]: states of every verified token
     last = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1], no target state yet
-    tokens, accept_lengths = [int(last)], []
+    tokens, accept_lengths, full_accept_lengths = [int(last)], [], []  # int() waits for the device
+    prefill_seconds = time.perf_counter() - start
     masks = torch.full((1, block_size - 1), mask_id, dtype=torch.long, device=device)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
         block = torch.cat([last[:, None], masks], dim=1)  # [1, Bs]
@@ -148,12 +193,19 @@ def speculative_generate(
         emitted = _finish(draft[0, :accepted].tolist() + [int(greedy[accepted])], max_new_tokens - len(tokens), eos_ids)
         tokens.extend(emitted)
         accept_lengths.append(len(emitted))
+        full_accept_lengths.append(accepted + 1)
         # Keep target states/cache for the block's first token and the accepted drafts only.
         context = torch.cat([context, target.select(out.hidden_states)[:, : accepted + 1]], dim=1)
         _crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
     _sync(device)
-    return Generation(tokens=tokens, accept_lengths=accept_lengths, seconds=time.perf_counter() - start)
+    return Generation(
+        tokens=tokens,
+        accept_lengths=accept_lengths,
+        full_accept_lengths=full_accept_lengths,
+        seconds=time.perf_counter() - start,
+        prefill_seconds=prefill_seconds,
+    )
 
 
 def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
@@ -223,16 +275,11 @@ def evaluate(
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     greedy_generate(target, prompts[0], **kwargs)
     speculative_generate(target, drafter, prompts[0], **kwargs)
-    greedy_s = spec_s = 0.0
-    greedy_tokens = spec_tokens = mismatches = 0
-    lengths: list[int] = []
+    plains, specs = [], []
     for prompt in tqdm(prompts, desc="eval", disable=not progress):
-        plain = greedy_generate(target, prompt, **kwargs)
-        spec = speculative_generate(target, drafter, prompt, **kwargs)
-        mismatches += plain.tokens != spec.tokens
-        greedy_s, greedy_tokens = greedy_s + plain.seconds, greedy_tokens + len(plain.tokens)
-        spec_s, spec_tokens = spec_s + spec.seconds, spec_tokens + len(spec.tokens)
-        lengths += spec.accept_lengths
+        plains.append(greedy_generate(target, prompt, **kwargs))
+        specs.append(speculative_generate(target, drafter, prompt, **kwargs))
+    mismatches = sum(plain.tokens != spec.tokens for plain, spec in zip(plains, specs))
     if mismatches and target.dtype == torch.float32:
         logger.error(
             "%d/%d speculative outputs differ from the target's greedy output in float32: "
@@ -249,14 +296,38 @@ def evaluate(
             len(prompts),
             target.dtype,
         )
-    target_ms, spec_ms = 1e3 * greedy_s / greedy_tokens, 1e3 * spec_s / spec_tokens
+    return summarize(plains, specs, block_size=drafter.config.block_size)
+
+
+def summarize(plains: list[Generation], specs: list[Generation], *, block_size: int) -> EvalReport:
+    """The report of target-only (``plains``) and speculative (``specs``) generations of the same
+    prompts, in both conventions of the module docstring.
+
+    A prompt whose speculative generation ended at the prefill token (no step) has no per-prompt
+    tau and is left out of ``tau_per_prompt`` (z-lab's mean would be NaN); a figure with nothing
+    to average (no step at all) is NaN.
+    """
+    lengths = [n for spec in specs for n in spec.accept_lengths]
+    per_prompt = [_mean(spec.full_accept_lengths) for spec in specs if spec.full_accept_lengths]
+    target_ms = 1e3 * sum(p.seconds for p in plains) / sum(len(p.tokens) for p in plains)
+    spec_ms = 1e3 * sum(s.seconds for s in specs) / sum(len(s.tokens) for s in specs)
+    target_decode_ms = _mean([p.decode_ms_per_token for p in plains])
+    spec_decode_ms = _mean([s.decode_ms_per_token for s in specs])
     return EvalReport(
-        tau=sum(lengths) / max(len(lengths), 1),
+        tau_per_step=_mean(lengths),
+        tau_per_prompt=_mean(per_prompt),
         histogram=dict(Counter(lengths)),
         speedup=target_ms / spec_ms,
+        decode_speedup=target_decode_ms / spec_decode_ms if spec_decode_ms > 0 else float("nan"),
         target_ms_per_token=target_ms,
         speculative_ms_per_token=spec_ms,
-        num_prompts=len(prompts),
-        num_tokens=spec_tokens,
-        block_size=drafter.config.block_size,
+        target_decode_ms_per_token=target_decode_ms,
+        speculative_decode_ms_per_token=spec_decode_ms,
+        num_prompts=len(specs),
+        num_tokens=sum(len(s.tokens) for s in specs),
+        block_size=block_size,
     )
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")

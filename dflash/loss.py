@@ -8,8 +8,9 @@ of logits.
 
 Loss (arXiv 2602.06036, Sec. 3.3): weighted cross-entropy over draft slots k >= 1 with
 ``w_k = exp(-(k - 1) / gamma)`` (slot 0, the given anchor token, has weight 0). The function returns
-the weighted *sum* and the weight sum; the trainer divides the sum by the weight sum gathered over
-the whole optimizer step (all micro-batches, all ranks), not per micro-batch.
+the weighted *sum* and its normaliser (the weight sum; the supervised-slot count for D-PACE); the
+trainer divides the sum by the normaliser gathered over the whole optimizer step (all
+micro-batches, all ranks), not per micro-batch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from torch.utils.checkpoint import checkpoint
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 POSITION_WEIGHTINGS = ("decay", "dpace")
+
+#: Confidence smoothing of D-PACE: SpecForge ``dpace_alpha`` and speculators ``--dpace-alpha`` default.
+DPACE_ALPHA = 0.5
 
 
 def default_gamma(block_size: int) -> float:
@@ -76,7 +80,8 @@ class LossOutput:
     Attributes:
         loss_sum (Tensor): scalar, sum over supervised slots of ``weight * token_loss``
             (differentiable w.r.t. the drafter hidden states).
-        weight_sum (Tensor): scalar float32, sum of the weights used (no grad).
+        weight_sum (Tensor): scalar float32, what the loss sum is divided by (no grad): the sum of
+            the position weights for "decay", the number of supervised slots for "dpace".
         correct (Tensor): int64 ``[Bs]``, per slot, supervised slots whose argmax equals the label.
         total (Tensor): int64 ``[Bs]``, per slot, supervised slots.
     """
@@ -96,6 +101,7 @@ def dflash_loss(
     *,
     chunk_blocks: int = 16,
     position_weighting: str = "decay",
+    dpace_alpha: float = DPACE_ALPHA,
     soft_label_weight: float = 0.0,
     teacher_hidden: Tensor | None = None,
     anchors: Tensor | None = None,
@@ -110,15 +116,15 @@ def dflash_loss(
     Position weighting:
 
     - ``"decay"``: ``weights[k]`` (use :func:`position_weights`).
-    - ``"dpace"``: D-PACE (arXiv 2605.18810, "Dynamic Position-Aware Cross-Entropy"). Its abstract
-      derives per-position weights from a differentiable surrogate of the expected accepted
-      length, matching each position's weight to its log-probability gradient contribution. We
-      implement that idea directly (the paper's exact normalisation/smoothing could not be
-      checked): with ``p_i`` the drafter's probability of the label at slot i of a block and the
-      surrogate ``E = sum_j prod_{i=1..j} p_i``, slot k gets the detached weight
-      ``dE / dlog p_k = sum_{j >= k} prod_{i=1..j} p_i``. ``weights`` is ignored except for its
-      length. Weights shrink as earlier slots fail, so training focuses on the slots that
-      currently limit acceptance.
+    - ``"dpace"``: D-PACE (arXiv 2605.18810), as SpecForge (``OnlineDFlashModel._dpace_weight``)
+      and speculators (``losses.dpace_loss_decay``) define it alike. With ``q_i`` the drafter's
+      probability of the label at slot i (detached), each supervised slot's confidence is
+      smoothed, ``c_i = (1 - alpha) * q_i + alpha``, and an unsupervised slot passes through
+      (``c_i = 1``); slot k of a block gets ``w_k = sum_{j >= k, j supervised} prod_{i <= j} c_i``
+      (0 where unsupervised): the expected accepted length's sensitivity to slot k, so training
+      focuses on the slots that currently limit acceptance. ``weights`` is ignored except for its
+      length. The returned weight sum is the number of supervised slots (speculators divides by
+      it; SpecForge by the batch size), so the loss is a mean over supervised slots.
 
     Memory: each chunk of ``chunk_blocks`` blocks is run under non-reentrant
     ``torch.utils.checkpoint``, so forward keeps only the chunk's inputs and backward recomputes
@@ -133,6 +139,7 @@ def dflash_loss(
         weights (Tensor): float ``[Bs]`` per-slot weights (:func:`position_weights`).
         chunk_blocks (int): blocks per chunk (>= 1); a chunk holds ``chunk_blocks * Bs`` rows.
         position_weighting (str): ``"decay"`` or ``"dpace"``.
+        dpace_alpha (float): D-PACE confidence smoothing in [0, 1] (:data:`DPACE_ALPHA`).
         soft_label_weight (float): a in [0, 1]; > 0 needs ``teacher_hidden`` and ``anchors``.
         teacher_hidden (Tensor, optional): ``[B, S, H]`` the verifier's last hidden state (the
             input of its ``lm_head``, after the final norm). Slot k of the block anchored at a is
@@ -160,6 +167,8 @@ def dflash_loss(
         raise ValueError(f"position_weighting must be one of {POSITION_WEIGHTINGS}, got {position_weighting!r}")
     if chunk_blocks < 1:
         raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    if not 0.0 <= dpace_alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in [0, 1], got {dpace_alpha}")
     if not 0.0 <= soft_label_weight <= 1.0:
         raise ValueError(f"soft_label_weight must be in [0, 1], got {soft_label_weight}")
     soft = soft_label_weight > 0.0
@@ -188,6 +197,7 @@ def dflash_loss(
             teacher,
             soft_label_weight,
             position_weighting,
+            dpace_alpha,
             use_reentrant=False,
         )
         loss_sum = loss_sum + chunk_loss
@@ -215,8 +225,9 @@ def _chunk_loss(
     teacher: Tensor | None,
     soft_label_weight: float,
     position_weighting: str,
+    dpace_alpha: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Loss of one chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, weight sum, correct [Bs])."""
+    """Loss of one chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs])."""
     logits = (hidden @ lm_head_weight.t()).float()  # [C, Bs, V]
     log_probs = F.log_softmax(logits, dim=-1)
     label_log_prob = log_probs.gather(-1, labels[..., None]).squeeze(-1)  # [C, Bs]
@@ -227,23 +238,20 @@ def _chunk_loss(
         kl = (teacher_log_probs.exp() * (teacher_log_probs - log_probs)).sum(-1)
         token_loss = (1.0 - soft_label_weight) * token_loss + soft_label_weight * kl
     if position_weighting == "dpace":
-        slot_weights = _dpace_weights(label_log_prob.detach(), label_mask)
+        slot_weights = _dpace_weights(label_log_prob.detach(), label_mask, dpace_alpha)
+        normaliser = label_mask.sum().float()
     else:
-        slot_weights = weights.expand_as(token_loss)
-    slot_weights = torch.where(label_mask, slot_weights, 0.0)
+        slot_weights = torch.where(label_mask, weights.expand_as(token_loss), 0.0)
+        normaliser = slot_weights.sum().detach()
     correct = ((logits.argmax(-1) == labels) & label_mask).sum(0)
-    return (slot_weights * token_loss).sum(), slot_weights.sum().detach(), correct
+    return (slot_weights * token_loss).sum(), normaliser, correct
 
 
-def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor) -> Tensor:
-    """``w_k = sum_{j >= k} prod_{i=1..j} p_i`` per block row (slot 0 is the given anchor)."""
-    p = torch.where(label_mask, label_log_prob.exp(), 0.0)
-    p[:, 0] = 1.0  # the anchor is always "accepted": the chain starts at slot 1
-    reach = torch.cumprod(p, dim=-1)
-    reach[:, 0] = 0.0
-    weights = reach.flip(-1).cumsum(-1).flip(-1)
-    weights[:, 0] = 0.0
-    return weights
+def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor, alpha: float) -> Tensor:
+    """D-PACE weights ``[C, Bs]`` of blocks (see :func:`dflash_loss`); 0 on unsupervised slots."""
+    smoothed = torch.where(label_mask, (1.0 - alpha) * label_log_prob.exp() + alpha, 1.0)
+    reach = torch.cumprod(smoothed, dim=-1) * label_mask
+    return reach.flip(-1).cumsum(-1).flip(-1) * label_mask
 
 
 def per_position_accuracy(correct: Tensor, total: Tensor) -> Tensor:

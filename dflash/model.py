@@ -1,19 +1,12 @@
-"""The DFlash drafter as a transformers model (arXiv 2602.06036, Sec. 3; z-lab/dflash ``model.py``).
+"""The DFlash drafter as the trainer and ``dflash eval`` use it (arXiv 2602.06036, Sec. 3).
 
-The drafter is a stack of Qwen3-style decoder layers with no embedding and no LM head of its own: it
-embeds its draft blocks with the target's frozen ``embed_tokens`` and reads them out with the target's
-frozen ``lm_head``. It is conditioned on K hidden states tapped from the target (``target_layer_ids``):
-they are concatenated on the feature axis and fused once, ``hidden_norm(fc(x))``, into one context
-sequence that every layer attends to. Queries come only from draft-block tokens; keys/values are the
-same ``k_proj``/``v_proj`` over ``[context ; draft blocks]`` with ``k_norm`` on both; RoPE puts context
-token j at position ``p_j`` (j, or its position within its conversation in a packed row) and slot k of
-a block anchored at a at ``p_a + k``; the attention is non-causal and
-the DFlash mask (``dflash.masks``) decides visibility.
-
-Checkpoints use the z-lab layout that vLLM and SGLang load: a Qwen3 ``config.json`` (``model_type``
-``qwen3``) plus ``architectures=["DFlashDraftModel"]``, top-level ``block_size`` and
-``num_target_layers``, ``dflash_config={"mask_token_id", "target_layer_ids"}``; weights ``fc.weight``,
-``hidden_norm.weight``, ``norm.weight`` and ``layers.{i}.…`` with no ``model.`` prefix.
+The architecture, its config and the checkpoint layout live in :mod:`dflash.modeling_dflash`, the
+self-contained file every checkpoint carries for ``trust_remote_code`` loading. This module adds
+what training and evaluation need on top: the config built from a target's
+(:func:`create_drafter_config`) and a model whose forward takes anchors (N draft blocks per
+sequence) and builds the DFlash mask (``dflash.masks``). RoPE puts context token j at position
+``p_j`` (j, or its position within its conversation in a packed row) and slot k of a block anchored
+at a at ``p_a + k``; the mask decides visibility.
 
 Shape legend: B batch, S context length, N blocks, Bs block size, Q = N*Bs draft tokens, K tapped
 layers, H hidden size, V vocabulary.
@@ -22,140 +15,32 @@ layers, H hidden size, V vocabulary.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
-from huggingface_hub.dataclasses import strict
 from torch import Tensor, nn
-from transformers import PretrainedConfig, PreTrainedModel, Qwen3Config
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3MLP,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    rotate_half,
-)
+from transformers import PretrainedConfig
 
-from dflash import masks
+from dflash import masks, modeling_dflash
+from dflash.modeling_dflash import (
+    QWEN3_MASK_TOKEN_ID,
+    SUPPORTED_ATTENTION,
+    DFlashDraftConfig,
+    default_target_layer_ids,
+    max_captured_layers,
+)
+from dflash.portable import rope_parameters_of
+
+__all__ = [
+    "QWEN3_MASK_TOKEN_ID",
+    "SUPPORTED_ATTENTION",
+    "DFlashDraftConfig",
+    "DFlashDraftModel",
+    "create_drafter_config",
+    "default_target_layer_ids",
+    "max_captured_layers",
+]
 
 logger = logging.getLogger(__name__)
-
-#: Attention backends the drafter supports (keys of transformers' ``ALL_ATTENTION_FUNCTIONS``).
-#: "flex_attention" takes a BlockMask (GPU training); "sdpa" a dense bool mask (CPU, small cases).
-SUPPORTED_ATTENTION = ("flex_attention", "sdpa")
-
-#: Mask token of Qwen3 tokenizers (an existing, untrained embedding row); the config default.
-QWEN3_MASK_TOKEN_ID = 151669
-
-
-def default_target_layer_ids(num_target_layers: int, num_captured: int) -> list[int]:
-    """Target layers to tap, by the public DFlash formula (z-lab/dflash, SpecForge).
-
-    ``num_captured == 1`` gives ``[L // 2]``; otherwise ``round(1 + i * (L - 4) / (N - 1))`` for
-    i in 0..N-1. Layer id k is the *output* of decoder layer k, i.e. HF
-    ``output.hidden_states[k + 1]``.
-
-    Args:
-        num_target_layers (int): L, decoder layers of the target.
-        num_captured (int): N, layers to tap.
-
-    Returns:
-        list[int]: N sorted layer ids, e.g. L=36, N=5 -> [1, 9, 17, 25, 33]; L=64, N=5 ->
-        [1, 16, 31, 46, 61].
-
-    Raises:
-        ValueError: L < 1, N < 1, or N > 1 with fewer than N + 3 target layers (the formula would
-        repeat ids); see :func:`max_captured_layers`.
-    """
-    if num_target_layers < 1 or num_captured < 1:
-        raise ValueError(f"num_target_layers and num_captured must be >= 1, got {num_target_layers}, {num_captured}")
-    if num_captured == 1:
-        return [num_target_layers // 2]
-    if num_captured > max_captured_layers(num_target_layers):
-        raise ValueError(
-            f"cannot tap {num_captured} distinct layers of a {num_target_layers}-layer target with the "
-            f"default formula; use num_captured <= {max_captured_layers(num_target_layers)} or pass "
-            "target_layer_ids explicitly"
-        )
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_captured - 1)) for i in range(num_captured)]
-
-
-def max_captured_layers(num_target_layers: int) -> int:
-    """Largest N for which :func:`default_target_layer_ids` gives distinct ids (1 for L < 5)."""
-    return max(1, num_target_layers - 3)
-
-
-@strict
-class DFlashDraftConfig(Qwen3Config):
-    r"""Config of a DFlash drafter: a Qwen3 config plus the DFlash fields vLLM/SGLang read.
-
-    ``model_type`` stays ``"qwen3"`` (what z-lab checkpoints and vLLM's ``qwen3_dflash`` expect);
-    ``num_hidden_layers`` is the number of *drafter* layers.
-
-    Args:
-        block_size (int): Bs, tokens per draft block (anchor + Bs-1 predictions); >= 2.
-        num_target_layers (int): L, decoder layers of the target model.
-        dflash_config (dict): ``{"mask_token_id": int, "target_layer_ids": list[int]}``; the mask
-            token must be a row of the target embedding (``< vocab_size``), the ids in ``[0, L)``,
-            distinct. None gives the Qwen3 defaults (mask 151669, the default ids for L).
-        **kwargs: Qwen3Config fields (hidden_size, num_attention_heads, rope_parameters, ...).
-
-    Raises:
-        ValueError: naming the field that is out of range.
-    """
-
-    block_size: int = 16
-    num_target_layers: int = 36
-    dflash_config: dict | None = None
-
-    def __post_init__(self, **kwargs):
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {self.block_size}")
-        if self.num_target_layers < 1:
-            raise ValueError(f"num_target_layers must be >= 1, got {self.num_target_layers}")
-        if self.dflash_config is None:
-            captured = min(5, max_captured_layers(self.num_target_layers))
-            self.dflash_config = {
-                "mask_token_id": QWEN3_MASK_TOKEN_ID,
-                "target_layer_ids": default_target_layer_ids(self.num_target_layers, captured),
-            }
-        self._validate_dflash_config()
-        if kwargs.get("architectures") is None and getattr(self, "architectures", None) is None:
-            kwargs["architectures"] = ["DFlashDraftModel"]
-        super().__post_init__(**kwargs)
-
-    def _validate_dflash_config(self) -> None:
-        missing = {"mask_token_id", "target_layer_ids"} - set(self.dflash_config)
-        if missing:
-            raise ValueError(f"dflash_config is missing {sorted(missing)}")
-        mask_token_id = self.dflash_config["mask_token_id"]
-        if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"dflash_config.mask_token_id must be an int in [0, vocab_size={self.vocab_size}), got "
-                f"{mask_token_id!r}; use an existing token of the target vocabulary"
-            )
-        ids = self.dflash_config["target_layer_ids"]
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or not all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in ids)
-            or len(set(ids)) != len(ids)
-        ):
-            raise ValueError(
-                "dflash_config.target_layer_ids must be a non-empty list of distinct ints in "
-                f"[0, num_target_layers={self.num_target_layers}), got {ids!r}"
-            )
-
-    @property
-    def mask_token_id(self) -> int:
-        """Token id that fills draft slots 1..Bs-1."""
-        return self.dflash_config["mask_token_id"]
-
-    @property
-    def target_layer_ids(self) -> list[int]:
-        """Tapped target layers: id k is HF ``hidden_states[k + 1]``."""
-        return list(self.dflash_config["target_layer_ids"])
 
 
 def create_drafter_config(
@@ -211,7 +96,7 @@ def create_drafter_config(
         head_dim=head_dim,
         intermediate_size=text.intermediate_size,
         hidden_act=getattr(text, "hidden_act", "silu"),
-        rope_parameters=dict(text.rope_parameters),
+        rope_parameters=rope_parameters_of(text.to_dict()),
         max_position_embeddings=text.max_position_embeddings,
         rms_norm_eps=text.rms_norm_eps,
         vocab_size=text.vocab_size,
@@ -224,83 +109,13 @@ def create_drafter_config(
     )
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on ``x`` [B, heads, T, D] with ``cos``/``sin`` [B, T, D]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + rotate_half(x) * sin
+class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
+    """The DFlash drafter with the training forward (N anchored blocks) and the decoding step.
 
-
-class DFlashAttention(nn.Module):
-    """Queries from the draft tokens, keys/values over ``[context ; draft tokens]``, non-causal, GQA."""
-
-    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        # Read by transformers' sdpa_attention_forward: never add a causal mask of its own.
-        self.is_causal = False
-        hidden, q_dim, kv_dim = (
-            config.hidden_size,
-            config.num_attention_heads * self.head_dim,
-            (config.num_key_value_heads * self.head_dim),
-        )
-        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden: Tensor,
-        context: Tensor,
-        rope_q: tuple[Tensor, Tensor],
-        rope_kv: tuple[Tensor, Tensor],
-        attention_mask,
-    ) -> Tensor:
-        """``hidden`` [B, Q, H] (normed), ``context`` [B, S, H] -> attention output [B, Q, H]."""
-        batch, q_len, _ = hidden.shape
-        kv_input = torch.cat([context, hidden], dim=1)
-        q = self.q_norm(self.q_proj(hidden).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim))
-        v = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)
-        q = _rope(q, *rope_q)
-        k = _rope(k.transpose(1, 2), *rope_kv)
-        # DFlashDraftModel._run has already rejected backends outside SUPPORTED_ATTENTION.
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
-        out, _ = attention(self, q, k, v.transpose(1, 2), attention_mask, dropout=0.0, scaling=self.scaling)
-        return self.o_proj(out.reshape(batch, q_len, -1))
-
-
-class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 block whose attention also reads the shared context features."""
-
-    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = DFlashAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden, context, rope_q, rope_kv, attention_mask, query_valid) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), context, rope_q, rope_kv, attention_mask)
-        if query_valid is not None:
-            # Padding blocks see no key: flex and CPU SDPA return 0 there, but some GPU SDPA
-            # kernels return NaN for an all-masked row, so zero them explicitly.
-            attn = torch.where(query_valid, attn, 0.0)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class DFlashDraftModel(PreTrainedModel):
-    """The DFlash drafter (weights in the z-lab layout, see the module docstring).
-
-    Pick the attention backend with transformers' usual switch: ``config._attn_implementation``,
-    ``from_pretrained(..., attn_implementation=...)``, ``DFlashDraftModel._from_config(config,
+    Same modules, weights and config as :class:`dflash.modeling_dflash.DFlashDraftModel` (what
+    ``trust_remote_code`` loads from a checkpoint); only :meth:`forward` differs: it takes block
+    anchors and builds the DFlash mask. Pick the attention backend with transformers' usual
+    switch: ``from_pretrained(..., attn_implementation=...)``, ``DFlashDraftModel._from_config(config,
     attn_implementation=...)`` or ``model.set_attn_implementation(...)``; one of
     :data:`SUPPORTED_ATTENTION`. Use "flex_attention" on GPU (BlockMask, compiles); "sdpa" on CPU
     (torch 2.13 has no CPU flex_attention backward). Both give the same result.
@@ -309,27 +124,7 @@ class DFlashDraftModel(PreTrainedModel):
         config (DFlashDraftConfig)
     """
 
-    config_class = DFlashDraftConfig
-    base_model_prefix = ""
     main_input_name = "draft_embeds"
-    _no_split_modules = ["DFlashDecoderLayer"]
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
-
-    def __init__(self, config: DFlashDraftConfig):
-        super().__init__(config)
-        num_tapped = len(config.target_layer_ids)
-        self.fc = nn.Linear(num_tapped * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.post_init()
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
 
     def build_attention_mask(
         self, anchors: Tensor, valid: Tensor, context_len: int, document_ids: Tensor | None = None
@@ -445,31 +240,8 @@ class DFlashDraftModel(PreTrainedModel):
     ) -> Tensor:
         """Layers over ``draft_embeds`` [B, Q, H] at RoPE ``positions`` [B, Q], attending to the fused
         ``target_hidden`` [B, S, K*H] at ``context_positions`` [B, S] (None: 0..S-1)."""
-        self._attention_backend()
-        batch, context_len, width = target_hidden.shape
-        expected = len(self.config.target_layer_ids) * self.config.hidden_size
-        if width != expected:
-            raise ValueError(
-                f"target_hidden has {width} features, expected K*H = {expected} "
-                f"({len(self.config.target_layer_ids)} tapped layers x hidden {self.config.hidden_size})"
-            )
-        context = self.hidden_norm(self.fc(target_hidden))
+        batch, context_len, _ = target_hidden.shape
         if context_positions is None:
             context_positions = torch.arange(context_len, device=positions.device).expand(batch, context_len)
         kv_positions = torch.cat([context_positions, positions], dim=1)
-        cos, sin = self.rotary_emb(draft_embeds, kv_positions)
-        rope_kv = (cos, sin)
-        rope_q = (cos[:, context_len:], sin[:, context_len:])
-        hidden = draft_embeds
-        for layer in self.layers:
-            hidden = layer(hidden, context, rope_q, rope_kv, attention_mask, query_valid)
-        return self.norm(hidden)
-
-    def _attention_backend(self) -> str:
-        impl = self.config._attn_implementation
-        if impl not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attention backend {impl!r} is not supported by the DFlash drafter; use one of "
-                f"{SUPPORTED_ATTENTION} (set attn_implementation=...)"
-            )
-        return impl
+        return super().forward(draft_embeds, target_hidden, kv_positions, attention_mask, query_valid)

@@ -10,13 +10,16 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.checkpoint import CheckpointError, find_checkpoint, load_drafter_files, save_checkpoint
 
+# The smallest config a checkpoint accepts: save_checkpoint needs the RoPE base to write it for every loader.
+ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+
 
 def _save(out, step, value, **kw):
     return save_checkpoint(
         out,
         step,
         weights={"fc.weight": torch.full((2, 3), float(value))},
-        drafter_config={"architectures": ["DFlashDraftModel"], "step": step},
+        drafter_config={**ROPE, "step": step},
         training_state={"step": step, "rng": ckpt.rng_state()},
         **kw,
     )
@@ -88,7 +91,7 @@ def test_truncated_or_corrupt_files_are_named_with_the_fix(tmp_path):
 
 def test_weights_only_export_cannot_be_resumed(tmp_path):
     step_dir = save_checkpoint(
-        tmp_path, 1, weights={"fc.weight": torch.zeros(1)}, drafter_config={}, training_state=None
+        tmp_path, 1, weights={"fc.weight": torch.zeros(1)}, drafter_config=ROPE, training_state=None
     )
     with pytest.raises(CheckpointError, match="weights-only export"):
         ckpt.load_training_state(find_checkpoint(step_dir))
@@ -113,7 +116,7 @@ def test_deleting_a_corrupt_newest_step_resumes_from_the_one_before(tmp_path):
             tmp_path,
             step,
             weights={"fc.weight": torch.full((2,), float(step))},
-            drafter_config={"architectures": ["DFlashDraftModel"]},
+            drafter_config=ROPE,
             training_state={"step": step},
         )
     newest = tmp_path / "checkpoints" / "step_00000002"

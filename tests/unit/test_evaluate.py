@@ -1,4 +1,4 @@
-"""dflash.evaluate: speculative output == greedy output; acceptance is counted right."""
+"""dflash.evaluate: speculative output == greedy output; acceptance is counted right, both ways."""
 
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import make_target, write_chat_data
 
-from dflash.evaluate import evaluate, greedy_generate, load_prompts, speculative_generate
+from dflash.evaluate import Generation, evaluate, greedy_generate, load_prompts, speculative_generate, summarize
 from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.target import load_target
 
@@ -89,13 +89,65 @@ def test_generation_stops_at_eos_like_greedy(setup):
     assert spec.tokens == plain.tokens and sum(spec.accept_lengths) + 1 == len(spec.tokens)
 
 
-def test_evaluate_reports_tau_histogram_and_speedup(setup):
+def test_last_step_is_cut_for_tau_per_step_and_kept_whole_for_z_lab(setup):
+    target, tokenizer, prompts = setup
+    prompt = prompts[0]
+    reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
+    oracle = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompt.shape[1], correct=3)
+    # 1 prefill token + 2 full steps of 4 + a last step cut from 4 to 2 tokens by the budget.
+    spec = speculative_generate(target, oracle, prompt, max_new_tokens=11, eos_ids=set())
+    assert spec.tokens == reference[:11]
+    assert spec.accept_lengths == [4, 4, 2]
+    assert spec.full_accept_lengths == [4, 4, 4]
+    assert 0 < spec.prefill_seconds < spec.seconds
+
+
+def _generation(tokens, seconds, prefill, cut=(), full=()):
+    return Generation(list(range(tokens)), list(cut), list(full), seconds=seconds, prefill_seconds=prefill)
+
+
+def test_summarize_reports_both_conventions():
+    plains = [_generation(10, 2.0, 0.2), _generation(4, 1.0, 0.2)]
+    specs = [
+        _generation(10, 1.0, 0.5, cut=[3, 2, 4], full=[3, 2, 6]),  # last step cut at EOS
+        _generation(4, 0.5, 0.1, cut=[3], full=[3]),
+    ]
+    report = summarize(plains, specs, block_size=8)
+    assert report.tau_per_step == pytest.approx((3 + 2 + 4 + 3) / 4)
+    assert report.tau_per_prompt == pytest.approx(((3 + 2 + 6) / 3 + 3) / 2)
+    assert report.histogram == {2: 1, 3: 2, 4: 1}
+    assert report.target_ms_per_token == pytest.approx(1e3 * 3.0 / 14)
+    assert report.speculative_ms_per_token == pytest.approx(1e3 * 1.5 / 14)
+    assert report.speedup == pytest.approx(2.0)
+    # z-lab: mean over prompts of decoding time per output token, prefill excluded.
+    assert report.target_decode_ms_per_token == pytest.approx(1e3 * (1.8 / 10 + 0.8 / 4) / 2)
+    assert report.speculative_decode_ms_per_token == pytest.approx(1e3 * (0.5 / 10 + 0.4 / 4) / 2)
+    assert report.decode_speedup == pytest.approx((1.8 / 10 + 0.8 / 4) / (0.5 / 10 + 0.4 / 4))
+    # A prompt that ended at the prefill token has no steps: left out of the per-prompt mean.
+    report = summarize(plains + [_generation(1, 0.1, 0.1)], specs + [_generation(1, 0.1, 0.1)], block_size=8)
+    assert report.tau_per_prompt == pytest.approx(((3 + 2 + 6) / 3 + 3) / 2)
+
+
+def test_evaluate_reports_tau_histogram_and_speedup(setup, capsys):
+    from dflash.commands.evaluate import _print_report
+
     target, tokenizer, prompts = setup
     report = evaluate(target, _random_drafter(target, tokenizer), prompts, max_new_tokens=8, eos_ids=set())
     assert report.num_prompts == 3 and report.num_tokens == 24
     assert sum(report.histogram.values()) > 0 and set(report.histogram) <= set(range(1, 5))
-    assert report.tau == pytest.approx(sum(k * v for k, v in report.histogram.items()) / sum(report.histogram.values()))
+    steps = sum(report.histogram.values())
+    assert report.tau_per_step == pytest.approx(sum(k * v for k, v in report.histogram.items()) / steps)
+    assert 1 <= report.tau_per_prompt <= 4  # counts whole steps of a block of 4
     assert report.speedup == pytest.approx(report.target_ms_per_token / report.speculative_ms_per_token)
+    assert report.decode_speedup == pytest.approx(
+        report.target_decode_ms_per_token / report.speculative_decode_ms_per_token
+    )
+    keys = set(json.loads(json.dumps(report.to_dict())))
+    assert {"tau_per_step", "tau_per_prompt", "histogram", "speedup", "decode_speedup"} <= keys
+    _print_report(report)
+    printed = capsys.readouterr().out
+    assert f"{report.tau_per_step:.3f} per step" in printed and f"{report.tau_per_prompt:.3f} per prompt" in printed
+    assert "with prefill" in printed and "without prefill" in printed
 
 
 def test_drafter_tapping_other_layers_is_rejected(setup):

@@ -26,7 +26,9 @@ def _inputs(seed: int = 0):
     return hidden, weight, labels, label_mask, anchors, teacher
 
 
-def _reference(hidden, weight, labels, label_mask, slot_weights, *, soft=0.0, teacher_rows=None, dpace=False):
+def _reference(
+    hidden, weight, labels, label_mask, slot_weights, *, soft=0.0, teacher_rows=None, dpace=False, alpha=0.5
+):
     """Unchunked loss written out directly: full logits for every draft slot at once."""
     logits = (hidden @ weight.t()).float().view(B, N, BS, V)
     log_probs = logits.log_softmax(-1)
@@ -36,16 +38,18 @@ def _reference(hidden, weight, labels, label_mask, slot_weights, *, soft=0.0, te
         t = (teacher_rows @ weight.t()).float().log_softmax(-1)
         kl = F.kl_div(log_probs, t, log_target=True, reduction="none").sum(-1)
         token = (1 - soft) * ce + soft * kl
-    if dpace:
-        p = (-ce).exp().detach() * label_mask
+    if dpace:  # SpecForge / speculators: smoothed confidences, unsupervised slots pass through
+        c = torch.where(label_mask, (1 - alpha) * (-ce).exp().detach() + alpha, 1.0)
         w = torch.zeros(B, N, BS)
-        for k in range(1, BS):
-            w[..., k] = sum(torch.prod(p[..., 1 : j + 1], dim=-1) for j in range(k, BS))
+        for k in range(BS):
+            w[..., k] = sum(torch.prod(c[..., : j + 1], dim=-1) * label_mask[..., j] for j in range(k, BS))
+        normaliser = label_mask.sum().float()
     else:
         w = slot_weights.expand(B, N, BS)
+        normaliser = (w * label_mask).sum()
     w = w * label_mask
     correct = ((logits.argmax(-1) == labels) & label_mask).sum((0, 1))
-    return (w * token).sum(), w.sum(), correct
+    return (w * token).sum(), normaliser, correct
 
 
 def test_position_weights_and_default_gamma():
@@ -66,6 +70,7 @@ def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
     hidden, weight, labels, label_mask, anchors, teacher = _inputs()
     slot_weights = L.position_weights(BS, gamma=2.0)
     soft = 0.3 if mode == "soft" else 0.0
+    alpha = 0.3
     out = L.dflash_loss(
         hidden,
         weight,
@@ -74,6 +79,7 @@ def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
         slot_weights,
         chunk_blocks=chunk_blocks,
         position_weighting="dpace" if mode == "dpace" else "decay",
+        dpace_alpha=alpha,
         soft_label_weight=soft,
         teacher_hidden=teacher,
         anchors=anchors,
@@ -84,7 +90,15 @@ def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
     pos = (anchors[:, :, None] + torch.arange(BS) - 1).clamp(0, S - 1)
     teacher_rows = teacher[torch.arange(B)[:, None, None], pos]
     ref_loss, ref_weight, ref_correct = _reference(
-        hidden, weight, labels, label_mask, slot_weights, soft=soft, teacher_rows=teacher_rows, dpace=mode == "dpace"
+        hidden,
+        weight,
+        labels,
+        label_mask,
+        slot_weights,
+        soft=soft,
+        teacher_rows=teacher_rows,
+        dpace=mode == "dpace",
+        alpha=alpha,
     )
     (ref_grad,) = torch.autograd.grad(ref_loss, hidden)
     torch.testing.assert_close(out.loss_sum, ref_loss, rtol=1e-5, atol=1e-5)
@@ -140,14 +154,36 @@ def test_chunks_never_save_full_logits_for_backward():
     assert not logits_like, f"tensors with a vocabulary axis were kept for backward: {logits_like}"
 
 
-def test_dpace_weights_follow_the_acceptance_chain():
-    # One block of 4 slots with label probabilities p1, p2, p3 at slots 1..3.
-    probs = torch.tensor([[0.9, 0.5, 0.2, 0.4]])
-    mask = torch.tensor([[False, True, True, True]])
-    w = L._dpace_weights(probs.log(), mask)
-    p1, p2, p3 = 0.5, 0.2, 0.4
-    expected = [0.0, p1 + p1 * p2 + p1 * p2 * p3, p1 * p2 + p1 * p2 * p3, p1 * p2 * p3]
-    torch.testing.assert_close(w, torch.tensor([expected]))
+def test_dpace_weights_pin_specforge_and_speculators():
+    """Their definition (SpecForge ``_dpace_weight``, speculators ``dpace_loss_decay``), by hand.
+
+    One block of 5 slots, label probabilities q = 0.9, 0.5, 0.3, 0.2, 0.4; slot 0 is the anchor and
+    slot 2's label is outside the loss mask. Supervised slots get c = (1 - alpha) q + alpha, the
+    others pass through (c = 1); prefix P_j = prod_{i <= j} c_i; w_k = sum of P_j over supervised
+    j >= k, 0 on unsupervised slots.
+    alpha 0.5: c = 1, .75, 1, .6, .7 -> P = 1, .75, .75, .45, .315 -> w = 0, 1.515, 0, .765, .315.
+    alpha 0.2: c = 1, .6, 1, .36, .52 -> P = 1, .6, .6, .216, .11232 -> w = 0, .92832, 0, .32832, .11232.
+    """
+    probs = torch.tensor([[0.9, 0.5, 0.3, 0.2, 0.4]])
+    mask = torch.tensor([[False, True, False, True, True]])
+    w = L._dpace_weights(probs.log(), mask, L.DPACE_ALPHA)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.515, 0.0, 0.765, 0.315]]))
+    w = L._dpace_weights(probs.log(), mask, 0.2)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.92832, 0.0, 0.32832, 0.11232]]))
+    assert L.DPACE_ALPHA == 0.5
+
+
+def test_dpace_loss_is_a_mean_over_supervised_slots():
+    """speculators' reduction: sum(CE * w) / number of supervised slots (not / sum(w))."""
+    hidden = torch.zeros(1, 5, 2)
+    lm_head = torch.zeros(3, 2)  # uniform logits: every label has probability 1/3, CE = log 3
+    labels = torch.zeros(1, 1, 5, dtype=torch.long)
+    mask = torch.tensor([[[False, True, False, True, True]]])
+    out = L.dflash_loss(hidden, lm_head, labels, mask, torch.ones(5), position_weighting="dpace")
+    c = 0.5 / 3 + 0.5
+    weights = (c + c**2 + c**3) + (c**2 + c**3) + c**3
+    torch.testing.assert_close(out.loss_sum, torch.tensor(math.log(3) * weights))
+    assert out.weight_sum == 3
 
 
 def test_acceptance_length_estimate_known_values():
@@ -175,5 +211,7 @@ def test_bad_options_raise():
         L.dflash_loss(hidden, weight, labels, label_mask, w, soft_label_weight=0.5)
     with pytest.raises(ValueError, match="position_weighting"):
         L.dflash_loss(hidden, weight, labels, label_mask, w, position_weighting="linear")
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        L.dflash_loss(hidden, weight, labels, label_mask, w, position_weighting="dpace", dpace_alpha=1.5)
     with pytest.raises(ValueError, match="labels/label_mask"):
         L.dflash_loss(hidden, weight, labels[:, :-1], label_mask[:, :-1], w)

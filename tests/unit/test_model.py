@@ -16,6 +16,7 @@ from dflash.model import (
     create_drafter_config,
     default_target_layer_ids,
 )
+from dflash.portable import rope_parameters_of
 
 HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1
@@ -83,7 +84,7 @@ def test_create_drafter_config_copies_target_geometry(config_cls):
         head_dim=8,
         rms_norm_eps=1e-5,
         max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        rope_theta=5e5,  # the spelling transformers 4.x and 5.x both accept
     )
     config = create_drafter_config(target, 3, mask_token_id=MASK_ID)
     for field in (
@@ -97,7 +98,7 @@ def test_create_drafter_config_copies_target_geometry(config_cls):
         "max_position_embeddings",
     ):
         assert getattr(config, field) == getattr(target, field), field
-    assert config.rope_parameters["rope_theta"] == 5e5
+    assert rope_parameters_of(config.to_dict())["rope_theta"] == 5e5
     assert config.num_hidden_layers == 3 and config.num_target_layers == 36 and config.block_size == 16
     assert config.target_layer_ids == [1, 9, 17, 25, 33]
     assert config.architectures == ["DFlashDraftModel"] and config.model_type == "qwen3"

@@ -1,0 +1,353 @@
+"""The DFlash drafter as a self-contained transformers model (arXiv 2602.06036, Sec. 3).
+
+Every checkpoint ``dflash train`` writes carries a verbatim copy of this file as
+``modeling_dflash.py`` and an ``auto_map`` naming its classes, so the loading path z-lab's README
+shows builds this drafter and loads every weight::
+
+    AutoModel.from_pretrained(checkpoint, trust_remote_code=True)   # or AutoModelForCausalLM
+
+The file therefore imports only torch and transformers, and runs unchanged under transformers
+4.57 (the version z-lab/dflash pins) and 5.x. The project's training model
+(``dflash.model.DFlashDraftModel``) subclasses the classes here, so the served copy and the
+trained model share one implementation.
+
+The drafter is a stack of Qwen3-style decoder layers with no embedding and no LM head of its own:
+it embeds its draft blocks with the target's frozen ``embed_tokens`` and reads them out with the
+target's frozen ``lm_head``. It is conditioned on K hidden states tapped from the target
+(``target_layer_ids``; id k is HF ``hidden_states[k + 1]``): they are concatenated on the feature
+axis and fused once, ``hidden_norm(fc(x))``, into one context sequence every layer attends to.
+Queries come only from draft-block tokens; keys/values are the same ``k_proj``/``v_proj`` over
+``[context ; draft tokens]`` with ``k_norm`` on both; RoPE (neox style, ``rotate_half``) on Q and
+K; GQA; non-causal (z-lab/dflash ``model.py``; vLLM ``qwen3_dflash.py``).
+
+Checkpoint layout (what vLLM and SGLang load): a Qwen3 ``config.json`` (``model_type`` ``qwen3``)
+plus ``architectures=["DFlashDraftModel"]``, top-level ``block_size`` and ``num_target_layers``,
+``dflash_config={"mask_token_id", "target_layer_ids"}``; weights ``fc.weight``,
+``hidden_norm.weight``, ``norm.weight`` and ``layers.{i}.…`` with no ``model.`` prefix.
+
+Shape legend: B batch, S context length, Q draft tokens, K tapped layers, H hidden size.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, Qwen3Config
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+#: Attention backends the drafter supports (keys of transformers' ``ALL_ATTENTION_FUNCTIONS``).
+#: "flex_attention" takes a BlockMask (GPU training); "sdpa" a dense bool mask or None.
+SUPPORTED_ATTENTION = ("flex_attention", "sdpa")
+
+#: Mask token of Qwen3 tokenizers (the first embedding row past the tokenizer); the config default.
+QWEN3_MASK_TOKEN_ID = 151669
+
+# transformers 4.x configs take the RoPE base as ``rope_theta`` (+ ``rope_scaling``) and ignore a
+# ``rope_parameters`` argument; 5.x takes ``rope_parameters`` and converts the 4.x keywords.
+_TAKES_LEGACY_ROPE = "rope_theta" in inspect.signature(Qwen3Config.__init__).parameters
+
+
+def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
+    """Split a transformers 5 ``rope_parameters`` dict into the 4.x ``(rope_theta, rope_scaling)``.
+
+    ``rope_scaling`` is None for plain RoPE (``rope_type`` "default"), else every entry but
+    ``rope_theta`` (4.x validates scaling dicts and rejects unknown keys).
+    """
+    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type"}:
+        scaling = None
+    return float(rope_parameters["rope_theta"]), scaling
+
+
+def default_target_layer_ids(num_target_layers: int, num_captured: int) -> list[int]:
+    """Target layers to tap, by the public DFlash formula (z-lab/dflash, SpecForge).
+
+    ``num_captured == 1`` gives ``[L // 2]``; otherwise ``round(1 + i * (L - 4) / (N - 1))`` for
+    i in 0..N-1. Layer id k is the *output* of decoder layer k, i.e. HF
+    ``output.hidden_states[k + 1]``.
+
+    Args:
+        num_target_layers (int): L, decoder layers of the target.
+        num_captured (int): N, layers to tap.
+
+    Returns:
+        list[int]: N sorted layer ids, e.g. L=36, N=5 -> [1, 9, 17, 25, 33]; L=64, N=5 ->
+        [1, 16, 31, 46, 61].
+
+    Raises:
+        ValueError: L < 1, N < 1, or N > 1 with fewer than N + 3 target layers (the formula would
+        repeat ids); see :func:`max_captured_layers`.
+    """
+    if num_target_layers < 1 or num_captured < 1:
+        raise ValueError(f"num_target_layers and num_captured must be >= 1, got {num_target_layers}, {num_captured}")
+    if num_captured == 1:
+        return [num_target_layers // 2]
+    if num_captured > max_captured_layers(num_target_layers):
+        raise ValueError(
+            f"cannot tap {num_captured} distinct layers of a {num_target_layers}-layer target with the "
+            f"default formula; use num_captured <= {max_captured_layers(num_target_layers)} or pass "
+            "target_layer_ids explicitly"
+        )
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_captured - 1)) for i in range(num_captured)]
+
+
+def max_captured_layers(num_target_layers: int) -> int:
+    """Largest N for which :func:`default_target_layer_ids` gives distinct ids (1 for L < 5)."""
+    return max(1, num_target_layers - 3)
+
+
+class DFlashDraftConfig(Qwen3Config):
+    r"""Config of a DFlash drafter: a Qwen3 config plus the DFlash fields vLLM/SGLang read.
+
+    ``model_type`` stays ``"qwen3"`` (what z-lab checkpoints and vLLM's ``qwen3_dflash`` expect);
+    ``num_hidden_layers`` is the number of *drafter* layers. RoPE may be given in either
+    transformers form (``rope_parameters``, or ``rope_theta`` + ``rope_scaling``); it is stored in
+    the installed version's form, so the base is never silently dropped.
+
+    Args:
+        block_size (int): tokens per draft block (anchor + block_size-1 predictions); >= 2.
+        num_target_layers (int): L, decoder layers of the target model.
+        dflash_config (dict): ``{"mask_token_id": int, "target_layer_ids": list[int]}``; the mask
+            token must be a row of the target embedding (``< vocab_size``), the ids in ``[0, L)``,
+            distinct. None gives the Qwen3 defaults (mask 151669, the default ids for L).
+        **kwargs: Qwen3Config fields (hidden_size, num_attention_heads, rope_parameters, ...).
+
+    Raises:
+        ValueError: naming the field that is out of range.
+    """
+
+    def __init__(self, block_size: int = 16, num_target_layers: int = 36, dflash_config: dict | None = None, **kwargs):
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {block_size}")
+        if num_target_layers < 1:
+            raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
+        if _TAKES_LEGACY_ROPE and kwargs.get("rope_parameters") is not None:
+            theta, scaling = legacy_rope(kwargs.pop("rope_parameters"))
+            kwargs.setdefault("rope_theta", theta)
+            kwargs.setdefault("rope_scaling", scaling)
+        if kwargs.get("architectures") is None:
+            kwargs["architectures"] = ["DFlashDraftModel"]
+        if dflash_config is None:
+            captured = min(5, max_captured_layers(num_target_layers))
+            dflash_config = {
+                "mask_token_id": QWEN3_MASK_TOKEN_ID,
+                "target_layer_ids": default_target_layer_ids(num_target_layers, captured),
+            }
+        self.block_size = block_size
+        self.num_target_layers = num_target_layers
+        self.dflash_config = dflash_config
+        super().__init__(**kwargs)
+        self._validate_dflash_config()
+
+    def _validate_dflash_config(self) -> None:
+        missing = {"mask_token_id", "target_layer_ids"} - set(self.dflash_config)
+        if missing:
+            raise ValueError(f"dflash_config is missing {sorted(missing)}")
+        mask_token_id = self.dflash_config["mask_token_id"]
+        if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"dflash_config.mask_token_id must be an int in [0, vocab_size={self.vocab_size}), got "
+                f"{mask_token_id!r}; use an existing token of the target vocabulary"
+            )
+        ids = self.dflash_config["target_layer_ids"]
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(i, int) and 0 <= i < self.num_target_layers for i in ids)
+            or len(set(ids)) != len(ids)
+        ):
+            raise ValueError(
+                "dflash_config.target_layer_ids must be a non-empty list of distinct ints in "
+                f"[0, num_target_layers={self.num_target_layers}), got {ids!r}"
+            )
+
+    @property
+    def mask_token_id(self) -> int:
+        """Token id that fills draft slots 1..block_size-1."""
+        return self.dflash_config["mask_token_id"]
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """Tapped target layers: id k is HF ``hidden_states[k + 1]``."""
+        return list(self.dflash_config["target_layer_ids"])
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Neox-style RoPE on ``x`` [B, heads, T, D] with ``cos``/``sin`` [B, T, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the draft tokens, keys/values over ``[context ; draft tokens]``, non-causal, GQA."""
+
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        # Read by transformers' sdpa_attention_forward: never add a causal mask of its own.
+        self.is_causal = False
+        hidden, q_dim, kv_dim = (
+            config.hidden_size,
+            config.num_attention_heads * self.head_dim,
+            (config.num_key_value_heads * self.head_dim),
+        )
+        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        context: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        attention_mask,
+    ) -> Tensor:
+        """``hidden`` [B, Q, H] (normed), ``context`` [B, S, H] -> attention output [B, Q, H]."""
+        batch, q_len, _ = hidden.shape
+        kv_input = torch.cat([context, hidden], dim=1)
+        q = self.q_norm(self.q_proj(hidden).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim))
+        v = self.v_proj(kv_input).view(batch, kv_input.shape[1], -1, self.head_dim)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k.transpose(1, 2), *rope_kv)
+        # The model has already rejected backends outside SUPPORTED_ATTENTION.
+        attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, _ = attention(self, q, k, v.transpose(1, 2), attention_mask, dropout=0.0, scaling=self.scaling)
+        return self.o_proj(out.reshape(batch, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 block whose attention also reads the shared context features."""
+
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, context, rope_q, rope_kv, attention_mask, query_valid) -> Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), context, rope_q, rope_kv, attention_mask)
+        if query_valid is not None:
+            # Padding blocks see no key: flex and CPU SDPA return 0 there, but some GPU SDPA
+            # kernels return NaN for an all-masked row, so zero them explicitly.
+            attn = torch.where(query_valid, attn, 0.0)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """The DFlash drafter (weights in the z-lab layout, see the module docstring).
+
+    Pick the attention backend with transformers' usual switch (``attn_implementation=`` of
+    ``from_pretrained``/``_from_config``, or ``set_attn_implementation``): one of
+    :data:`SUPPORTED_ATTENTION`.
+
+    Args:
+        config (DFlashDraftConfig)
+    """
+
+    config_class = DFlashDraftConfig
+    base_model_prefix = ""
+    main_input_name = "noise_embedding"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def __init__(self, config: DFlashDraftConfig):
+        super().__init__(config)
+        num_tapped = len(config.target_layer_ids)
+        self.fc = nn.Linear(num_tapped * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def forward(
+        self,
+        noise_embedding: Tensor,
+        target_hidden: Tensor,
+        position_ids: Tensor,
+        attention_mask=None,
+        query_valid: Tensor | None = None,
+    ) -> Tensor:
+        """Drafter hidden states of draft tokens attending to a context (z-lab's argument names).
+
+        Args:
+            noise_embedding (Tensor): ``[B, Q, H]``, the target's ``embed_tokens`` of the draft
+                tokens (a block is ``[last verified token, MASK x (block_size - 1)]``).
+            target_hidden (Tensor): ``[B, S, K*H]``, the K tapped target layers of the S context
+                tokens concatenated on the feature axis in ``target_layer_ids`` order.
+            position_ids (Tensor): int64 ``[B, S + Q]``, positions of the context tokens then of
+                the draft tokens (a block right after S context tokens: ``0 .. S + Q - 1``).
+            attention_mask (Tensor | BlockMask, optional): visibility of ``[context ; draft]`` for
+                each draft token (bool ``[B, 1, Q, S + Q]`` for "sdpa"); None lets every draft
+                token see all of it, the inference form.
+            query_valid (Tensor, optional): bool ``[B, Q, 1]``, False on draft tokens of padding
+                blocks (training), whose attention output is zeroed; None: all real.
+
+        Returns:
+            Tensor: ``[B, Q, H]`` after the final norm; apply the target's ``lm_head``.
+
+        Raises:
+            ValueError: an unsupported attention backend, or mismatched shapes.
+        """
+        self._attention_backend()
+        context_len = target_hidden.shape[1]
+        self._check_context_width(target_hidden)
+        if position_ids.shape[-1] != context_len + noise_embedding.shape[1]:
+            raise ValueError(
+                f"position_ids has {position_ids.shape[-1]} positions, expected S + Q = "
+                f"{context_len} + {noise_embedding.shape[1]} (context, then draft tokens)"
+            )
+        context = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(noise_embedding, position_ids.expand(noise_embedding.shape[0], -1))
+        rope_q = (cos[:, context_len:], sin[:, context_len:])
+        hidden = noise_embedding
+        for layer in self.layers:
+            hidden = layer(hidden, context, rope_q, (cos, sin), attention_mask, query_valid)
+        return self.norm(hidden)
+
+    def _check_context_width(self, target_hidden: Tensor) -> None:
+        width = target_hidden.shape[-1]
+        expected = len(self.config.target_layer_ids) * self.config.hidden_size
+        if width != expected:
+            raise ValueError(
+                f"target_hidden has {width} features, expected K*H = {expected} "
+                f"({len(self.config.target_layer_ids)} tapped layers x hidden {self.config.hidden_size})"
+            )
+
+    def _attention_backend(self) -> str:
+        impl = self.config._attn_implementation
+        if impl not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attention backend {impl!r} is not supported by the DFlash drafter; use one of "
+                f"{SUPPORTED_ATTENTION} (set attn_implementation=...)"
+            )
+        return impl
