@@ -65,7 +65,8 @@ class TrainConfig:
     num_target_layers: int = 3
     """How many target layers to tap when --target-layer-ids is not given (published drafters: 5)."""
     mask_token_id: int | None = None
-    """Token id of the draft mask slot (an existing row of the target embedding); empty = the tokenizer's mask token."""
+    """Token id of the draft mask slot (an existing row of the target embedding, never resized); empty = the resumed
+    drafter's, else the tokenizer's mask token, else the first unused embedding row, else pad/eos/unk (logged)."""
 
     # ---- data -----------------------------------------------------------------------------
     seq_len: int = 128
@@ -235,6 +236,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """Every field's default value, by name."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:

@@ -42,6 +42,7 @@ from dflash.engine.local import LocalEngine
 from dflash.engine.replica import build_replicas
 from dflash.engine.step import LossSettings, detect_peak_tflops
 from dflash.engine.threaded import ThreadedEngine, bottleneck
+from dflash.mask_token import resolve_mask_token_id
 from dflash.packing import row_packer
 from dflash.target import load_target, resolve_device
 
@@ -273,17 +274,18 @@ class Trainer:
         return read_conversations(cache)
 
     def _mask_token_id(self, target) -> int:
-        candidates = (
-            self.config.mask_token_id,
-            self.tokenizer.mask_token_id,
-            getattr(target.config, "dflash_mask_token_id", None),
+        """``--mask-token-id``, else the resumed drafter's, else the target tokenizer's choice
+        (:func:`dflash.mask_token.resolve_mask_token_id`; logged with its source)."""
+        resumed = None
+        if self.config.resume:
+            step_dir = checkpoint.find_checkpoint(self.out, verify=False)
+            resumed = json.loads((step_dir / checkpoint.CONFIG_NAME).read_text()).get("dflash_config")
+        mask_id, _ = resolve_mask_token_id(
+            explicit=self.config.mask_token_id,
+            drafter_config=resumed,
+            tokenizer=self.tokenizer,
+            vocab_size=target.embed_tokens.num_embeddings,
         )
-        mask_id = next((c for c in candidates if c is not None), None)
-        if mask_id is None:
-            raise ValueError(
-                "mask_token_id: the target tokenizer has no mask token; pass --mask-token-id "
-                "with an existing, rarely used token id (Qwen3: 151669)"
-            )
         return mask_id
 
     def _build_drafter(self, target):
@@ -550,7 +552,13 @@ class Trainer:
             drafter_config=self.drafter.config.to_diff_dict(),
             training_state=state,
             keep_last=self.config.keep_last,
+            dtype=checkpoint.resolve_save_dtype(self.config.save_dtype, self._compute_dtype),
         )
+
+    @property
+    def _compute_dtype(self) -> torch.dtype:
+        """What the drafter computes in: bf16 under CUDA autocast, float32 on CPU."""
+        return torch.bfloat16 if self.layout.device_type == "cuda" else torch.float32
 
     def load_checkpoint(self) -> None:
         """Restore the latest checkpoint in ``out`` for an exact continuation.
@@ -574,7 +582,7 @@ class Trainer:
                 f"{step_dir} was saved by {len(rngs)} process(es), this run has {self.process.world_size}; "
                 "resume with the same torchrun layout"
             )
-        self.engine.load_state_dict(engine_state, checkpoint.load_drafter_files(step_dir)[1])
+        self.engine.load_state_dict(engine_state, checkpoint.resume_weights(step_dir, state))
         checkpoint.set_rng_state(state["rng"])
         self.step = state["step"]
         logger.info("resumed from %s at step %d (epoch %d)", step_dir, self.step, self.loader.epoch)
@@ -639,6 +647,7 @@ _RESUMABLE_CHANGES = {
     "compile",
     "cpu_threads",
     "peak_tflops",
+    "save_dtype",
     "target_devices",
     "prefetch_depth",
 }
@@ -664,6 +673,8 @@ def _same_input(saved: str | None, current: str | None) -> bool:
 
 
 def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> None:
+    # A key the saved run lacks is a field added since; it ran with that field's default.
+    saved = {**TrainConfig.defaults(), **saved}
     changed = sorted(
         k
         for k, v in current.to_dict().items()

@@ -42,6 +42,7 @@ class LossSettings:
         gamma (float | None): decay of the position weights (None: the paper's value for Bs).
         soft_label_weight (float): weight of the KL to the target's distribution, in [0, 1].
         position_weighting (str): ``decay`` or ``dpace``.
+        dpace_alpha (float): D-PACE confidence smoothing (used with ``dpace``).
         chunk_blocks (int): draft blocks per chunk of the LM head + loss.
     """
 
@@ -50,6 +51,7 @@ class LossSettings:
     gamma: float | None
     soft_label_weight: float
     position_weighting: str
+    dpace_alpha: float
     chunk_blocks: int
 
     @classmethod
@@ -60,6 +62,7 @@ class LossSettings:
             gamma=config.gamma,
             soft_label_weight=config.soft_label_weight,
             position_weighting="dpace" if config.dpace else "decay",
+            dpace_alpha=config.dpace_alpha,
             chunk_blocks=config.loss_chunk_blocks,
         )
 
@@ -78,6 +81,7 @@ class LossSettings:
             mask_token_id=self.mask_token_id,
             soft_label_weight=self.soft_label_weight,
             position_weighting=self.position_weighting,
+            dpace_alpha=self.dpace_alpha,
             chunk_blocks=self.chunk_blocks,
         )
 
@@ -164,6 +168,7 @@ def drafter_forward_loss(
     mask_token_id: int,
     soft_label_weight: float,
     position_weighting: str,
+    dpace_alpha: float,
     chunk_blocks: int,
 ):
     """Draft blocks -> drafter -> chunked LM head + weighted loss (:func:`dflash.loss.dflash_loss`).
@@ -184,6 +189,7 @@ def drafter_forward_loss(
         position_weight,
         chunk_blocks=chunk_blocks,
         position_weighting=position_weighting,
+        dpace_alpha=dpace_alpha,
         soft_label_weight=soft_label_weight,
         teacher_hidden=last_hidden if soft_label_weight > 0 else None,
         anchors=anchors,
