@@ -46,6 +46,7 @@ from dflash.engine.jobs import Job
 from dflash.engine.replica import build_replicas, optimizer_step
 from dflash.engine.step import LossSettings, TargetBatch, detect_peak_tflops, drafter_step
 from dflash.engine.threaded import Control, DrafterWorker, Inbox, Prefetched, run_drafters
+from dflash.loss import DPACE_ALPHA
 from dflash.masks import sample_anchors
 from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.target import TargetStates
@@ -112,6 +113,7 @@ def build(devices: list[torch.device], s: dict, compiled: bool, backend: str, wa
         gamma=None,
         soft_label_weight=0.0,
         position_weighting="decay",
+        dpace_alpha=DPACE_ALPHA,
         chunk_blocks=16,
     )
     slots = [Slot(f"{d.type}:{i}", d) for i, d in enumerate(devices)]
@@ -138,8 +140,12 @@ def make_item(device: torch.device, s: dict, seq_len: int, seed: int, model) -> 
     width = len(model.config.target_layer_ids) * s["hidden"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     context = torch.randn(s["batch"], seq_len, width, generator=gen).to(device, dtype)
-    batch = TargetBatch(ids.to(device), loss_mask.to(device), TargetStates(context, None), ids.numel())
-    job = Job(seed, 0, 0, 0, Batch(ids, loss_mask, torch.full((s["batch"],), seq_len)), anchors, valid, {})
+    host = Batch(ids, loss_mask, torch.full((s["batch"],), seq_len))
+    ids, loss_mask, positions, documents = (
+        t.to(device) for t in (ids, loss_mask, host.position_ids, host.document_ids)
+    )
+    batch = TargetBatch(ids, loss_mask, positions, documents, TargetStates(context, None), host.num_tokens)
+    job = Job(seed, 0, 0, 0, host, anchors, valid, {})
     return Prefetched(job, batch, anchors.to(device), valid.to(device))
 
 

@@ -3,8 +3,11 @@
 The drafter's hidden states go through the target's frozen ``lm_head``. With N*Bs draft tokens and
 a 152k vocabulary the full logits (8,192 x 151,936 floats, ~5 GB in fp32) do not fit next to the
 rest of a training step, so :func:`dflash_loss` runs the head + loss over chunks of whole blocks,
-each under ``torch.utils.checkpoint``: neither forward nor backward ever holds more than one chunk
-of logits.
+one chunk's logits at a time. Each chunk computes its loss *and* its gradient with respect to the
+drafter's hidden states in one pass (a fused linear cross-entropy, as Liger-Kernel and "Cut Your
+Losses" (arXiv 2411.09009) do for LM heads): backward only scales the saved gradient, so nothing
+is recomputed and no logits outlive their chunk. Against checkpointing each chunk (logits
+recomputed in backward) that saves one of three V x H matmuls per draft token.
 
 Loss (arXiv 2602.06036, Sec. 3.3): weighted cross-entropy over draft slots k >= 1 with
 ``w_k = exp(-(k - 1) / gamma)`` (slot 0, the given anchor token, has weight 0). The function returns
@@ -22,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 #: gamma of the position decay used by the DFlash paper per block size (Sec. 3.3).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -126,10 +128,11 @@ def dflash_loss(
       length. The returned weight sum is the number of supervised slots (speculators divides by
       it; SpecForge by the batch size), so the loss is a mean over supervised slots.
 
-    Memory: each chunk of ``chunk_blocks`` blocks is run under non-reentrant
-    ``torch.utils.checkpoint``, so forward keeps only the chunk's inputs and backward recomputes
-    one chunk's logits at a time (peak ``chunk_blocks * Bs * V`` floats, x2-3 for softmax and
-    grad). The soft-label teacher logits are recomputed in backward too (frozen matmul, no grad).
+    Memory and work: each chunk of ``chunk_blocks`` blocks computes its logits, loss and the
+    gradient of the loss with respect to its hidden states at once (:class:`_FusedChunkLoss`);
+    only that gradient (``[C, Bs, H]``) is kept for backward, never logits (peak
+    ``chunk_blocks * Bs * V`` floats, x3-4 for softmax and gradient). The LM head is frozen, so no
+    weight gradient is formed. The gradient flows to ``hidden`` only.
 
     Args:
         hidden (Tensor): ``[B, N*Bs, H]`` drafter output (after its final norm).
@@ -187,8 +190,7 @@ def dflash_loss(
     for start in range(0, rows.shape[0], chunk_blocks):
         part = slice(start, start + chunk_blocks)
         teacher = teacher_rows[part] if soft else None
-        chunk_loss, chunk_weight, chunk_correct = checkpoint(
-            _chunk_loss,
+        chunk_loss, chunk_weight, chunk_correct = _FusedChunkLoss.apply(
             rows[part],
             lm_head_weight,
             labels[part],
@@ -198,7 +200,6 @@ def dflash_loss(
             soft_label_weight,
             position_weighting,
             dpace_alpha,
-            use_reentrant=False,
         )
         loss_sum = loss_sum + chunk_loss
         weight_sum = weight_sum + chunk_weight
@@ -216,35 +217,49 @@ def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> T
     return torch.gather(teacher_hidden.detach(), 1, index).reshape(-1, block_size, hidden_size)
 
 
-def _chunk_loss(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    labels: Tensor,
-    label_mask: Tensor,
-    weights: Tensor,
-    teacher: Tensor | None,
-    soft_label_weight: float,
-    position_weighting: str,
-    dpace_alpha: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Loss of one chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs])."""
-    logits = (hidden @ lm_head_weight.t()).float()  # [C, Bs, V]
-    log_probs = F.log_softmax(logits, dim=-1)
-    label_log_prob = log_probs.gather(-1, labels[..., None]).squeeze(-1)  # [C, Bs]
-    token_loss = -label_log_prob
-    if teacher is not None:
-        with torch.no_grad():
+class _FusedChunkLoss(torch.autograd.Function):
+    """One chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs]), the
+    gradient with respect to ``hidden`` computed in forward and saved; backward scales it.
+
+    With ``p`` the drafter's softmax, ``t`` the teacher's, ``a`` the soft-label weight and ``w`` the
+    (detached) slot weight, the loss of a slot is ``w * ((1 - a) * CE + a * KL(t || p))``, whose
+    gradient with respect to the logits is ``w * (p - (1 - a) * onehot(label) - a * t)``; through
+    the frozen head, ``dL/dhidden = (dL/dlogits) @ W``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, label_mask, weights, teacher, soft_label_weight, weighting, alpha):
+        logits = (hidden @ lm_head_weight.t()).float()  # [C, Bs, V]
+        log_probs = F.log_softmax(logits, dim=-1)
+        label_log_prob = log_probs.gather(-1, labels[..., None]).squeeze(-1)  # [C, Bs]
+        token_loss = -label_log_prob
+        grad_logits = log_probs.exp()  # p; becomes dL/dlogits below
+        label_share = 1.0
+        if teacher is not None:
             teacher_log_probs = F.log_softmax((teacher @ lm_head_weight.t()).float(), dim=-1)
-        kl = (teacher_log_probs.exp() * (teacher_log_probs - log_probs)).sum(-1)
-        token_loss = (1.0 - soft_label_weight) * token_loss + soft_label_weight * kl
-    if position_weighting == "dpace":
-        slot_weights = _dpace_weights(label_log_prob.detach(), label_mask, dpace_alpha)
-        normaliser = label_mask.sum().float()
-    else:
-        slot_weights = torch.where(label_mask, weights.expand_as(token_loss), 0.0)
-        normaliser = slot_weights.sum().detach()
-    correct = ((logits.argmax(-1) == labels) & label_mask).sum(0)
-    return (slot_weights * token_loss).sum(), normaliser, correct
+            teacher_probs = teacher_log_probs.exp()
+            kl = (teacher_probs * (teacher_log_probs - log_probs)).sum(-1)
+            token_loss = (1.0 - soft_label_weight) * token_loss + soft_label_weight * kl
+            grad_logits.sub_(soft_label_weight * teacher_probs)
+            label_share = 1.0 - soft_label_weight
+        if weighting == "dpace":
+            slot_weights = _dpace_weights(label_log_prob, label_mask, alpha)
+            normaliser = label_mask.sum().float()
+        else:
+            slot_weights = torch.where(label_mask, weights.expand_as(token_loss), 0.0)
+            normaliser = slot_weights.sum()
+        correct = ((logits.argmax(-1) == labels) & label_mask).sum(0)
+        del logits, log_probs
+        grad_logits.scatter_add_(-1, labels[..., None], torch.full_like(label_log_prob, -label_share)[..., None])
+        grad_logits.mul_(slot_weights[..., None])
+        ctx.save_for_backward((grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype))
+        ctx.mark_non_differentiable(normaliser, correct)
+        return (slot_weights * token_loss).sum(), normaliser, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_normaliser, grad_correct):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_loss * grad_hidden, None, None, None, None, None, None, None, None
 
 
 def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor, alpha: float) -> Tensor:

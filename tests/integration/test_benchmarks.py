@@ -22,3 +22,15 @@ def test_drafter_scaling_smoke_on_cpu():
     assert result["multi"]["tokens_per_s_per_device"] > 0 and result["scaling"] > 0
     assert result["multi"]["eager_fallbacks"] == 0
     assert "scaling: W=2 per-device / solo" in done.stdout
+
+
+def test_lm_head_loss_smoke_on_cpu():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "lm_head_loss.py"), "--device", "cpu", "--tiny", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    difference = float(done.stdout.split("gradient relative difference ")[1].split()[0])
+    assert difference < 1e-5 and "fused / checkpointed time:" in done.stdout
