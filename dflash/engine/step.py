@@ -265,8 +265,8 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
     ``k_proj``/``v_proj`` on the context tokens; 4 * params * tokens for ``fc`` (its input, the
     target states, needs no grad); 4 * V * H per draft token for the frozen
     LM head (forward + input grad, no weight grad); attention 12 * heads * head_dim per visible
-    (query, key) pair per layer (QK^T and PV, forward + backward). Activation recompute of the
-    chunked LM head is not counted (model FLOPs, not hardware FLOPs).
+    (query, key) pair per layer (QK^T and PV, forward + backward). Model FLOPs: any recompute would
+    not count (the fused LM head loss recomputes nothing).
     """
     cfg = drafter.config
     layer_params = sum(p.numel() for p in drafter.layers.parameters()) + drafter.norm.weight.numel()
