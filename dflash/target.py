@@ -12,6 +12,7 @@ default ids never pick it (``docs/dflash.md``).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
@@ -263,14 +264,20 @@ def load_target(
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # Straight onto the GPU: no host copy of the weights (and any weight the files lack is
+    # initialised there). device_map needs accelerate; without it the model moves after loading.
+    direct = device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, device_map=str(device) if direct else None
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise TargetLoadError(
             f"target {path}: cannot load as a causal LM ({type(e).__name__}: {e}); "
             "check config.json and that the weight files are complete"
         ) from e
-    model.to(device)
+    if not direct:
+        model.to(device)
     if layer_ids is None:
         layer_ids = default_target_layer_ids(model.config.num_hidden_layers, num_capture_layers)
     logger.info(
