@@ -126,13 +126,14 @@ def require_data_file(path: str | Path) -> Path:
 
 
 def read_conversations(
-    path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES, progress: bool = True
+    path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES, progress: bool = True, max_records: int | None = None
 ) -> list[list[dict[str, str]]]:
     """Read a JSONL chat file into conversations of ``{"role", "content"}`` messages.
 
     Blank lines are skipped. Roles are normalised (``human`` -> ``user``, ``gpt`` ->
     ``assistant``, see ``_ROLE_ALIASES``). A file over 64 MiB shows a progress bar unless
-    ``progress`` is off.
+    ``progress`` is off. ``max_records``: stop after that many conversations (a quick check of
+    the file's start).
 
     Raises:
         DatasetError: missing or empty file, a line over ``max_line_bytes`` bytes (found
@@ -180,6 +181,8 @@ def read_conversations(
                     f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
                 ) from None
             conversations.append(_parse_record(record, where))
+            if len(conversations) == max_records:
+                break
     if not conversations:
         raise DatasetError(f"{path}: file is empty; expected one JSON chat record per line")
     return conversations

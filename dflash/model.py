@@ -36,6 +36,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash import masks
+from dflash.layer_taps import default_target_layer_ids, max_captured_layers
 
 logger = logging.getLogger(__name__)
 
@@ -45,44 +46,6 @@ SUPPORTED_ATTENTION = ("flex_attention", "sdpa")
 
 #: Mask token of Qwen3 tokenizers (an existing, untrained embedding row); the config default.
 QWEN3_MASK_TOKEN_ID = 151669
-
-
-def default_target_layer_ids(num_target_layers: int, num_captured: int) -> list[int]:
-    """Target layers to tap, by the public DFlash formula (z-lab/dflash, SpecForge).
-
-    ``num_captured == 1`` gives ``[L // 2]``; otherwise ``round(1 + i * (L - 4) / (N - 1))`` for
-    i in 0..N-1. Layer id k is the *output* of decoder layer k, i.e. HF
-    ``output.hidden_states[k + 1]``.
-
-    Args:
-        num_target_layers (int): L, decoder layers of the target.
-        num_captured (int): N, layers to tap.
-
-    Returns:
-        list[int]: N sorted layer ids, e.g. L=36, N=5 -> [1, 9, 17, 25, 33]; L=64, N=5 ->
-        [1, 16, 31, 46, 61].
-
-    Raises:
-        ValueError: L < 1, N < 1, or N > 1 with fewer than N + 3 target layers (the formula would
-        repeat ids); see :func:`max_captured_layers`.
-    """
-    if num_target_layers < 1 or num_captured < 1:
-        raise ValueError(f"num_target_layers and num_captured must be >= 1, got {num_target_layers}, {num_captured}")
-    if num_captured == 1:
-        return [num_target_layers // 2]
-    if num_captured > max_captured_layers(num_target_layers):
-        raise ValueError(
-            f"cannot tap {num_captured} distinct layers of a {num_target_layers}-layer target with the "
-            f"default formula; use num_captured <= {max_captured_layers(num_target_layers)} or pass "
-            "target_layer_ids explicitly"
-        )
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_captured - 1)) for i in range(num_captured)]
-
-
-def max_captured_layers(num_target_layers: int) -> int:
-    """Largest N for which :func:`default_target_layer_ids` gives distinct ids (1 for L < 5)."""
-    return max(1, num_target_layers - 3)
 
 
 @strict

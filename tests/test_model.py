@@ -67,7 +67,7 @@ def test_default_target_layer_ids_public_formula():
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(28, 1) == [14]
     assert default_target_layer_ids(5, 2) == [1, 2]
-    with pytest.raises(ValueError, match="num_captured <= 2"):
+    with pytest.raises(ValueError, match="--num-target-layers 3: .* at most 2 .* pass --num-target-layers 2"):
         default_target_layer_ids(5, 3)
 
 
