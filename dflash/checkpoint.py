@@ -207,11 +207,12 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
 
     Without a usable ``latest`` (missing, unreadable, or naming a deleted step, e.g. after the
     user deleted a corrupt newest step as the verify error tells them to), the newest complete
-    step directory (one with its manifest, which a save writes last) is taken, with a warning.
+    step directory is taken, with a warning: a ``step_N`` (saves rename ``step_N.tmp`` to it
+    only once it is whole; one damaged since is reported by the manifest check, not skipped).
 
     Raises:
-        CheckpointError: nothing there, ``latest`` names a missing directory and no complete step
-            is left, or a file is missing/truncated/altered (see :func:`verify_checkpoint`).
+        CheckpointError: nothing there, ``latest`` names a missing directory and no step is left,
+            or a file is missing/truncated/altered (see :func:`verify_checkpoint`).
     """
     path = Path(path)
     if (path / "checkpoints").is_dir():
@@ -241,15 +242,16 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
 
 
 def _newest_complete_step(root: Path, problem: str) -> Path:
-    """The newest ``step_N`` in ``root`` holding its manifest, when ``latest`` cannot be used (``problem``).
+    """The newest ``step_N`` directory in ``root`` (never a half-written ``step_N.tmp``), when
+    ``latest`` cannot be used (``problem``).
 
     Raises:
-        CheckpointError: no complete step directory in ``root``.
+        CheckpointError: no step directory in ``root``.
     """
-    steps = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / MANIFEST_NAME).is_file())
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
     if not steps:
         raise CheckpointError(
-            f"{problem}, and no complete step directory (step_N with {MANIFEST_NAME}) is in {root}; "
+            f"{problem}, and no other step directory is left in {root}; "
             "train into a new --out, or pass a step_N directory that holds a drafter"
         )
     logger.warning("%s; using the newest complete step, %s", problem, steps[-1].name)

@@ -5,6 +5,7 @@ The last test trains, resumes and evaluates a tiny target through the CLI (~10 s
 """
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -35,10 +36,17 @@ def test_a_missing_latest_falls_back_to_the_newest_step(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("latest", ["missing", "names a deleted step", "unreadable"])
-def test_the_fallback_skips_an_incomplete_newest_step(tmp_path, latest):
+def test_the_fallback_never_takes_a_half_written_save(tmp_path, latest, monkeypatch):
     complete = _save(tmp_path, 1)
-    incomplete = _save(tmp_path, 2)
-    (incomplete / MANIFEST_NAME).unlink()  # a save writes its manifest last
+
+    def killed(*args, **kwargs):  # the process dies while step 2 is being written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 2)
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / "step_00000002.tmp").is_dir()
     pointer = tmp_path / "checkpoints" / "latest"
     if latest == "missing":
         pointer.unlink()
@@ -49,11 +57,20 @@ def test_the_fallback_skips_an_incomplete_newest_step(tmp_path, latest):
     assert find_checkpoint(tmp_path) == complete
 
 
-def test_no_complete_step_names_the_problem_and_the_fix(tmp_path):
-    step = _save(tmp_path, 1)
-    (step / MANIFEST_NAME).unlink()
+def test_a_damaged_newest_step_is_reported_not_skipped(tmp_path):
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    (newest / MANIFEST_NAME).unlink()
     (tmp_path / "checkpoints" / "latest").unlink()
-    with pytest.raises(CheckpointError, match="latest is missing, and no complete step directory .* new --out"):
+    with pytest.raises(CheckpointError, match=f"{newest / MANIFEST_NAME}: missing or unreadable.*delete {newest}"):
+        find_checkpoint(tmp_path)
+
+
+def test_no_step_left_names_the_problem_and_the_fix(tmp_path):
+    step = _save(tmp_path, 1)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000007\n")
+    shutil.rmtree(step)
+    with pytest.raises(CheckpointError, match="latest names step_00000007, which does not exist, and no other step"):
         find_checkpoint(tmp_path)
 
 
