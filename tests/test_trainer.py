@@ -189,10 +189,8 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
     assert main(argv[:4] + [str(bad)] + argv[5:] + ["--out", str(tmp_path / "b")]) == 2
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in caplog.text
-    assert (
-        main(["train", "--device", "cuda:7"] if not torch.cuda.is_available() else ["train", "--device", "cuda:99"])
-        == 2
-    )
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda:7"
+    assert main(["train", "--device", missing, "--out", str(tmp_path / "c")]) == 2
     assert "--device cuda" in caplog.text
 
 
