@@ -56,15 +56,15 @@ def key(*parts) -> str:
     return hashlib.sha256(repr((_FORMAT, MAGIC_NUMBER, parts)).encode()).hexdigest()[:40]
 
 
-def _digest(payload: bytes) -> bytes:
+def _digest(payload: bytes | memoryview) -> bytes:
     # A CRC, not a cryptographic hash: it guards against crashes and bit rot, not an attacker
     # (whoever can write the cache can already run code as its user), at ~0.2 ms per import torch
     # where BLAKE2b took ~1 ms.
     return zlib.crc32(payload).to_bytes(_DIGEST_BYTES, "little")
 
 
-def _unframe(data: bytes) -> bytes:
-    """The payload of an entry's bytes.
+def _unframe(data: bytes) -> memoryview:
+    """The payload of an entry's bytes (a view: copying the ~2 MB of patched modules costs ~0.8 ms).
 
     Raises:
         ValueError: the header is missing or the digest does not match (truncated or altered).
@@ -72,7 +72,7 @@ def _unframe(data: bytes) -> bytes:
     header = len(_FORMAT) + _DIGEST_BYTES
     if len(data) < header or not data.startswith(_FORMAT):
         raise ValueError(f"no entry header ({len(data)} bytes)")
-    payload = data[header:]
+    payload = memoryview(data)[header:]
     if _digest(payload) != data[len(_FORMAT) : header]:
         raise ValueError(f"digest mismatch ({len(data)} bytes: truncated or altered)")
     return payload
@@ -82,8 +82,9 @@ def _fault(name: str, why: str) -> None:
     faults[name] = {"why": why, "rewritten": False}
 
 
-def read(name: str) -> bytes | None:
-    """The payload stored under ``name``, or None on a miss (absent, unreadable, or corrupt: see :data:`faults`)."""
+def read(name: str) -> memoryview | None:
+    """The payload stored under ``name`` (bytes-like), or None on a miss (absent, unreadable, or
+    corrupt: see :data:`faults`)."""
     try:
         data = (cache_dir() / name).read_bytes()
     except (FileNotFoundError, NotADirectoryError):  # a missing entry; a bad directory is describe()'s

@@ -183,7 +183,7 @@ class PatchFinder:
                 allow_unverified,
             )
             # An unreadable entry is a miss (cache.read_decoded): recomputed and rewritten below.
-            self.plan = cache.read_decoded(self.plan_key, lambda payload: Plan.from_json(payload.decode()))
+            self.plan = cache.read_decoded(self.plan_key, lambda payload: Plan.from_json(str(payload, "utf-8")))
             if self.plan is None:
                 self.plan = make_plan(torch_dir, allow_unverified=allow_unverified)
                 cache.write(self.plan_key, self.plan.to_json().encode())
