@@ -3,10 +3,24 @@ registered in pyproject.toml).
 
 Tests never write to or depend on the directory pytest was started from (the README's quick start
 leaves ``runs/dflash`` there, and a default ``--out`` would collide with it): the session and each
-test run in empty temp directories, so a relative path can neither reach nor read the checkout.
+test run in empty temp directories, so a relative path can neither reach nor read the checkout,
+and hypothesis keeps its files in a temp directory too.
 """
 
+import shutil
+import tempfile
+
 import pytest
+
+
+def pytest_configure(config):
+    # Hypothesis keeps its example database and constants cache in <cwd>/.hypothesis, a path it
+    # fixes when pytest loads its plugin: point it at a temp directory before anything is collected.
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    home = tempfile.mkdtemp(prefix="dflash-tests-hypothesis-")
+    config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
+    set_hypothesis_home_dir(home)
 
 
 @pytest.fixture(scope="session", autouse=True)
