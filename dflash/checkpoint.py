@@ -257,27 +257,32 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     step directory (via ``latest`` where needed), checked against its manifest unless
     ``verify`` is off (a cheap look before loading that checks it anyway).
 
+    Without a usable ``latest`` (missing, unreadable, or naming a deleted step, e.g. after the
+    user deleted a corrupt newest step as the verify error tells them to), the newest complete
+    step directory is taken, with a warning: a ``step_N`` (saves rename ``step_N.tmp`` to it
+    only once it is whole; one damaged since is reported by the manifest check, not skipped).
+
     Raises:
-        CheckpointError: nothing there, ``latest`` names a missing directory, or a file is
-            missing/truncated/altered (see :func:`verify_checkpoint`).
+        CheckpointError: nothing there, ``latest`` names a missing directory and no step is left,
+            or a file is missing/truncated/altered (see :func:`verify_checkpoint`).
     """
     path = Path(path)
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    if (path / LATEST_NAME).is_file():
-        latest = (path / LATEST_NAME).read_text().strip()
-        step_dir = path / latest
-        if not step_dir.is_dir():
-            # E.g. the user deleted a corrupt newest step, as the verify error tells them to.
-            steps = sorted(p for p in path.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-            if not steps:
-                raise CheckpointError(
-                    f"{path / LATEST_NAME} names {latest}, which does not exist, and no other "
-                    f"step directory is left in {path}"
-                )
-            logger.warning("%s names %s, which does not exist; using %s", path / LATEST_NAME, latest, steps[-1].name)
-            step_dir = steps[-1]
-        path = step_dir
+    latest_file = path / LATEST_NAME
+    if latest_file.is_file():
+        try:
+            latest = latest_file.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            latest = ""
+        if latest and (path / latest).is_dir():
+            path = path / latest
+        else:
+            path = _newest_complete_step(
+                path, f"{latest_file} names {latest or 'nothing readable'}, which does not exist"
+            )
+    elif not (path / CONFIG_NAME).is_file() and list(path.glob("step_*")):
+        path = _newest_complete_step(path, f"{latest_file} is missing")
     if not (path / CONFIG_NAME).is_file():
         raise CheckpointError(
             f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
@@ -286,6 +291,23 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     if verify:
         verify_checkpoint(path)
     return path
+
+
+def _newest_complete_step(root: Path, problem: str) -> Path:
+    """The newest ``step_N`` directory in ``root`` (never a half-written ``step_N.tmp``), when
+    ``latest`` cannot be used (``problem``).
+
+    Raises:
+        CheckpointError: no step directory in ``root``.
+    """
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    if not steps:
+        raise CheckpointError(
+            f"{problem}, and no other step directory is left in {root}; "
+            "train into a new --out, or pass a step_N directory that holds a drafter"
+        )
+    logger.warning("%s; using the newest complete step, %s", problem, steps[-1].name)
+    return steps[-1]
 
 
 def verify_checkpoint(step_dir: Path) -> None:

@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from dflash.progress_logging import log_above_progress_bars
+
 # Modules under dflash.commands, in the order their subcommands are listed in --help.
 _COMMANDS = ("train", "evaluate", "patches")
 
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return int(args.func(args) or 0)
+        with log_above_progress_bars():
+            return int(args.func(args) or 0)
     except BrokenPipeError:  # `dflash ... | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0

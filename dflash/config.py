@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import textwrap
 from dataclasses import dataclass
@@ -163,6 +164,13 @@ class TrainConfig:
         for name in INPUT_PATHS:
             if getattr(self, name):
                 setattr(self, name, absolute_path(getattr(self, name)))
+        # First: nan passes every `x < 0` / `x <= 0` check below, and inf passes most.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(
+                    f"{field.name} must be a finite number, got {value} (--{field.name.replace('_', '-')})"
+                )
         positive = (
             "block_size",
             "num_draft_layers",

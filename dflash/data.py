@@ -16,6 +16,13 @@ skips longer conversations. Conversations left with fewer than two supervised to
 possible anchor, see ``docs/dflash.md``: an anchor needs ``loss_mask[a]`` and
 ``loss_mask[a + 1]``) are skipped; the counts are logged.
 
+Bounded work per line: a raw line over ``MAX_LINE_BYTES`` is an error naming it, found before
+the line is parsed. A conversation is cut to its first ``seq_len * MAX_CHARS_PER_TOKEN``
+characters of content and ``seq_len`` messages before it is rendered and tokenized: no real
+tokenizer averages more than ``MAX_CHARS_PER_TOKEN`` characters per token, and every rendered
+message is at least one token, so the first ``seq_len`` tokens are all inside the cut and a
+conversation that needed the cut is over ``seq_len`` tokens.
+
 Batches are right-padded to a fixed ``seq_len`` so compiled code sees one shape. A row holds
 one conversation, or with packing (:mod:`dflash.packing`) several, each a *document* with its
 own ``document_ids`` and ``position_ids`` restarting at 0, so that the target, the anchors, the
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +55,13 @@ _ROLE_ALIASES = {
     "tool": "tool",
 }
 OVERFLOW_POLICIES = ("truncate", "drop")
+#: Longest raw JSONL line read (bytes): 4M+ tokens, more than any --seq-len keeps.
+MAX_LINE_BYTES = 16 << 20
+#: Generous bound on the characters per token of real tokenizers (English averages ~4).
+MAX_CHARS_PER_TOKEN = 32
+# Show progress bars from these sizes on (smaller inputs take a second or two).
+_PROGRESS_BYTES = 64 << 20
+_PROGRESS_CONVERSATIONS = 5000
 
 
 class DatasetError(ValueError):
@@ -149,23 +164,46 @@ def require_data_file(path: str | Path) -> Path:
     return path
 
 
-def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
+def read_conversations(
+    path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES, progress: bool = True, max_records: int | None = None
+) -> list[list[dict[str, str]]]:
     """Read a JSONL chat file into conversations of ``{"role", "content"}`` messages.
 
     Blank lines are skipped. Roles are normalised (``human`` -> ``user``, ``gpt`` ->
-    ``assistant``, see ``_ROLE_ALIASES``).
+    ``assistant``, see ``_ROLE_ALIASES``). A file over 64 MiB shows a progress bar unless
+    ``progress`` is off. ``max_records``: stop after that many conversations (a quick check of
+    the file's start).
 
     Raises:
-        DatasetError: missing or empty file, bytes that are not UTF-8, a line that is not a
+        DatasetError: missing or empty file, a line over ``max_line_bytes`` bytes (found
+            without reading the rest of it), bytes that are not UTF-8, a line that is not a
             JSON object, no ``messages``/``conversations`` list, a message without its role or
             text key, a non-string content, or an unknown role. The message names the file and
             the 1-based line number.
     """
+    from tqdm import tqdm
+
     path = require_data_file(path)
     conversations = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+    size = os.path.getsize(path)
+    with (
+        path.open("rb") as f,
+        tqdm(
+            total=size,
+            desc=f"reading {path.name}",
+            unit="B",
+            unit_scale=True,
+            disable=not progress or size < _PROGRESS_BYTES,
+        ) as bar,
+    ):
+        for lineno, raw in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), start=1):
             where = f"{path}:{lineno}"
+            bar.update(len(raw))
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise DatasetError(
+                    f"{where}: line longer than {max_line_bytes:,} bytes; one conversation this long "
+                    "is far over any --seq-len: split it into several conversations or remove it"
+                )
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -182,6 +220,8 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
                     f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
                 ) from None
             conversations.append(_parse_record(record, where))
+            if len(conversations) == max_records:
+                break
     if not conversations:
         raise DatasetError(f"{path}: file is empty; expected one JSON chat record per line")
     return conversations
@@ -270,18 +310,48 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
     return text, spans
 
 
-def tokenize_conversation(tokenizer, conversation: Sequence[dict[str, str]]) -> Example:
+def encode(tokenizer, text: str, **kwargs):
+    """``tokenizer(text, add_special_tokens=False, **kwargs)`` for text this module measures or
+    truncates itself: transformers' "Token indices sequence length is longer than the specified
+    maximum ... indexing errors" warning (``verbose``) is about feeding the whole sequence to the
+    model, which never happens to these ids."""
+    return tokenizer(text, add_special_tokens=False, verbose=False, **kwargs)
+
+
+def char_budget(max_tokens: int) -> int:
+    """Characters of content that surely hold ``max_tokens`` tokens (module docstring)."""
+    return max_tokens * MAX_CHARS_PER_TOKEN
+
+
+def cut_to_budget(conversation: Sequence[dict[str, str]], max_tokens: int) -> tuple[list[dict[str, str]], bool]:
+    """``(messages, cut)``: the conversation's first :func:`char_budget` characters of content and
+    first ``max_tokens`` messages; ``cut`` says whether anything was left out (then the whole
+    conversation is over ``max_tokens`` tokens)."""
+    budget, kept = char_budget(max_tokens), []
+    for message in conversation[:max_tokens]:
+        if len(message["content"]) >= budget:
+            return kept + [{**message, "content": message["content"][:budget]}], True
+        budget -= len(message["content"])
+        kept.append(message)
+    return kept, len(conversation) > max_tokens
+
+
+def tokenize_conversation(
+    tokenizer, conversation: Sequence[dict[str, str]], *, max_chars: int | None = None
+) -> Example:
     """Tokenize a conversation with the target's chat template and mark assistant tokens.
 
     A token is supervised when its first character lies in an assistant span. Needs a fast
-    tokenizer (offset mapping).
+    tokenizer (offset mapping). ``max_chars``: tokenize only that many characters of the
+    rendered text (for a conversation :func:`cut_to_budget` cut, so the template's closing
+    marker of the cut message is left out).
 
     Raises:
         DatasetError: see :func:`assistant_char_spans`; the tokenizer has no offsets.
     """
     text, spans = assistant_char_spans(tokenizer, conversation)
     try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoded = encode(tokenizer, text[:max_chars], return_offsets_mapping=True)
     except NotImplementedError as e:
         raise DatasetError("the target tokenizer has no offset mapping; use a fast tokenizer (tokenizer.json)") from e
     mask = [0] * len(encoded["input_ids"])
@@ -296,20 +366,42 @@ def tokenize_conversation(tokenizer, conversation: Sequence[dict[str, str]]) -> 
 
 
 def build_examples(
-    tokenizer, conversations, *, seq_len: int, overflow: str = "truncate", source: str = "data"
+    tokenizer, conversations, *, seq_len: int, overflow: str = "truncate", source: str = "data", progress: bool = True
 ) -> list[Example]:
     """Tokenize conversations and apply the length policy (module docstring).
 
+    At most ``seq_len * MAX_CHARS_PER_TOKEN`` characters of each conversation are rendered and
+    tokenized, so a huge conversation costs no more than one of that size. From 5000
+    conversations on a progress bar is shown unless ``progress`` is off.
+
     Raises:
         ValueError: unknown ``overflow``.
-        DatasetError: no usable conversation is left (names ``source``).
+        DatasetError: no usable conversation is left (names ``source``), or a conversation's
+            loss mask cannot be derived (names its 1-based index in ``source``).
     """
+    from tqdm import tqdm
+
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-    examples, too_long, unsupervised = [], 0, 0
-    for conversation in conversations:
-        example = tokenize_conversation(tokenizer, conversation)
-        if len(example.input_ids) > seq_len:
+    examples, too_long, unsupervised, short_cuts = [], 0, 0, 0
+    bar = tqdm(
+        conversations,
+        desc=f"tokenizing {Path(source).name}",
+        unit="conv",
+        disable=not progress or len(conversations) < _PROGRESS_CONVERSATIONS,
+    )
+    for index, conversation in enumerate(bar, start=1):
+        kept, cut = cut_to_budget(conversation, seq_len)
+        if cut and overflow == "drop":
+            too_long += 1
+            continue
+        try:
+            example = tokenize_conversation(tokenizer, kept, max_chars=char_budget(seq_len) if cut else None)
+        except DatasetError as e:
+            raise DatasetError(f"{source}: conversation {index}: {e}") from None
+        if cut and len(example.input_ids) < seq_len:
+            short_cuts += 1
+        if cut or len(example.input_ids) > seq_len:
             too_long += 1
             if overflow == "drop":
                 continue
@@ -329,6 +421,16 @@ def build_examples(
         unsupervised,
         len(examples),
     )
+    if short_cuts:
+        logger.warning(
+            "%s: %d conversations averaged over %d characters per token in their first %d characters, "
+            "so they were kept shorter than seq_len=%d (runs of one repeated character?)",
+            source,
+            short_cuts,
+            MAX_CHARS_PER_TOKEN,
+            char_budget(seq_len),
+            seq_len,
+        )
     if not examples:
         raise DatasetError(
             f"{source}: no usable conversation (need an assistant turn of at least two "

@@ -123,7 +123,10 @@ def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
     names = [s.name for s in slots]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise DeviceSpecError(f"{flag} {spec!r}: {', '.join(duplicates)} listed twice; one thread per device")
+        fix = "list each GPU once"
+        if all(s.device.type == "cpu" for s in slots):  # several CPU threads are numbered slots
+            fix = f"for {len(slots)} CPU threads write {flag} cpu:0-{len(slots) - 1}"
+        raise DeviceSpecError(f"{flag} {spec!r}: {', '.join(duplicates)} listed twice (one thread per slot); {fix}")
     return tuple(slots)
 
 

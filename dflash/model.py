@@ -21,12 +21,11 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from dflash import masks, modeling_dflash
+from dflash.layer_taps import default_target_layer_ids, max_captured_layers
 from dflash.modeling_dflash import (
     QWEN3_MASK_TOKEN_ID,
     SUPPORTED_ATTENTION,
     DFlashDraftConfig,
-    default_target_layer_ids,
-    max_captured_layers,
 )
 from dflash.portable import rope_parameters_of
 

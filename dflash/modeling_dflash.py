@@ -69,6 +69,10 @@ def default_target_layer_ids(num_target_layers: int, num_captured: int) -> list[
     i in 0..N-1. Layer id k is the *output* of decoder layer k, i.e. HF
     ``output.hidden_states[k + 1]``.
 
+    This file travels alone in every checkpoint and imports nothing of dflash, so it carries this
+    formula itself; :func:`dflash.layer_taps.default_target_layer_ids` is the trainer's (with
+    errors in terms of the CLI flags), and a test checks the two agree.
+
     Args:
         num_target_layers (int): L, decoder layers of the target.
         num_captured (int): N, layers to tap.

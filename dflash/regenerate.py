@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import prompt_messages
+from dflash.data import char_budget, encode, prompt_messages
 from dflash.target import Target
 
 logger = logging.getLogger(__name__)
@@ -35,15 +35,14 @@ def response_prompts(tokenizer, conversations, *, max_prompt_tokens: int) -> lis
         messages = prompt_messages(conversation)
         if messages is None:
             continue
-        rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if len(_ids(rendered)) <= max_prompt_tokens:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # Over the character budget it is surely too long: a huge prompt is never tokenized.
+        if (
+            len(text) <= char_budget(max_prompt_tokens)
+            and len(encode(tokenizer, text)["input_ids"]) <= max_prompt_tokens
+        ):
             prompts.append(messages)
     return prompts
-
-
-def _ids(rendered) -> list[int]:
-    # apply_chat_template(tokenize=True) returns a list in transformers 4.x, a BatchEncoding in 5.x.
-    return rendered["input_ids"] if hasattr(rendered, "keys") else rendered
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,71 @@ logger = logging.getLogger(__name__)
 
 class TargetLoadError(ValueError):
     """The target directory cannot be loaded as a causal LM."""
+
+
+#: A target directory needs one of these for its tokenizer (fast: tokenizer.json; slow: the config
+#: naming its vocabulary files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def read_target_config(path: str | Path) -> dict:
+    """The ``config.json`` of a target directory, read without loading anything else.
+
+    Raises:
+        TargetLoadError: no such directory, no ``config.json``, or one that is not a JSON object.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise TargetLoadError(
+            f"target {path}: no such directory; pass --target with a local HF model "
+            "directory (config.json + safetensors)"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise TargetLoadError(
+            f"target {path}: no config.json; this is not a Hugging Face model "
+            "directory (save one with model.save_pretrained)"
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TargetLoadError(f"target {config_file}: unreadable ({e}); restore it from the model's source") from None
+    if not isinstance(config, dict):
+        raise TargetLoadError(f"target {config_file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def require_tokenizer_files(path: str | Path) -> None:
+    """Check that the target directory holds its tokenizer, before anything loads it.
+
+    Raises:
+        TargetLoadError: neither file of ``TOKENIZER_FILES`` is there.
+    """
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise TargetLoadError(
+            f"no tokenizer.json/tokenizer_config.json in {path}; the target directory needs the target's "
+            "tokenizer: save it there with tokenizer.save_pretrained(DIR), or copy those files from the "
+            "model's source"
+        )
+
+
+def load_tokenizer(path: str | Path):
+    """The target's tokenizer from its local directory (``AutoTokenizer``, no network).
+
+    Raises:
+        TargetLoadError: no tokenizer files (:func:`require_tokenizer_files`), or files that
+            ``AutoTokenizer`` cannot load (the message names the directory).
+    """
+    from transformers import AutoTokenizer
+
+    require_tokenizer_files(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TargetLoadError(
+            f"tokenizer in {path}: cannot load ({type(e).__name__}: {e}); check tokenizer.json/tokenizer_config.json"
+        ) from e
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -245,22 +311,14 @@ def load_target(
     Raises:
         TargetLoadError: missing directory, no ``config.json``, or a config/weights that
             ``AutoModelForCausalLM`` cannot load (the message names the path and the fix).
+        ValueError: the layers to tap do not fit the target (see :func:`dflash.layer_taps.check_taps`).
     """
     from transformers import AutoModelForCausalLM
 
-    from dflash.model import default_target_layer_ids
+    from dflash.layer_taps import check_taps
 
     path = Path(path)
-    if not path.is_dir():
-        raise TargetLoadError(
-            f"target {path}: no such directory; pass --target with a local HF model "
-            "directory (config.json + safetensors)"
-        )
-    if not (path / "config.json").is_file():
-        raise TargetLoadError(
-            f"target {path}: no config.json; this is not a Hugging Face model "
-            "directory (save one with model.save_pretrained)"
-        )
+    read_target_config(path)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -278,8 +336,7 @@ def load_target(
         ) from e
     if not direct:
         model.to(device)
-    if layer_ids is None:
-        layer_ids = default_target_layer_ids(model.config.num_hidden_layers, num_capture_layers)
+    layer_ids = check_taps(model.config.num_hidden_layers, layer_ids=layer_ids, num_captured=num_capture_layers)
     logger.info(
         "target %s: %s, %d layers, hidden %d, tapping layers %s on %s (%s)",
         path,

@@ -33,7 +33,7 @@ import torch
 from dflash import checkpoint
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import INPUT_PATHS, SAVED_CONFIG_NAME, TrainConfig, absolute_path
-from dflash.data import BatchLoader, ShardedSampler, build_examples, read_conversations, require_data_file
+from dflash.data import BatchLoader, ShardedSampler, build_examples, read_conversations
 from dflash.devices import DeviceLayout, Slot, parse_layout
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.engine import StepEngine, StepStats
@@ -44,7 +44,9 @@ from dflash.engine.step import LossSettings, detect_peak_tflops
 from dflash.engine.threaded import ThreadedEngine, bottleneck
 from dflash.mask_token import resolve_mask_token_id
 from dflash.packing import row_packer
-from dflash.target import load_target, resolve_device
+from dflash.preflight import validate_inputs
+from dflash.progress_logging import log_above_progress_bars
+from dflash.target import load_target, load_tokenizer, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -166,14 +168,11 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig):
-        from transformers import AutoTokenizer
-
         from dflash.assets import default_target_dir
 
         self.config = config
         self.out = Path(config.out)
-        _refuse_to_overwrite(self.out, config.resume)
-        _check_inputs(config, self.out)  # before the target loads and replies are regenerated
+        validate_inputs(config)  # before anything slow: arguments, files, devices
         self.process = ProcessInfo.from_env()
         self.layout, self.threaded = resolve_layout(config, self.process)
         init_process_group(self.process, self.layout.drafters[0].device)
@@ -184,6 +183,8 @@ class Trainer:
         self.compiled = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
 
         target_dir = Path(config.target) if config.target else default_target_dir()
+        self.tokenizer = load_tokenizer(target_dir)
+        conversations = self._read_conversations()  # every line checked before the target loads
         targets = [
             load_target(
                 target_dir,
@@ -192,8 +193,7 @@ class Trainer:
                 device=device,
             )
         ]
-        self.tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-        self.loader = self._build_loader(targets[0])
+        self.loader = self._build_loader(targets[0], conversations)
         targets += [
             load_target(target_dir, layer_ids=targets[0].layer_ids, device=s.device) for s in self.layout.targets[1:]
         ]
@@ -229,16 +229,24 @@ class Trainer:
 
     # ---- construction -----------------------------------------------------------------------
 
-    def _build_loader(self, target) -> BatchLoader:
+    def _read_conversations(self):
         from dflash.assets import default_data_dir
 
+        path = Path(self.config.data) if self.config.data else default_data_dir() / "train.jsonl"
+        return read_conversations(path, progress=self.config.progress and self.process.is_main)
+
+    def _build_loader(self, target, conversations) -> BatchLoader:
         cfg = self.config
-        data_path = Path(cfg.data) if cfg.data else default_data_dir() / "train.jsonl"
-        conversations = read_conversations(data_path)
+        source = Path(cfg.data) if cfg.data else "the embedded chat corpus"
         if cfg.responses == "target" or (cfg.responses == "auto" and not cfg.target and not cfg.data):
-            conversations, data_path = self._regenerated(target, conversations), self.out / REGENERATED_NAME
+            conversations, source = self._regenerated(target, conversations), self.out / REGENERATED_NAME
         examples = build_examples(
-            self.tokenizer, conversations, seq_len=cfg.seq_len, overflow=cfg.overflow, source=str(data_path)
+            self.tokenizer,
+            conversations,
+            seq_len=cfg.seq_len,
+            overflow=cfg.overflow,
+            source=str(source),
+            progress=cfg.progress and self.process.is_main,
         )
         # Sharded by process; within a process jobs go round-robin to the drafter replicas.
         sampler = ShardedSampler(
@@ -365,7 +373,6 @@ class Trainer:
         """
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
 
         cfg = self.config
         writer = None
@@ -379,7 +386,7 @@ class Trainer:
         first_step = self.step + 1
         stop = _StopRequest()
         try:
-            with stop.installed(), logging_redirect_tqdm(), self.dynamo_warnings:
+            with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
                 while self.step < self.total_steps:
                     self.step += 1
                     stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
@@ -604,33 +611,6 @@ def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
             "`dflash patches status` says why",
             drafter_threads,
         )
-
-
-def _refuse_to_overwrite(out: Path, resume: bool) -> None:
-    """A new run must not prune, or point ``latest`` away from, another run's checkpoints.
-
-    Raises:
-        ValueError: ``out`` already holds checkpoints and ``resume`` is off.
-    """
-    steps = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
-    if steps and not resume:
-        raise ValueError(
-            f"{out} already holds a training run (up to {steps[-1].name}); pass --resume to continue "
-            "it, or choose another --out (nothing was changed)"
-        )
-
-
-def _check_inputs(config: TrainConfig, out: Path) -> None:
-    """Fail fast on a missing data file or checkpoint, before minutes or hours of loading.
-
-    Raises:
-        DatasetError: ``--data`` is not a file.
-        CheckpointError: ``--resume`` without a checkpoint in ``out`` (load_checkpoint verifies its files).
-    """
-    if config.data:
-        require_data_file(config.data)
-    if config.resume:
-        checkpoint.find_checkpoint(out, verify=False)  # load_checkpoint verifies it
 
 
 # Fields that may change between a run and its resumption without changing the math.

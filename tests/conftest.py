@@ -1,12 +1,41 @@
 """Shared pytest setup for both tiers (``tests/unit``: fast, in one process; ``tests/integration``:
-fresh interpreters, threads, subprocesses, torchrun): ``tiny.py`` importable from both, and the
-``slow`` marker (deselect with ``-m "not slow"``)."""
+fresh interpreters, threads, subprocesses, torchrun): ``tiny.py`` importable from both, and a fresh
+empty working directory for every test (the ``slow`` marker is registered in pyproject.toml).
 
+Tests never write to or depend on the directory pytest was started from (the README's quick start
+leaves ``runs/dflash`` there, and a default ``--out`` would collide with it): the session and each
+test run in empty temp directories, so a relative path can neither reach nor read the checkout,
+and hypothesis keeps its files in a temp directory too.
+"""
+
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes minutes (e.g. rebuilds and installs a torch wheel)")
+    # Hypothesis keeps its example database and constants cache in <cwd>/.hypothesis, a path it
+    # fixes when pytest loads its plugin: point it at a temp directory before anything is collected.
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    home = tempfile.mkdtemp(prefix="dflash-tests-hypothesis-")
+    config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
+    set_hypothesis_home_dir(home)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cwd(tmp_path_factory):
+    """Module and session fixtures also run away from the starting directory."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("session-cwd"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_cwd(tmp_path_factory, monkeypatch):
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

@@ -93,11 +93,10 @@ def _print_report(report) -> None:
 
 def _evaluate(args: argparse.Namespace):
     import torch
-    from transformers import AutoTokenizer
 
     from dflash.assets import default_data_dir, default_target_dir
     from dflash.evaluate import evaluate, load_drafter, load_prompts
-    from dflash.target import load_target, resolve_device
+    from dflash.target import load_target, load_tokenizer, resolve_device
 
     device = resolve_device(args.device)
     if args.cpu_threads is not None:
@@ -105,6 +104,9 @@ def _evaluate(args: argparse.Namespace):
     target_dir = Path(args.target) if args.target else _trained_target(Path(args.drafter)) or default_target_dir()
     data = Path(args.data) if args.data else default_data_dir() / "heldout.jsonl"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # Tokenizer and prompts first: their errors come before the (slow) target loads.
+    tokenizer = load_tokenizer(target_dir)
+    prompts = load_prompts(tokenizer, data, num_prompts=args.num_prompts)
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
     target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
     if drafter.config.num_target_layers != target.num_layers:
@@ -112,8 +114,6 @@ def _evaluate(args: argparse.Namespace):
             f"--drafter was trained for a {drafter.config.num_target_layers}-layer target, "
             f"{target_dir} has {target.num_layers} layers; pass the matching --target"
         )
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    prompts = load_prompts(tokenizer, data, num_prompts=args.num_prompts)
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
     return evaluate(
         target,

@@ -44,7 +44,27 @@ def _status(args) -> int:
             print(f"  {patch['name']:<{width}}  {patch['state']:<14}  {shown}")
         for number, reason in enumerate(shared, start=1):
             print(f"[{number}] {reason}")
+        print(_cache_text(report["cache"]))
     return 1 if any(p["state"] == "failed" for p in report["patches"]) else 0
+
+
+def _cache_text(cache: dict) -> str:
+    """The cache lines of ``dflash patches status`` (see ``dflash.patching.cache.describe``)."""
+    lines = [f"patch cache {cache['directory']}: {cache['state']}"]
+    if cache["state"] == "ok":
+        lines[0] += f", {cache['entries']} entries"
+    if cache["detail"]:
+        lines[0] += f" ({cache['detail']})"
+    for name, fault in cache["faults"].items():
+        done = "recomputed and rewritten" if fault["rewritten"] else "recomputed (could not be rewritten)"
+        lines.append(f"  entry {name}: {fault['why']}; {done} by this process")
+    if cache["corrupt"]:
+        count = len(cache["corrupt"])
+        lines.append(
+            f"  {count} {'entry does' if count == 1 else 'entries do'} not verify (corrupt, or written by an "
+            f"older dflash): never used, recomputed when needed; `rm -r {cache['directory']}` clears them"
+        )
+    return "\n".join(lines)
 
 
 def _verify(args) -> int:

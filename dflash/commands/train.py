@@ -7,6 +7,7 @@ field's docstring). With no flags it trains the embedded default target on its c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -59,14 +60,38 @@ def _saved_config(out: str) -> dict:
     return {k: v for k, v in read_saved_config(out).items() if k not in ("out", "resume")}
 
 
+@contextlib.contextmanager
+def _out_lock(config):
+    """One training per ``--out``: rank 0 holds its lock from before the first write (replies
+    regenerated into it) to the end, and checks again under the lock that no other run got there
+    first (:mod:`dflash.run_lock`)."""
+    from pathlib import Path
+
+    from dflash.preflight import refuse_existing_run
+    from dflash.run_lock import run_lock
+
+    if int(os.environ.get("RANK", 0)) != 0:
+        yield
+        return
+    with run_lock(config.out):
+        refuse_existing_run(Path(config.out), resume=config.resume)
+        yield
+
+
 def _resume_hint(out: str, what: str) -> None:
     """After a stop: how to go on (once per job, from rank 0)."""
     import shlex
-    from pathlib import Path
+
+    from dflash.checkpoint import CheckpointError, find_checkpoint
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    if (Path(out) / "checkpoints").is_dir() and any((Path(out) / "checkpoints").glob("step_*")):
+    try:
+        find_checkpoint(out, verify=False)
+        saved = True
+    except CheckpointError:
+        saved = False
+    if saved:
         # Checkpoints are written atomically, so the newest one on disk is complete.
         logger.error(
             "%s; the checkpoints in %s are intact: continue with `dflash train --resume --out %s`",
@@ -105,10 +130,14 @@ def run(args: argparse.Namespace) -> int:
             # Flags not given again come from the run being resumed, not from the defaults.
             values = {**_saved_config(values.get("out", TrainConfig.out)), **values}
         config = TrainConfig.from_dict(values)
+        from dflash.preflight import validate_inputs
+
+        validate_inputs(config)  # before torch-heavy imports: every argument and input file
         from dflash.trainer import Trainer, TrainingStopped
 
-        trainer = Trainer(config)
-        metrics = trainer.train()
+        with _out_lock(config):
+            trainer = Trainer(config)
+            metrics = trainer.train()
         trainer.close()  # not after a failure: the other ranks may be inside a collective
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)

@@ -182,10 +182,9 @@ class PatchFinder:
                 [cache.stat_key(p) for p in sorted(series_dir().iterdir())],
                 allow_unverified,
             )
-            text = cache.read(self.plan_key)
-            if text is not None:
-                self.plan = Plan.from_json(text.decode())
-            else:
+            # An unreadable entry is a miss (cache.read_decoded): recomputed and rewritten below.
+            self.plan = cache.read_decoded(self.plan_key, lambda payload: Plan.from_json(str(payload, "utf-8")))
+            if self.plan is None:
                 self.plan = make_plan(torch_dir, allow_unverified=allow_unverified)
                 cache.write(self.plan_key, self.plan.to_json().encode())
         except Exception as error:  # never break `import torch` over a problem of ours

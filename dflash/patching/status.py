@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from dflash.patching import importhook
+from dflash.patching import cache, importhook
 from dflash.patching.plan import FAILED, PENDING, Plan, make_plan
 from dflash.patching.startup import DISABLE_ENV, env_disabled
 
@@ -24,7 +24,9 @@ def _settled_plan() -> Plan:
             importlib.import_module(module)
         return finder.plan
     plan = make_plan(Path(sys.modules["torch"].__file__).parent, allow_unverified=False)
-    if env_disabled():
+    if finder is not None and finder.error is not None:
+        plan.refuse_all(finder.error)
+    elif env_disabled():
         reason = f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set in the environment"
         for outcome in plan.outcomes.values():
             if outcome.state in (PENDING, FAILED):
@@ -35,11 +37,16 @@ def _settled_plan() -> Plan:
 
 
 def collect() -> dict:
-    """``{"torch_version": str, "hook_active": bool, "patches": [{"name", "state", "reason"}]}``."""
+    """``{"torch_version": str, "hook_active": bool, "patches": [{"name", "state", "reason"}], "cache": dict}``.
+
+    ``cache`` is :func:`dflash.patching.cache.describe` after this process imported torch
+    (its ``faults`` are the entries that import found unreadable and rewrote).
+    """
     hook_active = importhook.active_finder() is not None
     plan = _settled_plan()
     return {
         "torch_version": plan.release,
         "hook_active": hook_active,
         "patches": [o.as_dict() for o in plan.outcomes.values()],
+        "cache": cache.describe(),
     }

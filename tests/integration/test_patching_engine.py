@@ -168,7 +168,7 @@ def test_status_json_shape():
         [sys.executable, "-m", "dflash", "patches", "status", "--json"], capture_output=True, text=True, timeout=300
     )
     report = json.loads(proc.stdout)
-    assert set(report) == {"torch_version", "hook_active", "patches"} and report["hook_active"] is True
+    assert set(report) == {"torch_version", "hook_active", "patches", "cache"} and report["hook_active"] is True
     states = {p["name"]: p["state"] for p in report["patches"]}
     assert states and all(s in ("applied", "upstream", "not-applicable") for s in states.values()), states
     assert proc.returncode == 0

@@ -68,7 +68,7 @@ def test_default_target_layer_ids_public_formula():
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(28, 1) == [14]
     assert default_target_layer_ids(5, 2) == [1, 2]
-    with pytest.raises(ValueError, match="num_captured <= 2"):
+    with pytest.raises(ValueError, match="--num-target-layers 3: .* at most 2 .* pass --num-target-layers 2"):
         default_target_layer_ids(5, 3)
 
 
@@ -272,3 +272,15 @@ def test_bad_inputs_raise_clear_errors():
     model.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="not supported"):
         model(draft_embeds, target_hidden, anchors, valid)
+
+
+def test_the_portable_file_taps_the_same_layers_as_the_trainer():
+    """modeling_dflash.py carries its own copy of the tap formula (it imports nothing of dflash)."""
+    from dflash import layer_taps, modeling_dflash
+
+    for num_layers in range(1, 81):
+        for captured in range(1, min(8, modeling_dflash.max_captured_layers(num_layers)) + 1):
+            assert modeling_dflash.default_target_layer_ids(num_layers, captured) == (
+                layer_taps.default_target_layer_ids(num_layers, captured)
+            ), (num_layers, captured)
+        assert modeling_dflash.max_captured_layers(num_layers) == layer_taps.max_captured_layers(num_layers)

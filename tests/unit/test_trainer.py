@@ -161,18 +161,8 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
     assert main(argv[:4] + [str(bad)] + argv[5:] + ["--out", str(tmp_path / "b")]) == 2
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in caplog.text
-    assert (
-        main(
-            [
-                "train",
-                "--out",
-                str(tmp_path / "c"),
-                "--device",
-                "cuda:7" if not torch.cuda.is_available() else "cuda:99",
-            ]
-        )
-        == 2
-    )
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda:7"
+    assert main(["train", "--device", missing, "--out", str(tmp_path / "c")]) == 2
     assert "--device cuda" in caplog.text
 
 
@@ -239,13 +229,13 @@ def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
 
 
 def test_a_new_run_never_overwrites_an_existing_one(tmp_path):
-    from dflash.trainer import _refuse_to_overwrite
+    from dflash.preflight import refuse_existing_run
 
-    _refuse_to_overwrite(tmp_path, resume=False)  # empty --out: fine
+    refuse_existing_run(tmp_path, resume=False)  # empty --out: fine
     (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
     with pytest.raises(ValueError, match="already holds a training run .*step_00000004.*--resume"):
-        _refuse_to_overwrite(tmp_path, resume=False)
-    _refuse_to_overwrite(tmp_path, resume=True)
+        refuse_existing_run(tmp_path, resume=False)
+    refuse_existing_run(tmp_path, resume=True)
 
 
 def test_cli_resume_takes_unrepeated_flags_from_the_saved_run(assets, tmp_path, capsys):
@@ -356,6 +346,7 @@ def test_ctrl_c_after_a_checkpoint_says_how_to_resume_once_per_job(tmp_path, cap
 
     out = tmp_path / "my run"
     (out / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000003" / "config.json").write_text("{}")
     monkeypatch.setenv("RANK", "1")
     _resume_hint(str(out), "interrupted")
     assert not caplog.text

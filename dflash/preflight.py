@@ -1,0 +1,134 @@
+"""Cheap checks of a training run's arguments and input files, before anything slow starts.
+
+Importing transformers and loading the target take 15-120 s, regenerating replies minutes: an
+error found after them costs all of that. :func:`validate_inputs` reads only small files (the
+target's ``config.json`` and file names, the first records of the data, the output directory's
+listing), never imports transformers and never loads weights, so every error below arrives in
+well under a second. It changes nothing on disk.
+
+Numbers (``--lr nan``, ``--steps 0``, ...) are checked earlier still, when the
+:class:`~dflash.config.TrainConfig` is built.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from dflash.config import TrainConfig
+
+#: Records of the data file parsed up front; the rest is read when the run builds its data.
+HEAD_RECORDS = 64
+
+
+def validate_inputs(config: TrainConfig) -> None:
+    """Check every argument and input of ``config`` that can be checked without loading a model.
+
+    - ``--out``: a directory (or creatable), writable; without ``--resume`` it must not hold a run,
+      with it it must hold a checkpoint;
+    - ``--data`` (or the embedded corpus): a readable file whose first records parse;
+    - ``--target`` (or the embedded target): a directory with ``config.json`` and tokenizer files;
+      the layers to tap (``--num-target-layers``/``--target-layer-ids``), ``--mask-token-id`` and
+      ``--seq-len`` fit its config;
+    - ``--device``, ``--target-devices``/``--drafter-devices``: devices this host has.
+
+    Raises:
+        ValueError: the first problem found; its subclasses (DatasetError, TargetLoadError,
+            CheckpointError, DeviceSpecError) and the message name the flag or file and the fix.
+    """
+    from dflash.assets import default_data_dir, default_target_dir
+    from dflash.data import read_conversations
+
+    check_out_dir(Path(config.out), resume=config.resume)
+    read_conversations(
+        Path(config.data) if config.data else default_data_dir() / "train.jsonl",
+        max_records=HEAD_RECORDS,
+        progress=False,
+    )
+    check_target_fits(Path(config.target) if config.target else default_target_dir(), config)
+    check_devices(config)
+
+
+def check_out_dir(out: Path, *, resume: bool) -> None:
+    """``--out`` can be written, and holds a run exactly when ``resume`` is given.
+
+    Raises:
+        ValueError: ``out`` is a file, or cannot be written; it holds a run and ``resume`` is off.
+        CheckpointError: ``resume`` without a checkpoint in ``out``.
+    """
+    from dflash.checkpoint import find_checkpoint
+
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a directory")
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in {existing} ({e.strerror}); choose a writable --out") from None
+    refuse_existing_run(out, resume=resume)
+    if resume:
+        find_checkpoint(out, verify=False)  # loading verifies the files
+
+
+def refuse_existing_run(out: Path, *, resume: bool) -> None:
+    """A new run must not prune, or point ``latest`` away from, another run's checkpoints.
+
+    Raises:
+        ValueError: ``out`` already holds checkpoints and ``resume`` is off.
+    """
+    steps = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    if steps and not resume:
+        raise ValueError(
+            f"{out} already holds a training run (up to {steps[-1].name}); pass --resume to continue "
+            "it, or choose another --out (nothing was changed)"
+        )
+
+
+def check_target_fits(target_dir: Path, config: TrainConfig) -> None:
+    """The target directory has its config and tokenizer, and the run's settings fit that config.
+
+    Raises:
+        TargetLoadError: no such directory, no (readable) ``config.json``, no tokenizer files, or a
+            config without ``num_hidden_layers``.
+        ValueError: the layers to tap do not fit (names the flags and values that do), the mask
+            token is not in the vocabulary, or ``--seq-len`` is past the target's positions.
+    """
+    from dflash.layer_taps import check_taps
+    from dflash.target import TargetLoadError, read_target_config, require_tokenizer_files
+
+    raw = read_target_config(target_dir)
+    require_tokenizer_files(target_dir)
+    text = raw.get("text_config") or raw  # multimodal configs nest the language model's
+    num_layers = text.get("num_hidden_layers")
+    if not isinstance(num_layers, int):
+        raise TargetLoadError(f"target {target_dir / 'config.json'}: no num_hidden_layers; is it a causal LM's config?")
+    check_taps(num_layers, layer_ids=config.target_layer_ids, num_captured=config.num_target_layers)
+    vocab_size = text.get("vocab_size")
+    if config.mask_token_id is not None and isinstance(vocab_size, int) and not 0 <= config.mask_token_id < vocab_size:
+        raise ValueError(
+            f"--mask-token-id {config.mask_token_id} is not a token of the target (vocab_size {vocab_size}); "
+            "pass an existing, rarely used token id, or leave it empty to use the tokenizer's mask token"
+        )
+    positions = text.get("max_position_embeddings")
+    if isinstance(positions, int) and config.seq_len > positions:
+        raise ValueError(
+            f"--seq-len {config.seq_len} is longer than the target's max_position_embeddings {positions} "
+            f"({target_dir / 'config.json'}); pass --seq-len {positions} or less"
+        )
+
+
+def check_devices(config: TrainConfig) -> None:
+    """``--device``, or ``--target-devices``/``--drafter-devices``, name devices this host has.
+
+    Raises:
+        ValueError, DeviceSpecError: the message names the device, what this host has, and the fix.
+    """
+    if config.drafter_devices is not None:
+        from dflash.devices import parse_layout
+
+        parse_layout(config.target_devices, config.drafter_devices)
+    else:
+        from dflash.target import resolve_device
+
+        resolve_device(config.device)

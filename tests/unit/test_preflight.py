@@ -1,0 +1,161 @@
+"""Errors before slow work: every bad argument or input file is reported by
+``validate_inputs`` (or the config) in well under a second, with a target whose loading would
+take minutes; the clear messages of item 7 (tokenizer files, layer taps, CPU slots).
+
+One test starts a fresh interpreter to show that validation never imports transformers.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from tiny import make_target, write_chat_data
+
+from dflash.checkpoint import CheckpointError
+from dflash.config import TrainConfig
+from dflash.data import DatasetError
+from dflash.devices import DeviceSpecError, parse_devices
+from dflash.preflight import validate_inputs
+from dflash.target import TargetLoadError, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preflight")
+    return {"target": make_target(root / "target", num_layers=5), "data": write_chat_data(root / "chats.jsonl")}
+
+
+@pytest.fixture
+def slow_target(monkeypatch):
+    """Loading the target (or importing what loads it) takes a minute, like a real one."""
+    import transformers
+
+    import dflash.target
+
+    def slow(*args, **kwargs):
+        time.sleep(60)
+
+    for owner, name in (
+        (transformers.AutoModelForCausalLM, "from_pretrained"),
+        (transformers.AutoTokenizer, "from_pretrained"),
+        (dflash.target, "load_target"),
+    ):
+        monkeypatch.setattr(owner, name, slow)
+
+
+def _config(inputs, **overrides):
+    values = dict(target=str(inputs["target"]), data=str(inputs["data"]), num_target_layers=2)
+    return TrainConfig(**{**values, **overrides})
+
+
+def _fast_error(build, error, match):
+    """``build()`` raises ``error`` matching ``match`` within half a second."""
+    start = time.perf_counter()
+    with pytest.raises(error, match=match):
+        build()
+    assert time.perf_counter() - start < 0.5
+
+
+def _cases(inputs, tmp_path):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text(inputs["data"].read_text().splitlines()[0] + "\n\n{oops\n")
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(inputs["target"], no_tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (no_tokenizer / name).unlink()
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    cuda = "cuda:99" if torch.cuda.is_available() else "cuda:0"
+    return [
+        (dict(lr=float("nan")), ValueError, r"lr must be a finite number, got nan \(--lr\)"),
+        (dict(lr=float("inf")), ValueError, r"lr must be a finite number, got inf"),
+        (dict(grad_clip=float("nan")), ValueError, "grad_clip must be a finite number"),
+        (dict(data=str(bad_json)), DatasetError, r"bad\.jsonl:3: malformed JSON"),
+        (dict(data=str(tmp_path / "none.jsonl")), DatasetError, "no such data file; pass --data"),
+        (dict(target=str(no_tokenizer)), TargetLoadError, f"no tokenizer.json/tokenizer_config.json in {no_tokenizer}"),
+        (dict(target=str(tmp_path / "none")), TargetLoadError, "no such directory; pass --target"),
+        (dict(num_target_layers=3), ValueError, "--num-target-layers 3: .* pass --num-target-layers 2, or .* 0,2,3"),
+        (dict(target_layer_ids=[1, 7]), ValueError, r"--target-layer-ids 1,7: each id must be in \[0, 5\)"),
+        (dict(mask_token_id=10**6), ValueError, "--mask-token-id 1000000 is not a token of the target"),
+        (dict(seq_len=4096), ValueError, "--seq-len 4096 is longer than the target's max_position_embeddings 512"),
+        (dict(out=str(run)), ValueError, "already holds a training run .*step_00000010.*--resume"),
+        (dict(out=str(tmp_path / "empty"), resume=True), CheckpointError, "no checkpoint here"),
+        (dict(out=str(a_file)), ValueError, f"--out {a_file} is a file"),
+        (dict(device=cuda), ValueError, "--device cuda"),
+        (dict(target_devices="cpu", drafter_devices="cpu,cpu"), DeviceSpecError, "write --drafter-devices cpu:0-1"),
+    ]
+
+
+def test_every_bad_input_is_reported_in_well_under_a_second(inputs, tmp_path, slow_target):
+    for overrides, error, match in _cases(inputs, tmp_path):
+        _fast_error(
+            lambda overrides=overrides: validate_inputs(_config(inputs, **{"out": str(tmp_path / "out"), **overrides})),
+            error,
+            match,
+        )
+    assert not (tmp_path / "out").exists()  # nothing was written
+    start = time.perf_counter()
+    validate_inputs(_config(inputs, out=str(tmp_path / "out")))  # a good run passes, without loading anything
+    assert time.perf_counter() - start < 0.5
+
+
+def test_validation_never_imports_transformers(inputs, tmp_path):
+    code = textwrap.dedent(f"""\
+        import sys, time
+        from dflash.config import TrainConfig
+        from dflash.preflight import validate_inputs
+        config = TrainConfig(target={str(inputs["target"])!r}, data={str(inputs["data"])!r},
+                             out={str(tmp_path / "out")!r}, num_target_layers=2)
+        start = time.perf_counter()
+        validate_inputs(config)
+        print(time.perf_counter() - start, "transformers" in sys.modules)
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    seconds, imported = proc.stdout.split()
+    assert imported == "False" and float(seconds) < 0.5
+
+
+def test_load_tokenizer_names_missing_tokenizer_files(inputs, tmp_path):
+    assert load_tokenizer(inputs["target"]).chat_template
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(TargetLoadError, match=f"no tokenizer.json/tokenizer_config.json in {bare}; .*save_pretrained"):
+        load_tokenizer(bare)
+
+
+def test_a_four_layer_target_names_the_flags_and_values_that_work(tmp_path):
+    from dflash.target import load_target
+
+    target = make_target(tmp_path / "t4", num_layers=4)
+    with pytest.raises(ValueError) as error:
+        load_target(target, num_capture_layers=3)
+    message = str(error.value)
+    assert "--num-target-layers 3" in message and "pass --num-target-layers 1" in message
+    assert "--target-layer-ids 0,1,2" in message and "num_captured" not in message
+    assert load_target(target, layer_ids=[0, 1, 2]).layer_ids == [0, 1, 2]  # the suggestion works
+
+
+def test_repeated_cpu_slots_suggest_numbered_ones():
+    with pytest.raises(DeviceSpecError, match=r"cpu:0 listed twice.*write --drafter-devices cpu:0-2"):
+        parse_devices("cpu,cpu,cpu", flag="--drafter-devices")
+    assert [s.name for s in parse_devices("cpu:0-2", flag="--drafter-devices")] == ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def test_the_cli_reports_nan_before_loading_anything(inputs, tmp_path, slow_target, caplog):
+    from dflash.cli import main
+
+    start = time.perf_counter()
+    argv = ["train", "--target", str(inputs["target"]), "--data", str(inputs["data"]), "--out", str(tmp_path)]
+    assert main(argv + ["--lr", "nan"]) == 2
+    assert time.perf_counter() - start < 0.5 and "lr must be a finite number" in caplog.text
+    assert os.listdir(tmp_path) == []
