@@ -44,7 +44,7 @@ from dflash.data import Batch
 from dflash.devices import Slot
 from dflash.engine.jobs import Job
 from dflash.engine.replica import build_replicas, optimizer_step
-from dflash.engine.step import LossSettings, TargetBatch, detect_peak_tflops, drafter_step
+from dflash.engine.step import LossSettings, TargetBatch, detect_peak_tflops, drafter_step, drafter_step_flops
 from dflash.engine.threaded import Control, DrafterWorker, Inbox, Prefetched, run_drafters
 from dflash.loss import DPACE_ALPHA
 from dflash.masks import sample_anchors
@@ -71,6 +71,20 @@ SIZES = {
         kv_heads=8,
         head_dim=128,
         intermediate=12288,
+        vocab=151936,
+        layers=1,
+        block=16,
+        anchors=512,
+        seq=2048,
+        batch=1,
+    ),
+    # A 27B-class drafter: Qwen3-32B's width (the issue's 64 layers x 5120 target shape).
+    "27b": dict(
+        hidden=5120,
+        heads=64,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=25600,
         vocab=151936,
         layers=1,
         block=16,
@@ -342,6 +356,115 @@ def _child(args, plain: bool) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------
+# Profile and capacity: one drafter replica stepping on the main thread
+# ---------------------------------------------------------------------------------------
+
+#: Kernel-name fragments of each part of the drafter step (first match wins), for the profile table.
+KERNEL_KINDS = (
+    ("attention (flex)", ("flex", "tem_fused")),
+    ("optimizer (AdamW)", ("adam", "multi_tensor", "foreach")),
+    ("matmul", ("gemm", "gmma", "xmma", "cutlass", "nvjet", "sm90", "mm_")),
+    ("reduce/copy", ("reduce", "copy", "memcpy", "memset", "fill", "cat")),
+)
+
+
+def _kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in lowered for p in parts)), "fused elementwise/other")
+
+
+def _solo_step(replica, settings, item, step: int) -> None:
+    replica.flat.zero_()
+    replica.watch.before()
+    replica.flat.stats.add_(
+        drafter_step(
+            replica.step_fn,
+            replica.model,
+            replica.heads,
+            item.batch,
+            item.anchors,
+            item.valid,
+            settings=settings,
+            position_weight=replica.position_weight,
+        )
+    )
+    replica.watch.after(step, item.batch.input_ids.shape[1])
+    optimizer_step([replica], lr=1e-4, grad_clip=1.0)
+
+
+def profile(device: torch.device, s: dict, args) -> dict:
+    """Where the drafter step's GPU time goes: kernels by kind and the top kernels, over ``--steps``
+    steps after ``--warmup``; with the step's MFU from the trainer's FLOP count."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    warnings = DynamoWarnings()
+    (replica,), settings = build([device], s, device.type == "cuda", args.backend, warnings)
+    item = make_item(device, s, s["seq"], 0, replica.model)
+    with warnings:
+        for step in range(args.warmup):
+            _solo_step(replica, settings, item, step)
+        _sync([device])
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for step in range(args.steps):
+                _solo_step(replica, settings, item, args.warmup + step)
+            _sync([device])
+            elapsed = time.perf_counter() - start
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in rows) or 1.0
+    kinds: dict[str, float] = {}
+    for e in rows:
+        kinds[_kind(e.key)] = kinds.get(_kind(e.key), 0.0) + e.self_device_time_total
+    blocks, pairs = replica.flat.stats[[2, 3]].tolist()
+    flops = drafter_step_flops(
+        replica.model, draft_tokens=blocks * s["block"], context_tokens=s["batch"] * s["seq"], visible_pairs=pairs
+    )
+    peak = 1e12 * (args.peak_tflops or detect_peak_tflops(device) or 0.0)
+    step_s = elapsed / args.steps
+    print(f"profile: {args.steps} steps, {1e3 * step_s:.1f} ms/step, GPU busy {total / 1e3 / elapsed:.0%} of wall")
+    if peak:
+        print(f"  MFU {100 * flops / step_s / peak:.1f}% ({flops / step_s / 1e12:.0f} TFLOP/s of model FLOPs)")
+    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<26} {100 * t / total:5.1f}%")
+    print("  top kernels:")
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:12]:
+        share = 100 * e.self_device_time_total / total
+        print(f"    {share:5.1f}%  {e.count:5d}x  {e.key[:110]}")
+    return {"ms_per_step": 1e3 * step_s, "mfu": flops / step_s / peak if peak else None, "kinds": kinds}
+
+
+def capacity(device: torch.device, s: dict, args) -> dict:
+    """The first of ``--candidates`` (``SEQxANCHORS``, largest first) whose full drafter step (compiled
+    forward, backward, optimizer) fits the device, batch ``s["batch"]``; with each one's peak memory."""
+    tried = []
+    for candidate in args.candidates.split(","):
+        seq, anchors = (int(x) for x in candidate.lower().split("x"))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            trial = {**s, "seq": seq, "anchors": anchors}
+            (replica,), settings = build([device], trial, True, args.backend, DynamoWarnings())
+            item = make_item(device, trial, seq, 0, replica.model)
+            for step in range(2):
+                _solo_step(replica, settings, item, step)
+            _sync([device])
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            tried.append({"seq": seq, "anchors": anchors, "fits": True, "peak_gib": peak})
+            print(f"  seq {seq} x {anchors} anchors: fits, peak {peak:.1f} GiB")
+            break
+        except Exception as error:  # OOM surfaces wrapped too (e.g. inside a compile's autotuning)
+            if "out of memory" not in str(error).lower():
+                raise
+            tried.append({"seq": seq, "anchors": anchors, "fits": False, "error": str(error).splitlines()[0][:120]})
+            print(f"  seq {seq} x {anchors} anchors: out of memory")
+        finally:
+            replica = item = None  # free the trial before the next one
+            torch._dynamo.reset()
+    return {"tried": tried}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -363,7 +486,7 @@ def main() -> int:
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: detect; H100/H200 989)")
     p.add_argument(
         "--phase",
-        choices=("all", "scaling", "recompile", "recompile-child"),
+        choices=("all", "scaling", "recompile", "recompile-child", "profile", "capacity"),
         default="all",
         help="recompile = only the patched vs plain comparison; recompile-child = one such run here",
     )
@@ -375,6 +498,11 @@ def main() -> int:
     )
     p.add_argument("--child-timeout", type=float, default=540.0)
     p.add_argument("--json", action="store_true", help="print the phase's result as one JSON line")
+    p.add_argument(
+        "--candidates",
+        default="16384x4096,16384x2048,8192x3072,8192x2048,8192x1024,4096x2048,4096x1024,2048x512",
+        help="capacity phase: SEQxANCHORS to try, largest first",
+    )
     args = p.parse_args()
     args.backend = args.backend or ("inductor" if args.device == "cuda" else "aot_eager")
     args.warm_seconds = args.seconds if args.warm_seconds is None else args.warm_seconds
@@ -395,6 +523,12 @@ def main() -> int:
 
     if args.phase == "recompile-child":
         print(RESULT_TAG + json.dumps(free_running(devices, s, args)), flush=True)
+        return 0
+    if args.phase in ("profile", "capacity"):
+        print(f"drafter {args.size}: {s}; {args.phase} on {devices[0]}, torch {torch.__version__}")
+        result = (profile if args.phase == "profile" else capacity)(devices[0], s, args)
+        if args.json:
+            print(RESULT_TAG + json.dumps(result), flush=True)
         return 0
     print(
         f"drafter {args.size}: {s}; W={args.threads} on {args.device}, backend {args.backend}; "
