@@ -423,7 +423,7 @@ def profile(device: torch.device, s: dict, args) -> dict:
     )
     peak = 1e12 * (args.peak_tflops or detect_peak_tflops(device) or 0.0)
     step_s = elapsed / args.steps
-    print(f"profile: {args.steps} steps, {1e3 * step_s:.1f} ms/step, GPU busy {total / 1e3 / elapsed:.0%} of wall")
+    print(f"profile: {args.steps} steps, {1e3 * step_s:.1f} ms/step, GPU busy {total / 1e6 / elapsed:.0%} of wall")
     if peak:
         print(f"  MFU {100 * flops / step_s / peak:.1f}% ({flops / step_s / 1e12:.0f} TFLOP/s of model FLOPs)")
     for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):

@@ -101,6 +101,7 @@ class FlatGradients:
             p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.grads = [p.grad for p in self.params]
+        self.grad_buffer = self.buffer[:numel]
         self.stats = self.buffer[numel:]
 
     def zero_(self) -> None:

@@ -57,11 +57,11 @@ class DrafterReplica:
 
 
 def build_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (fused on CUDA); the learning rate is set every step
-    by the trainer's schedule."""
-    fused = next(model.parameters()).device.type == "cuda"
+    """Fused AdamW over the trainable parameters (one kernel per step, CPU and CUDA; it also takes
+    the step's gradient scale, see :func:`optimizer_step`); the learning rate is set every step by
+    the trainer's schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=config.lr, betas=ADAM_BETAS, weight_decay=config.weight_decay, fused=fused)
+    return torch.optim.AdamW(params, lr=config.lr, betas=ADAM_BETAS, weight_decay=config.weight_decay, fused=True)
 
 
 def _heads_on(device: torch.device, targets) -> Heads:
@@ -118,25 +118,31 @@ def build_replicas(
 
 
 def optimizer_step(replicas: list[DrafterReplica], *, lr: float, grad_clip: float) -> torch.Tensor:
-    """Sum gradients and statistics over all replicas and processes, divide the gradients by the
-    step's total position weight, clip (0 = off), and step every replica at ``lr``.
+    """Sum gradients and statistics over all replicas and processes, then step every replica at
+    ``lr`` on the gradients divided by the step's total position weight W and clipped to a global
+    norm of ``grad_clip`` (0 = off).
+
+    Division and clipping are one scale, ``min(1 / W, grad_clip / ||g||)`` for the summed
+    gradient g, which the fused AdamW kernel applies as it reads the gradients
+    (``optimizer.grad_scale`` divides by its inverse): one pass over the gradients for their norm
+    and the optimizer's own, instead of three more (divide, norm, clip).
 
     Returns:
-        Tensor: 0-d float32 grad norm before clipping (0 when clipping is off), on replica 0's
-        device; no host sync.
+        Tensor: 0-d float32 norm of the divided gradients before clipping, on replica 0's device;
+        no host sync.
     """
     sum_replicas([r.flat.buffer for r in replicas])
-    grad_norm = torch.zeros((), device=replicas[0].device)
+    grad_norm = None
     for r in replicas:
         r.flat.check_views()
-        torch._foreach_div_(r.flat.grads, r.flat.stats[StatsLayout.WEIGHT].clamp(min=1e-8))
-        if grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_(r.flat.params, grad_clip)
-            if r is replicas[0]:
-                grad_norm = norm
+        weight = r.flat.stats[StatsLayout.WEIGHT].clamp(min=1e-8)
+        norm = torch.linalg.vector_norm(r.flat.grad_buffer) / weight
+        inverse_scale = torch.maximum(weight, norm * weight / grad_clip) if grad_clip else weight
+        r.optimizer.grad_scale = inverse_scale.float()
         for group in r.optimizer.param_groups:
             group["lr"] = lr
         r.optimizer.step()
+        grad_norm = norm if grad_norm is None else grad_norm
     return grad_norm
 
 

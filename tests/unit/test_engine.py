@@ -196,3 +196,39 @@ def test_seq_len_schedule():
     assert seq_len_schedule(4096, 4) == [4096, 3416, 2736, 2056]
     with pytest.raises(ValueError, match="too short"):
         seq_len_schedule(32, 4)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.05, 1e6])
+def test_optimizer_step_divides_by_the_weight_and_clips_in_the_fused_kernel(grad_clip):
+    import copy
+    import types
+
+    from dflash.distributed import FlatGradients
+    from dflash.engine.replica import DrafterReplica, build_optimizer, optimizer_step
+    from dflash.engine.step import StatsLayout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    config = types.SimpleNamespace(lr=0.1, weight_decay=0.01)
+    flat = FlatGradients(model, extra=StatsLayout(2).size)
+    replica = DrafterReplica(
+        "r", torch.device("cpu"), model, None, build_optimizer(model, config), flat, None, None, None
+    )
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.01)
+    for step in range(3):
+        x = torch.randn(4, 8)
+        flat.zero_()
+        model(x).pow(2).sum().backward()
+        flat.stats[StatsLayout.WEIGHT] = 2.5 + step
+        norm = optimizer_step([replica], lr=0.1, grad_clip=grad_clip)
+
+        ref_optimizer.zero_grad()
+        reference(x).pow(2).sum().backward()
+        for p in reference.parameters():
+            p.grad /= 2.5 + step
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
+        ref_optimizer.step()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
