@@ -133,6 +133,9 @@ class TrainConfig:
     jobs: oversubscribed OpenMP threads run many times slower."""
     seed: int = 0
     """Seed for weights, data order and anchor sampling."""
+    save: bool = True
+    """Write checkpoints (every --save-every steps, at the end, and on SIGTERM/SIGINT); --no-save for throughput
+    measurements (a 1B drafter's checkpoint with its training state is about 14 GB)."""
     save_every: int = 100
     """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
     keep_last: int = 2

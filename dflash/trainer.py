@@ -208,6 +208,8 @@ class Trainer:
             self.load_checkpoint()
         if self.threaded:
             _warn_if_unpatched(self.compiled, len(self.layout.drafters))
+        if not config.save:
+            logger.warning("--no-save: no checkpoint will be written, this run cannot be resumed or evaluated")
         logger.info(
             "drafter: %d layers, %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d x %d x %d "
             "conversations x %d tokens; target threads %s, drafter threads %s (process %d/%d)",
@@ -543,7 +545,9 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Save the drafter and the exact training state (a collective: every process calls it;
-        rank 0 writes). Returns the step directory on rank 0."""
+        rank 0 writes). Returns the step directory on rank 0; None elsewhere and with --no-save."""
+        if not self.config.save:
+            return None
         state = {
             "step": self.step,
             "engine": self.engine.state_dict(),
@@ -627,6 +631,7 @@ _RESUMABLE_CHANGES = {
     "compile",
     "cpu_threads",
     "peak_tflops",
+    "save",
     "save_dtype",
     "target_devices",
     "prefetch_depth",

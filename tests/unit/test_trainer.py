@@ -377,3 +377,11 @@ def test_packing_is_the_default_and_fills_rows(assets, tmp_path, monkeypatch):
         assert all(map(math.isfinite, (s.loss for s in stats)))
         assert (max(documents) > 1) == (name == "packed")
     assert fills["packed"] > 1.5 * fills["unpacked"], fills
+
+
+def test_no_save_trains_without_writing_a_checkpoint(assets, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(_config(assets, tmp_path, steps=2, save_every=1, save=False))
+    assert "no checkpoint will be written" in caplog.text
+    assert trainer.train()["loss"] > 0
+    assert not (tmp_path / "checkpoints").exists()
