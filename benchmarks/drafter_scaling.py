@@ -441,6 +441,7 @@ def capacity(device: torch.device, s: dict, args) -> dict:
     tried = []
     for candidate in args.candidates.split(","):
         seq, anchors = (int(x) for x in candidate.lower().split("x"))
+        torch.empty(1, device=device)  # the CUDA context exists before its statistics are reset
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         try:
