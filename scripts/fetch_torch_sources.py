@@ -18,6 +18,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+# Linux x86_64 wheels; releases up to 2.6 are tagged manylinux1/2014 instead of manylinux_2_28.
+PLATFORM_ARGS = [
+    arg
+    for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+    for arg in ("--platform", tag)
+]
+
 
 def fetch(version: str, dest: Path) -> Path:
     target = dest / version
@@ -36,8 +43,7 @@ def fetch(version: str, dest: Path) -> Path:
                 "--only-binary=:all:",
                 "--python-version",
                 "3.11",
-                "--platform",
-                "manylinux_2_28_x86_64",
+                *PLATFORM_ARGS,
                 "-q",
                 "-d",
                 tmp,

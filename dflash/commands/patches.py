@@ -57,6 +57,9 @@ def _verify(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.record and classes != list(BUG_CLASSES):
+        print("dflash patches verify: --record needs every bug class; give no CLASS arguments", file=sys.stderr)
+        return 2
     runs = [(c, patched) for c in classes for patched in (False, True)]
     print(
         f"torch {torch.__version__}: {len(classes)} bug classes x (plain, patched), "
@@ -64,7 +67,7 @@ def _verify(args) -> int:
     )
     results = run_checks_subprocess(runs, seconds=args.seconds, jobs=args.jobs)
     print(f"{'class':<6}{'calls plain':>12}{'fail plain':>12}{'calls patched':>15}{'fail patched':>14}  verdict")
-    ok = True
+    ok, verdicts = True, {}
     for c in classes:
         plain, patched = results[(c, False)], results[(c, True)]
         present = applies_to(c, torch.__version__)
@@ -76,8 +79,27 @@ def _verify(args) -> int:
             verdict = "fixed"
         else:
             verdict = "not reproduced on plain torch this run (try --seconds 10)"
+        verdicts[c] = verdict
         print(f"{c:<6}{plain.calls:>12}{plain.failures:>12}{patched.calls:>15}{patched.failures:>14}  {verdict}")
+    if args.record:
+        return _record(torch.__version__, args.seconds, results, verdicts, ok)
     return 0 if ok else 1
+
+
+def _record(torch_version: str, seconds: float, results, verdicts, ok: bool) -> int:
+    from dflash.patchtools.verify.records import make_record, write_record
+
+    if not ok:
+        print("not recorded: a check failed with the series applied", file=sys.stderr)
+        return 1
+    try:
+        record = make_record(torch_version, seconds, results, verdicts)
+    except ValueError as error:
+        print(f"not recorded: {error}", file=sys.stderr)
+        return 1
+    path = write_record(record)
+    print(f"recorded {path}: " + ", ".join(f"{n} ({p['file']})" for n, p in record["patches"].items()))
+    return 0
 
 
 def _build_wheel(args) -> int:
@@ -143,6 +165,11 @@ def register(subparsers) -> None:
     verify.add_argument("classes", nargs="*", metavar="CLASS", help="bug classes to check (default: all, A-H)")
     verify.add_argument("--seconds", type=_positive(float), default=1.5, help="race duration per check (default 1.5)")
     verify.add_argument("--jobs", type=_positive(int), default=2, help="checks run at once (default 2)")
+    verify.add_argument(
+        "--record",
+        action="store_true",
+        help="when every check passes patched, write patches/records/<release>.json (what the engine trusts)",
+    )
     verify.set_defaults(func=_verify)
 
     build = commands.add_parser(

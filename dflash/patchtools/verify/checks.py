@@ -46,12 +46,16 @@ class CheckResult:
     ``example_error`` is the text of the first failure seen (exception type and
     message, or what went wrong), ``None`` when nothing failed; ``failure_kinds``
     counts failures by the first line of their text (at most 100 characters).
+    ``series`` maps each concern of the patch series to its state in the interpreter that ran
+    the check and the variant it applied (``"applied generated/.../torch-2.13.patch"``); empty
+    when the import hook was off.
     """
 
     calls: int
     failures: int
     example_error: str | None = None
     failure_kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    series: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class Tally:
