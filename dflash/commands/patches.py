@@ -102,6 +102,30 @@ def _record(torch_version: str, seconds: float, results, verdicts, ok: bool) -> 
     return 0
 
 
+def _coverage(args) -> int:
+    import os
+    from pathlib import Path
+
+    from dflash.patchtools.coverage import collect
+
+    sources = args.sources or os.environ.get("DFLASH_TORCH_SOURCES")
+    report = collect(Path(sources) if sources else None)
+    if args.json:
+        print(json.dumps({"releases": [c.as_dict() for c in report]}, indent=2))
+        return 0
+    for item in report:
+        match = "records match" if item.records_match else "no matching record"
+        dev = " (dev tree)" if item.dev else ""
+        print(f"  {item.version:<12} {item.state:<12} {match:<19}{dev} {item.reason}".rstrip())
+    return 0
+
+
+def _refresh(args) -> int:
+    from dflash.patchtools.refresh import main
+
+    return main(["--sources", args.sources, *(["--check"] if args.check else []), *args.concerns])
+
+
 def _build_wheel(args) -> int:
     import sys
     from pathlib import Path
@@ -171,6 +195,27 @@ def register(subparsers) -> None:
         help="when every check passes patched, write patches/records/<release>.json (what the engine trusts)",
     )
     verify.set_defaults(func=_verify)
+
+    coverage = commands.add_parser(
+        "coverage", help="per torch release from 2.5 on: verified / fits / unsupported, and whether records match"
+    )
+    coverage.add_argument(
+        "--json", action="store_true", help='print {"releases": [{version, state, records_match, reason, dev}]}'
+    )
+    coverage.add_argument(
+        "--sources", metavar="DIR", help="<version>/torch trees to check hunks against (default $DFLASH_TORCH_SOURCES)"
+    )
+    coverage.set_defaults(func=_coverage)
+
+    refresh = commands.add_parser(
+        "refresh", help="regenerate each release's variant of every concern from its source diff (three-way merge)"
+    )
+    refresh.add_argument(
+        "--sources", required=True, metavar="DIR", help="<version>/torch trees (scripts/fetch_torch_sources.py)"
+    )
+    refresh.add_argument("--check", action="store_true", help="write nothing; exit 1 if the generated files are stale")
+    refresh.add_argument("concerns", nargs="*", help="concerns to refresh (default: all)")
+    refresh.set_defaults(func=_refresh)
 
     build = commands.add_parser(
         "build-wheel", help="rebuild a torch wheel with the patch series built in (no startup hook needed)"

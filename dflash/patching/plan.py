@@ -149,15 +149,15 @@ def choose_variant(name, variants, release, allow_unverified: bool, record: dict
     if len(fitting) > 1:
         raise ValueError(f"{name}: variants {[p.file_name for p in fitting]} all claim torch {release}")
     if not fitting:
-        ranges = "; ".join(f"{p.file_name} is for torch {p.torch_versions}" for p in variants) or "none generated"
+        made_for = sorted({r for p in variants for r in p.generated_on})
+        ranges = "variants exist for torch " + ", ".join(map(str, made_for)) if made_for else "no variants generated"
         affects = next((p.affects_versions for p in variants if p.affects_versions is not None), None)
         if affects is not None and not affects.contains(release, prereleases=True):
             return Outcome(name, NOT_APPLICABLE, f"torch {release} does not have this bug ({ranges})")
         return Outcome(
             name,
             FAILED,
-            f"torch {release} has this bug but the series has no variant for it "
-            f"({ranges}); use a torch release listed by `dflash patches coverage`",
+            f"torch {release} has this bug but the series has no variant for it ({ranges})",
         )
     patch = fitting[0]
     if not allow_unverified and verified_diff(record, name) != patch.diff_sha256:

@@ -376,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     print(f"releases: {', '.join(str(r) for r in trees)}")
+    if not args.check and not args.concerns:
+        # The releases coverage reports on, whether or not a concern has a variant for them.
+        (series_dir() / GENERATED_DIR).mkdir(exist_ok=True)
+        (series_dir() / GENERATED_DIR / "releases").write_text("".join(f"{r}\n" for r in trees))
     status = 0
     for result in refresh_all(trees, args.concerns):
         if result.problem is not None:
