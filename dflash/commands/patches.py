@@ -73,10 +73,10 @@ def _verify(args) -> int:
         present = applies_to(c, torch.__version__)
         if patched.failures:
             verdict, ok = "FAILS PATCHED: " + (patched.example_error or "")[:80], False
+        elif plain.failures:
+            verdict = "fixed" if present is True else f"fixed (plain failed, though the catalogue says: {present})"
         elif present is not True:
             verdict = f"not present in this torch ({present})"
-        elif plain.failures:
-            verdict = "fixed"
         else:
             verdict = "not reproduced on plain torch this run (try --seconds 10)"
         verdicts[c] = verdict

@@ -15,7 +15,7 @@ Development trees (``2.16.0a0``) are reported with ``dev: true``; tests never as
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib.machinery
 from pathlib import Path
 
 from packaging.version import Version
@@ -43,7 +43,8 @@ class Coverage:
 
 def installed_torch() -> tuple[str, Path] | None:
     """(torch.__version__, torch folder) of the torch importable here, read without importing it."""
-    spec = importlib.util.find_spec("torch")
+    # PathFinder: a find_spec through sys.meta_path would start the dflash import hook
+    spec = importlib.machinery.PathFinder.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return None
     folder = Path(next(iter(spec.submodule_search_locations)))
