@@ -63,6 +63,7 @@ def test_installed_release_is_verified_with_matching_records():
 def test_coverage_json_lists_releases_and_reports_dev_trees(tmp_path):
     # A development tree (2.16.0a0) is reported with dev=true; its state is not asserted on.
     dev = tmp_path / "2.16.0a0" / "torch"
+    dev.parent.mkdir()
     subprocess.run(["cp", "-rs", str(Path(torch.__file__).parent), str(dev)], check=True)
     (dev / "version.py").unlink()
     (dev / "version.py").write_text("__version__ = '2.16.0a0+git1234'\n")

@@ -120,12 +120,15 @@ def release_coverage(version: str, tree: Path | None) -> Coverage:
 def collect(sources: Path | None = None) -> list[Coverage]:
     """Coverage of every known release from 2.5 on, oldest first (``sources``: extra ``<version>/torch`` trees)."""
     trees = _trees(sources)
-    by_release = {Version(Version(v).base_version): v for v in trees if not Version(v).is_devrelease}
+    known = known_releases(trees)
     out = []
-    for version in known_releases(trees):
+    for version in known:
         parsed = Version(version)
-        tree = trees.get(version) or trees.get(by_release.get(parsed, ""))
-        if parsed.local and Version(parsed.public) in map(Version, known_releases(trees)):
+        final = not (parsed.is_prerelease or parsed.is_devrelease)
+        if final and parsed.local and parsed.public in known:
             continue  # 2.13.0+cpu is reported as 2.13.0
-        out.append(release_coverage(parsed.public if not parsed.is_devrelease else version, tree))
+        tree = trees.get(version) or next(
+            (t for v, t in trees.items() if final and Version(v).public == parsed.public), None
+        )
+        out.append(release_coverage(parsed.public if final else version, tree))
     return out
