@@ -1,4 +1,5 @@
-"""``dflash patches status|verify``: is the thread-safety patch series active, and does it work?"""
+"""``dflash patches ...``: is the thread-safety patch series active, does it work, which torch releases
+it covers (``coverage``), and its tools (``refresh``, ``build-wheel``, ``upstream``)."""
 
 from __future__ import annotations
 
