@@ -209,7 +209,7 @@ class PatchFinder:
         from pathlib import Path
 
         from dflash.patching import cache
-        from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan, series_files
+        from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan, series_stats
 
         spec = importlib.machinery.PathFinder.find_spec("torch")
         if spec is None or not spec.submodule_search_locations:
@@ -221,7 +221,7 @@ class PatchFinder:
                 "plan",
                 cache.stat_key(torch_dir / "version.py"),
                 cache.stat_key(torch_dir / WHEEL_MARKER),
-                [cache.stat_key(p) for p in series_files()],
+                series_stats(),
                 allow_unverified,
             )
             text = cache.read(self.plan_key)

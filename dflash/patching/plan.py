@@ -211,9 +211,17 @@ def make_plan(torch_dir: Path, *, allow_unverified: bool) -> Plan:
     return plan
 
 
-def series_files() -> list[Path]:
-    """Every file of the series folder and its subfolders (the plan cache's key covers them all)."""
+def series_stats() -> list[tuple]:
+    """(path, mtime_ns, size) of every file under the series folder: the plan cache's key covers them
+    all (variants, records). ``os.scandir`` because this runs on every ``import torch``."""
     out = []
-    for folder, _, names in os.walk(series_dir()):
-        out.extend(Path(folder) / n for n in names if not n.endswith(".pyc"))
+    folders = [str(series_dir())]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir():
+                    folders.append(entry.path)
+                elif not entry.name.endswith(".pyc"):
+                    st = entry.stat()
+                    out.append((entry.path, st.st_mtime_ns, st.st_size))
     return sorted(out)
