@@ -265,6 +265,8 @@ def _check_f(tally: Tally, seconds: float) -> None:
 
 
 def _check_g(tally: Tally, seconds: float) -> None:
+    if not hasattr(torch._dynamo, "error_on_graph_break"):
+        return  # before torch 2.9 there is no such region to leak (catalogue.applies_to says so)
     counter = iter(range(1 << 62))
     x = torch.randn(8)
     expected = sin_plus_one(x)
