@@ -116,12 +116,16 @@ def race(tally: Tally, seconds: float, *loops: Callable[[], str | None]) -> None
             tally.fail(f"a racing thread did not finish within {JOIN_TIMEOUT_S:.0f} s of the stop")
 
 
+#: What compile_wrapper asks about the FX tracing flag: is_fx_symbolic_tracing() from torch 2.9, is_fx_tracing() before.
+_FX_FLAG_READER = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", torch.fx._symbolic_trace.is_fx_tracing)
+
+
 def check_flags_clean(tally: Tally) -> None:
     """After a race no thread is tracing, compiling or exporting: every global flag must read False."""
     leaked = [
         name
         for name, value in (
-            ("torch.fx._symbolic_trace.is_fx_symbolic_tracing()", torch.fx._symbolic_trace.is_fx_symbolic_tracing()),
+            (f"torch.fx._symbolic_trace.{_FX_FLAG_READER.__name__}()", _FX_FLAG_READER()),
             ("torch.compiler.is_compiling()", torch.compiler.is_compiling()),
             ("torch.compiler.is_exporting()", torch.compiler.is_exporting()),
         )
