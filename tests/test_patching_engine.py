@@ -164,13 +164,17 @@ def test_only_a_record_naming_the_diff_verifies_a_variant():
         assert "not verified on torch 2.13.0" in refused.reason
 
 
-def test_plan_is_all_or_none(tmp_path):
-    # 2.12.1 has variants for some concerns only: even with the opt-in nothing may be applied.
-    plan = plan_mod.make_plan(_fake_torch(tmp_path, "2.12.1"), allow_unverified=True)
+def test_plan_is_all_or_none(tmp_path, monkeypatch):
+    # A release where one concern has no variant: even with the opt-in nothing may be applied.
+    import dflash.patching.series as series_mod
+
+    real = series_mod.concerns()
+    monkeypatch.setattr(series_mod, "concerns", lambda: {**real, "config-process-defaults": []})
+    plan = plan_mod.make_plan(_fake_torch(tmp_path, "2.13.0"), allow_unverified=True)
     states = {o.state for o in plan.outcomes.values()}
     assert plan_mod.FAILED in states and plan_mod.PENDING not in states and plan.module_patches == {}
     refused = plan.outcomes["fx-tracing-flag-thread-local"]
-    assert "all or none" in refused.reason and "compile-session-flags-thread-local" in refused.reason
+    assert "all or none" in refused.reason and "config-process-defaults" in refused.reason
 
 
 def test_plan_round_trips_through_json(tmp_path):
@@ -289,14 +293,14 @@ def test_mismatching_module_refuses_the_whole_series_and_says_why(tmp_path):
 def test_uncovered_release_runs_plain_torch_and_warns_once(tmp_path):
     real = _symlinked_torch(tmp_path)
     version = (real / "version.py").read_text()
-    _replace(tmp_path / "torch" / "version.py", re.sub(r"__version__ = '[^']*'", "__version__ = '2.12.1'", version))
+    _replace(tmp_path / "torch" / "version.py", re.sub(r"__version__ = '[^']*'", "__version__ = '2.6.0'", version))
     code = "import torch, torch._dynamo, torch.fx._symbolic_trace as st; print(type(st).__name__)"
     env = {"PYTHONPATH": str(tmp_path), "DFLASH_PATCH_CACHE": str(tmp_path / "cache")}
     for extra in ({}, {ALLOW: "1"}):
         proc = _python(code, env={**env, **extra})
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == ["module"]
-        assert proc.stderr.count("NOT applied to torch 2.12.1") == 1, proc.stderr
+        assert proc.stderr.count("NOT applied to torch 2.6.0") == 1, proc.stderr
         assert "DFLASH_PATCHES=0" in proc.stderr
     silenced = _python(code, env={**env, "DFLASH_PATCHES": "0"})
     assert "NOT applied" not in silenced.stderr
