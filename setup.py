@@ -45,7 +45,7 @@ setup(
     # package lets the engine, the wheel builder and the PR kit read it alike.
     package_dir={"dflash.patch_series": "patches"},
     package_data={
-        "dflash.patch_series": ["series", "*.patch"],
+        "dflash.patch_series": ["series", "*.patch", "generated/releases", "generated/*/*.patch", "records/*.json"],
         "dflash.patching": [*STARTUP_FILES],
         "dflash.patchtools": ["upstream_tests/*/*.py"],
         # The embedded default target and chat corpus (scripts/make_default_target.py).

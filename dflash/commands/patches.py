@@ -1,8 +1,9 @@
 """``dflash patches ...``: the thread-safety patch series from the command line.
 
 ``status`` (is it active here, and what became of each concern), ``verify`` (the bug-class checks,
-plain vs patched), ``build-wheel`` (a torch wheel with the series built in) and ``upstream`` (the
-PyTorch PR kit). The subcommands and their help are registered in :func:`register`.
+plain vs patched; ``--record`` writes a verification record), ``coverage`` (which torch releases
+the series covers), ``refresh`` (regenerate each release's variants), ``build-wheel`` (a torch
+wheel with the series built in) and ``upstream`` (the PyTorch PR kit).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def _verify(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.record and classes != list(BUG_CLASSES):
+        print("dflash patches verify: --record needs every bug class; give no CLASS arguments", file=sys.stderr)
+        return 2
     runs = [(c, patched) for c in classes for patched in (False, True)]
     print(
         f"torch {torch.__version__}: {len(classes)} bug classes x (plain, patched), "
@@ -89,20 +93,63 @@ def _verify(args) -> int:
     )
     results = run_checks_subprocess(runs, seconds=args.seconds, jobs=args.jobs)
     print(f"{'class':<6}{'calls plain':>12}{'fail plain':>12}{'calls patched':>15}{'fail patched':>14}  verdict")
-    ok = True
+    ok, verdicts = True, {}
     for c in classes:
         plain, patched = results[(c, False)], results[(c, True)]
         present = applies_to(c, torch.__version__)
         if patched.failures:
             verdict, ok = "FAILS PATCHED: " + (patched.example_error or "")[:80], False
+        elif plain.failures:
+            verdict = "fixed" if present is True else f"fixed (plain failed, though the catalogue says: {present})"
         elif present is not True:
             verdict = f"not present in this torch ({present})"
-        elif plain.failures:
-            verdict = "fixed"
         else:
             verdict = "not reproduced on plain torch this run (try --seconds 10)"
+        verdicts[c] = verdict
         print(f"{c:<6}{plain.calls:>12}{plain.failures:>12}{patched.calls:>15}{patched.failures:>14}  {verdict}")
+    if args.record:
+        return _record(torch.__version__, args.seconds, results, verdicts, ok)
     return 0 if ok else 1
+
+
+def _record(torch_version: str, seconds: float, results, verdicts, ok: bool) -> int:
+    from dflash.patchtools.verify.records import make_record, write_record
+
+    if not ok:
+        print("not recorded: a check failed with the series applied", file=sys.stderr)
+        return 1
+    try:
+        record = make_record(torch_version, seconds, results, verdicts)
+    except ValueError as error:
+        print(f"not recorded: {error}", file=sys.stderr)
+        return 1
+    path = write_record(record)
+    print(f"recorded {path}: " + ", ".join(f"{n} ({p['file']})" for n, p in record["patches"].items()))
+    return 0
+
+
+def _coverage(args) -> int:
+    import os
+    from pathlib import Path
+
+    from dflash.patchtools.coverage import collect
+
+    sources = args.sources or os.environ.get("DFLASH_TORCH_SOURCES")
+    report = collect(Path(sources) if sources else None)
+    if args.json:
+        print(json.dumps({"releases": [c.as_dict() for c in report]}, indent=2))
+        return 0
+    for item in report:
+        match = "records match" if item.records_match else "no matching record"
+        dev = " (dev tree)" if item.dev else ""
+        print(f"  {item.version:<12} {item.state:<12} {match:<19}{dev} {item.reason}".rstrip())
+    return 0
+
+
+def _refresh(args) -> int:
+    from dflash.patchtools.refresh import main
+
+    return main(["--sources", args.sources, *(["--check"] if args.check else []), *args.concerns])
 
 
 def _build_wheel(args) -> int:
@@ -168,7 +215,33 @@ def register(subparsers) -> None:
     verify.add_argument("classes", nargs="*", metavar="CLASS", help="bug classes to check (default: all, A-H)")
     verify.add_argument("--seconds", type=_positive(float), default=1.5, help="race duration per check (default 1.5)")
     verify.add_argument("--jobs", type=_positive(int), default=2, help="checks run at once (default 2)")
+    verify.add_argument(
+        "--record",
+        action="store_true",
+        help="when every check passes patched, write patches/records/<release>.json (what the engine trusts)",
+    )
     verify.set_defaults(func=_verify)
+
+    coverage = commands.add_parser(
+        "coverage", help="per torch release from 2.5 on: verified / fits / unsupported, and whether records match"
+    )
+    coverage.add_argument(
+        "--json", action="store_true", help='print {"releases": [{version, state, records_match, reason, dev}]}'
+    )
+    coverage.add_argument(
+        "--sources", metavar="DIR", help="<version>/torch trees to check hunks against (default $DFLASH_TORCH_SOURCES)"
+    )
+    coverage.set_defaults(func=_coverage)
+
+    refresh = commands.add_parser(
+        "refresh", help="regenerate each release's variant of every concern from its source diff (three-way merge)"
+    )
+    refresh.add_argument(
+        "--sources", required=True, metavar="DIR", help="<version>/torch trees (scripts/fetch_torch_sources.py)"
+    )
+    refresh.add_argument("--check", action="store_true", help="write nothing; exit 1 if the generated files are stale")
+    refresh.add_argument("concerns", nargs="*", help="concerns to refresh (default: all)")
+    refresh.set_defaults(func=_refresh)
 
     build = commands.add_parser(
         "build-wheel", help="rebuild a torch wheel with the patch series built in (no startup hook needed)"

@@ -14,9 +14,13 @@ class PatchDoesNotFit(Exception):
     """A hunk's context or removed lines are not in the source, exactly."""
 
 
-def _side(hunk: unidiff.Hunk, *, target: bool) -> list[str]:
+def _side(hunk: unidiff.Hunk, *, target: bool, eol: str) -> list[str]:
     keep = (lambda line: not line.is_removed) if target else (lambda line: not line.is_added)
-    return [line.value for line in hunk if keep(line)]
+    return [_with_eol(line.value, eol) for line in hunk if keep(line)]
+
+
+def _with_eol(line: str, eol: str) -> str:
+    return line[:-1] + eol if eol != "\n" and line.endswith("\n") and not line.endswith("\r\n") else line
 
 
 def _find(lines: list[str], needle: list[str], expected: int, lower: int) -> int | None:
@@ -34,7 +38,7 @@ def _first_difference(lines: list[str], needle: list[str], start: int) -> str:
     for offset, want in enumerate(needle):
         have = lines[start + offset] if start + offset < len(lines) else "<end of file>"
         if have != want:
-            return f"line {start + offset + 1}: expected {want.rstrip()!r}, found {have.rstrip()!r}"
+            return f"line {start + offset + 1}: expected {want!r}, found {have!r}"
     return "the file is shorter than the hunk"
 
 
@@ -52,11 +56,13 @@ def apply_hunks(source: str, patched_file: unidiff.PatchedFile, *, label: str) -
             differing line at the expected position.
     """
     lines = source.splitlines(keepends=True)
+    # A file checked out with CRLF endings (git autocrlf) gets its hunks in CRLF too.
+    eol = "\r\n" if lines and lines[0].endswith("\r\n") else "\n"
     out: list[str] = []
     cursor = 0
     offset = 0
     for hunk in patched_file:
-        old = _side(hunk, target=False)
+        old = _side(hunk, target=False, eol=eol)
         expected = max(hunk.source_start - 1 + offset, cursor)
         start = _find(lines, old, expected, cursor)
         if start is None:
@@ -65,7 +71,7 @@ def apply_hunks(source: str, patched_file: unidiff.PatchedFile, *, label: str) -
                 f"does not match {patched_file.path} ({_first_difference(lines, old, expected)})"
             )
         out.extend(lines[cursor:start])
-        out.extend(_side(hunk, target=True))
+        out.extend(_side(hunk, target=True, eol=eol))
         cursor = start + len(old)
         offset = start - (hunk.source_start - 1)
     out.extend(lines[cursor:])

@@ -65,6 +65,48 @@ def patched_source(module: str, source: str, patch_files: list[str]) -> str:
     return source
 
 
+def uncovered_message(release: str, reason: str) -> str:
+    return (
+        f"the dflash thread-safety patch series is NOT applied to torch {release}, so torch.compile/FX in this "
+        f"process is not thread-safe: {reason}. `dflash patches coverage` lists the releases it covers. "
+        "To run plain torch without this warning, set DFLASH_PATCHES=0."
+    )
+
+
+def _module_path(torch_dir, module: str):
+    path = torch_dir.parent.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _module_stats(torch_dir, plan) -> list:
+    from dflash.patching import cache
+
+    return [list(cache.stat_key(_module_path(torch_dir, m))) for m in sorted(plan.module_patches)] if plan else []
+
+
+def plan_all_or_none(torch_dir, *, allow_unverified: bool):
+    """The plan for the torch at ``torch_dir``, with every planned module's hunks tried now.
+
+    A module whose hunks do not fit refuses the whole series (``plan.refuse_partial``): modules
+    load lazily, so finding out at its import could leave torch partly patched.
+    """
+    from dflash.patching.hunks import PatchDoesNotFit
+    from dflash.patching.plan import FAILED, make_plan, refuse_partial
+
+    plan = make_plan(torch_dir, allow_unverified=allow_unverified)
+    for module, files in plan.module_patches.items():
+        try:
+            patched_source(module, _module_path(torch_dir, module).read_bytes().decode("utf-8"), files)
+        except (OSError, PatchDoesNotFit) as error:
+            for outcome in plan.outcomes.values():
+                if module in outcome.modules and outcome.state != FAILED:
+                    outcome.state, outcome.reason = FAILED, f"{error}; torch {plan.release} differs from its source"
+            refuse_partial(plan)
+            break
+    plan.inputs = _module_stats(torch_dir, plan)
+    return plan
+
+
 class PatchedSourceLoader(importlib.machinery.SourceFileLoader):
     """Loads a torch module from its patched source; falls back to the file as-is if a patch does not fit."""
 
@@ -167,7 +209,7 @@ class PatchFinder:
         from pathlib import Path
 
         from dflash.patching import cache
-        from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan, make_plan, series_dir
+        from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, WHEEL_MARKER, Plan, series_stats
 
         spec = importlib.machinery.PathFinder.find_spec("torch")
         if spec is None or not spec.submodule_search_locations:
@@ -179,17 +221,23 @@ class PatchFinder:
                 "plan",
                 cache.stat_key(torch_dir / "version.py"),
                 cache.stat_key(torch_dir / WHEEL_MARKER),
-                [cache.stat_key(p) for p in sorted(series_dir().iterdir())],
+                series_stats(),
                 allow_unverified,
             )
             # An unreadable entry is a miss (cache.read_decoded): recomputed and rewritten below.
-            self.plan = cache.read_decoded(self.plan_key, lambda payload: Plan.from_json(str(payload, "utf-8")))
-            if self.plan is None:
-                self.plan = make_plan(torch_dir, allow_unverified=allow_unverified)
-                cache.write(self.plan_key, self.plan.to_json().encode())
+            plan = cache.read_decoded(self.plan_key, lambda payload: Plan.from_json(str(payload, "utf-8")))
+            if plan is None or plan.inputs != _module_stats(torch_dir, plan):
+                plan = plan_all_or_none(torch_dir, allow_unverified=allow_unverified)
+                cache.write(self.plan_key, plan.to_json().encode())
+            self.plan = plan
         except Exception as error:  # never break `import torch` over a problem of ours
             self.error = f"dflash patch hook disabled: {error!r}"
             warnings.warn(self.error, PatchWarning, stacklevel=2)
+            return
+        refused = next((o for o in plan.outcomes.values() if o.state == "failed"), None)
+        if refused is not None:
+            # Once per process: the plan is settled once, on the first `import torch`.
+            warnings.warn(uncovered_message(plan.release, refused.reason), PatchWarning, stacklevel=2)
 
     def find_spec(self, fullname, path=None, target=None):
         if self.plan is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -70,16 +71,19 @@ class Plan:
                     self.module_patches.setdefault(module, []).append(outcome.patch_file)
         self._waiting = {o.name: set(o.modules) for o in outcomes if o.state == PENDING}
         self._lock = threading.Lock()
+        #: Stat keys of the planned modules' files when their hunks were tried (the import hook's cache check).
+        self.inputs: list = []
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"release": self.release, "outcomes": [dataclasses.asdict(o) for o in self.outcomes.values()]}
-        )
+        outcomes = [dataclasses.asdict(o) for o in self.outcomes.values()]
+        return json.dumps({"release": self.release, "outcomes": outcomes, "inputs": self.inputs})
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
-        return cls(data["release"], [Outcome(**{**o, "modules": tuple(o["modules"])}) for o in data["outcomes"]])
+        plan = cls(data["release"], [Outcome(**{**o, "modules": tuple(o["modules"])}) for o in data["outcomes"]])
+        plan.inputs = data.get("inputs", [])
+        return plan
 
     def module_done(self, module: str, *, failure: str | None = None) -> None:
         """Record that ``module`` was imported patched, or (``failure`` given) left unpatched."""
@@ -96,11 +100,13 @@ class Plan:
                     outcome.reason = f"{', '.join(outcome.modules)} patched at import ({outcome.patch_file})"
 
     def refuse_all(self, reason: str) -> None:
-        """Mark every planned concern failed (e.g. torch was imported before the hook)."""
+        """Mark every planned concern failed (e.g. torch was imported before the hook); nothing gets patched."""
         with self._lock:
             for outcome in self.outcomes.values():
                 if outcome.state == PENDING:
                     outcome.state, outcome.reason = FAILED, reason
+            self.module_patches = {}
+            self._waiting = {}
 
 
 def series_dir() -> Path:
@@ -128,8 +134,14 @@ def torch_release(torch_dir: Path) -> str:
     return match.group(1)
 
 
-def choose_variant(name, variants, release, allow_unverified: bool) -> Outcome:
-    """The outcome of concern ``name`` (its ``variants``, in series order) on torch ``release`` (a ``Version``)."""
+def choose_variant(name, variants, release, allow_unverified: bool, record: dict | None = None) -> Outcome:
+    """The outcome of concern ``name`` (its ``variants``, in series order) on torch ``release`` (a ``Version``).
+
+    ``record`` is the verification record of ``release`` (:mod:`dflash.patching.records`); the
+    chosen variant counts as verified when the record names its diff's sha256.
+    """
+    from dflash.patching.records import verified_diff
+
     upstream = next((p.applied_upstream for p in variants if p.applied_upstream), None)
     if upstream is not None and release >= upstream:
         return Outcome(name, UPSTREAM, f"torch {release} has this fix upstream (since {upstream})")
@@ -137,39 +149,54 @@ def choose_variant(name, variants, release, allow_unverified: bool) -> Outcome:
     if len(fitting) > 1:
         raise ValueError(f"{name}: variants {[p.file_name for p in fitting]} all claim torch {release}")
     if not fitting:
-        ranges = "; ".join(f"{p.file_name} is for torch {p.torch_versions}" for p in variants)
+        made_for = sorted({r for p in variants for r in p.generated_on})
+        ranges = "variants exist for torch " + ", ".join(map(str, made_for)) if made_for else "no variants generated"
         affects = next((p.affects_versions for p in variants if p.affects_versions is not None), None)
         if affects is not None and not affects.contains(release, prereleases=True):
             return Outcome(name, NOT_APPLICABLE, f"torch {release} does not have this bug ({ranges})")
         return Outcome(
             name,
             FAILED,
-            f"torch {release} has this bug but the series has no variant for it "
-            f"({ranges}); use a torch release listed there",
+            f"torch {release} has this bug but the series has no variant for it ({ranges})",
         )
     patch = fitting[0]
-    if release not in patch.verified_on and not allow_unverified:
-        verified = ", ".join(str(v) for v in patch.verified_on) or "none"
+    if not allow_unverified and verified_diff(record, name) != patch.diff_sha256:
+        when = (
+            f"its record of {record['date']} names another diff"
+            if record and name in record["patches"]
+            else "no record"
+        )
         return Outcome(
             name,
             FAILED,
-            f"torch {release} is not a release {patch.file_name} was verified on ({verified}); refusing to "
-            f"patch. Install a verified torch, or set {ALLOW_UNVERIFIED_ENV}=1 to apply it anyway "
-            "(exact-context application, never fuzzy; then run `dflash patches verify`)",
+            f"{patch.file_name} was not verified on torch {release} ({when}); refusing to patch. Install a "
+            f"release `dflash patches coverage` lists as verified, or set {ALLOW_UNVERIFIED_ENV}=1 to apply it "
+            "anyway (exact-context application, never fuzzy; then run `dflash patches verify --record`)",
             patch.file_name,
             patch.modules,
         )
     return Outcome(name, PENDING, "hook active; module not imported yet", patch.file_name, patch.modules)
 
 
+def refuse_partial(plan: Plan) -> None:
+    """All or none: when any concern failed, refuse the planned ones too (a partly patched torch is
+    neither the tested plain torch nor the tested series)."""
+    failed = [o for o in plan.outcomes.values() if o.state == FAILED]
+    if failed:
+        plan.refuse_all(
+            f"not applied: the series applies all or none, and {failed[0].name} failed ({failed[0].reason})"
+        )
+
+
 def make_plan(torch_dir: Path, *, allow_unverified: bool) -> Plan:
     """Decide, for the torch installed at ``torch_dir``, what each concern of the series does.
 
-    Raises:
+    All or none (:func:`refuse_partial`). Raises:
         dflash.patching.series.SeriesError: the series itself is malformed.
     """
     from packaging.version import Version
 
+    from dflash.patching.records import load_record
     from dflash.patching.series import concerns
 
     version = torch_release(torch_dir)
@@ -178,4 +205,23 @@ def make_plan(torch_dir: Path, *, allow_unverified: bool) -> Plan:
         built_in = json.loads(marker.read_text(encoding="utf-8")).get("patches", [])
         return Plan(version, [Outcome(n, BUILT_IN, f"torch was rebuilt with this patch ({marker})") for n in built_in])
     release = Version(Version(version).base_version)
-    return Plan(version, [choose_variant(n, v, release, allow_unverified) for n, v in concerns().items()])
+    record = load_record(release)
+    plan = Plan(version, [choose_variant(n, v, release, allow_unverified, record) for n, v in concerns().items()])
+    refuse_partial(plan)
+    return plan
+
+
+def series_stats() -> list[tuple]:
+    """(path, mtime_ns, size) of every file under the series folder: the plan cache's key covers them
+    all (variants, records). ``os.scandir`` because this runs on every ``import torch``."""
+    out = []
+    folders = [str(series_dir())]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir():
+                    folders.append(entry.path)
+                elif not entry.name.endswith(".pyc"):
+                    st = entry.stat()
+                    out.append((entry.path, st.st_mtime_ns, st.st_size))
+    return sorted(out)

@@ -144,7 +144,7 @@ def _patch_modules(root: Path, plan) -> None:
         except (OSError, PatchDoesNotFit) as error:
             raise WheelBuildError(
                 f"cannot patch {module}: {error}. This torch build differs from the source the series was "
-                "written for; build from a torch release listed in the patches' Verified-On field"
+                "written for; build from a release `dflash patches coverage` lists as verified"
             ) from None
 
 

@@ -47,6 +47,9 @@ def test_regular_wheel_ships_the_hook_at_its_root(tmp_path):
     for name in STARTUP_FILES:
         assert name in names and f"\n{name}," in "\n" + record, name
     assert "dflash/patch_series/series" in names and "dflash/assets/default_target/model.safetensors" in names
+    # The engine reads the generated variants and the verification records at import time.
+    assert "dflash/patch_series/records/2.13.0.json" in names and "dflash/patch_series/generated/releases" in names
+    assert any(n.startswith("dflash/patch_series/generated/0005-config-process-defaults/") for n in names)
 
 
 def _child_torch_patched(queue):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -13,7 +14,18 @@ import unidiff
 
 from dflash.patching import plan as plan_mod
 from dflash.patching.hunks import PatchDoesNotFit, apply_hunks
-from dflash.patching.series import SeriesError, concerns, load_series, parse_patch
+from dflash.patching.records import all_records
+from dflash.patching.series import (
+    TEXT_FIELDS,
+    SeriesError,
+    concerns,
+    diff_sha256,
+    load_series,
+    load_sources,
+    parse_header,
+    parse_patch,
+    split_patch,
+)
 
 SOURCE = "".join(f"line {i}\n" for i in range(1, 21))
 DIFF = textwrap.dedent("""\
@@ -53,29 +65,73 @@ def test_hunks_apply_at_an_offset_but_never_fuzzily():
 
 
 def test_header_parsing_and_errors():
-    text = (
-        "Description: summary\n more\nPatch-Name: x\nTorch-Versions: >=2.5\nVerified-On: 2.11.0, 2.13.0\n---\n" + DIFF
-    )
+    text = "Description: summary\n more\nPatch-Name: x\nTorch-Versions: >=2.5\nBase-Release: 2.13.0\n---\n" + DIFF
     patch = parse_patch("0009-x.patch", text)
-    assert patch.name == "x" and patch.description == "summary\nmore"
-    assert [str(v) for v in patch.verified_on] == ["2.11.0", "2.13.0"] and patch.modules == ("torch.toy",)
+    assert patch.name == "x" and patch.description == "summary\nmore" and str(patch.base_release) == "2.13.0"
+    assert patch.modules == ("torch.toy",) and patch.diff_sha256 == diff_sha256(DIFF)
+    variant = parse_patch("generated/0009-x/torch-2.5.patch", "Patch-Name: x\nTorch-Versions: >=2.5\n---\n" + DIFF)
+    assert variant.diff_sha256 == patch.diff_sha256  # records name the diff, not the header
     with pytest.raises(SeriesError, match="no '---' line"):
         parse_patch("bad.patch", "Patch-Name: x\n" + DIFF.replace("---", "+++", 1))
     with pytest.raises(SeriesError, match="lacks the field 'Torch-Versions'"):
         parse_patch("bad.patch", "Patch-Name: x\n---\n" + DIFF)
 
 
+def test_hunks_handle_crlf_files_and_show_mismatches_with_repr():
+    crlf = SOURCE.replace("\n", "\r\n")
+    assert apply_hunks(crlf, _file(), label="toy") == apply_hunks(SOURCE, _file(), label="toy").replace("\n", "\r\n")
+    mixed = crlf.replace("line 4\r\n", "line 4\n")
+    with pytest.raises(PatchDoesNotFit, match=re.escape("expected 'line 4\\r\\n', found 'line 4\\n'")):
+        apply_hunks(mixed, _file(), label="toy")
+
+
 def test_series_is_consistent():
-    releases = [f"2.{minor}.0" for minor in range(5, 16)]
+    releases = [f"2.{minor}.0" for minor in range(5, 17)]
+    for patch in load_sources():
+        text_fields = [f for f in TEXT_FIELDS if f in parse_header(split_patch(patch.file_name, _read(patch))[0])]
+        if "@" in patch.file_name:
+            assert not text_fields, (patch.file_name, text_fields)  # one place per concern
+        else:
+            assert patch.header.get("Description") and patch.header.get("Bug") and patch.header.get("Origin")
     for name, variants in concerns().items():
         for patch in variants:
-            assert patch.header.get("Description") and patch.header.get("Bug") and patch.header.get("Origin")
-            for verified in patch.verified_on:
-                assert patch.torch_versions.contains(verified), (patch.file_name, verified)
+            assert patch.description, patch.file_name  # from the canonical file
+            assert all(patch.torch_versions.contains(r) for r in patch.generated_on), patch.file_name
+            assert all(_context_lines(h) >= 3 or _at_file_edge(h) for f in patch.files for h in f), patch.file_name
         for release in releases:
             claiming = [p.file_name for p in variants if p.torch_versions.contains(release)]
             assert len(claiming) <= 1, (name, release, claiming)
     assert len({p.file_name for p in load_series()}) == len(load_series())
+
+
+def _read(patch):
+    return (plan_mod.series_dir() / patch.file_name).read_text(encoding="utf-8")
+
+
+def _context_lines(hunk) -> int:
+    lines = list(hunk)
+    lead = next(i for i, line in enumerate(lines) if not line.is_context)
+    trail = next(i for i, line in enumerate(reversed(lines)) if not line.is_context)
+    return min(lead, trail)
+
+
+def _at_file_edge(hunk) -> bool:
+    return hunk.source_start <= 3 or hunk.source_length < 6
+
+
+def test_records_match_the_variants_that_claim_their_release():
+    """A variant changed after the last verification of a release it claims needs a new record."""
+    records = all_records()
+    stale = []
+    for release, record in records.items():
+        for name, variants in concerns().items():
+            for patch in variants:
+                if patch.torch_versions.contains(release) and name in record["patches"]:
+                    if record["patches"][name]["diff_sha256"] != patch.diff_sha256:
+                        stale.append(
+                            f"{patch.file_name} changed after the record of torch {release} ({record['date']})"
+                        )
+    assert not stale, "\n".join(stale) + "\nrerun `dflash patches verify --record` on those releases"
 
 
 def _fake_torch(tmp_path: Path, version: str) -> Path:
@@ -86,28 +142,50 @@ def _fake_torch(tmp_path: Path, version: str) -> Path:
 
 
 def test_plan_states_for_each_kind_of_release(tmp_path):
-    on_213 = plan_mod.make_plan(_fake_torch(tmp_path / "a", "2.13.0+cpu"), allow_unverified=False)
+    on_213 = plan_mod.make_plan(_fake_torch(tmp_path / "a", "2.13.0+cpu"), allow_unverified=True)
     assert on_213.outcomes["fx-tracing-flag-thread-local"].state == plan_mod.PENDING
     assert on_213.outcomes["fx-tracing-flag-legacy-attribute"].state == plan_mod.NOT_APPLICABLE
-    on_215 = plan_mod.make_plan(_fake_torch(tmp_path / "b", "2.15.0"), allow_unverified=False)
+    on_215 = plan_mod.make_plan(_fake_torch(tmp_path / "b", "2.15.0"), allow_unverified=True)
     upstream = on_215.outcomes["fx-tracing-flag-thread-local"]
     assert upstream.state == plan_mod.UPSTREAM and "2.14.0" in upstream.reason
 
 
-def test_plan_refuses_unverified_release_with_the_fix(tmp_path):
-    plan = plan_mod.make_plan(_fake_torch(tmp_path, "2.12.1"), allow_unverified=False)
-    refused = plan.outcomes["compile-wrapper-guard"]
-    assert refused.state == plan_mod.FAILED
-    assert "not a release" in refused.reason and plan_mod.ALLOW_UNVERIFIED_ENV in refused.reason
-    allowed = plan_mod.make_plan(_fake_torch(tmp_path / "c", "2.12.1"), allow_unverified=True)
-    assert allowed.outcomes["compile-wrapper-guard"].state == plan_mod.PENDING
+def test_only_a_record_naming_the_diff_verifies_a_variant():
+    from packaging.version import Version
+
+    name, variants = "config-process-defaults", concerns()["config-process-defaults"]
+    release = Version("2.13.0")
+    patch = next(p for p in variants if p.torch_versions.contains(release))
+    record = {"date": "2026-12-01", "patches": {name: {"file": patch.file_name, "diff_sha256": patch.diff_sha256}}}
+    assert plan_mod.choose_variant(name, variants, release, False, record).state == plan_mod.PENDING
+    for other in (None, {"date": "2026-11-01", "patches": {name: {"file": "x", "diff_sha256": "0" * 64}}}):
+        refused = plan_mod.choose_variant(name, variants, release, False, other)
+        assert refused.state == plan_mod.FAILED and plan_mod.ALLOW_UNVERIFIED_ENV in refused.reason
+        assert "not verified on torch 2.13.0" in refused.reason
+
+
+def test_plan_is_all_or_none(tmp_path, monkeypatch):
+    # A release where one concern has no variant: even with the opt-in nothing may be applied.
+    import dflash.patching.series as series_mod
+
+    real = series_mod.concerns()
+    monkeypatch.setattr(series_mod, "concerns", lambda: {**real, "config-process-defaults": []})
+    plan = plan_mod.make_plan(_fake_torch(tmp_path, "2.13.0"), allow_unverified=True)
+    states = {o.state for o in plan.outcomes.values()}
+    assert plan_mod.FAILED in states and plan_mod.PENDING not in states and plan.module_patches == {}
+    refused = plan.outcomes["fx-tracing-flag-thread-local"]
+    assert "all or none" in refused.reason and "config-process-defaults" in refused.reason
 
 
 def test_plan_round_trips_through_json(tmp_path):
-    plan = plan_mod.make_plan(_fake_torch(tmp_path, "2.13.0"), allow_unverified=False)
+    plan = plan_mod.make_plan(_fake_torch(tmp_path, "2.13.0"), allow_unverified=True)
+    plan.inputs = [["x", 1, 2]]
     again = plan_mod.Plan.from_json(plan.to_json())
-    assert again.module_patches == plan.module_patches
+    assert again.module_patches == plan.module_patches and again.inputs == plan.inputs
     assert {n: o.state for n, o in again.outcomes.items()} == {n: o.state for n, o in plan.outcomes.items()}
+
+
+ALLOW = plan_mod.ALLOW_UNVERIFIED_ENV
 
 
 def _python(code: str, *, env=None, flags=()):
@@ -174,32 +252,58 @@ def test_status_json_shape():
     assert proc.returncode == 0
 
 
-def test_mismatching_module_loads_unpatched_and_says_why(tmp_path):
-    # A torch tree whose torch/compiler/__init__.py differs from what the series expects: that
-    # module must load as it is on disk (none of its hunks), the other modules stay patched, and
-    # both the warning and `status` name the hunk.
+def _symlinked_torch(tmp_path: Path) -> Path:
     import torch
 
     real = Path(torch.__file__).parent
     subprocess.run(["cp", "-rs", str(real), str(tmp_path / "torch")], check=True)
+    return real
+
+
+def _replace(path: Path, text: str) -> None:
+    path.unlink()
+    path.write_text(text)
+
+
+def test_mismatching_module_refuses_the_whole_series_and_says_why(tmp_path):
+    # A torch tree whose torch/compiler/__init__.py differs from what the series expects: all or
+    # none, so every module loads as it is on disk, and both the warning and `status` name the hunk.
+    real = _symlinked_torch(tmp_path)
     compiler = tmp_path / "torch" / "compiler" / "__init__.py"
     text = (real / "compiler" / "__init__.py").read_text()
-    compiler.unlink()
-    compiler.write_text(text.replace("_is_exporting_flag: bool = False", "_is_exporting_flag: bool = bool(0)"))
+    _replace(compiler, text.replace("_is_exporting_flag: bool = False", "_is_exporting_flag: bool = bool(0)"))
     code = textwrap.dedent("""\
         import json, torch, torch.compiler, torch.fx._symbolic_trace as st
         from dflash.patching.status import collect
         states = {p["name"]: p for p in collect()["patches"]}
         print(json.dumps([torch.__file__, type(torch.compiler).__name__, type(st).__name__,
-                          states["compile-session-flags-thread-local"]]))
+                          states["compile-session-flags-thread-local"], states["fx-tracing-flag-thread-local"]]))
         """)
-    proc = _python(code, env={"PYTHONPATH": str(tmp_path), "DFLASH_PATCH_CACHE": str(tmp_path / "cache")})
+    env = {"PYTHONPATH": str(tmp_path), "DFLASH_PATCH_CACHE": str(tmp_path / "cache"), ALLOW: "1"}
+    proc = _python(code, env=env)
     assert proc.returncode == 0, proc.stderr
-    torch_file, compiler_type, st_type, outcome = json.loads(proc.stdout.splitlines()[-1])
+    torch_file, compiler_type, st_type, mismatch, other = json.loads(proc.stdout.splitlines()[-1])
     assert torch_file.startswith(str(tmp_path))
-    assert (compiler_type, st_type) == ("module", "_FxTracingFlagModule")
-    assert outcome["state"] == "failed" and "does not match torch/compiler/__init__.py" in outcome["reason"]
-    assert "PatchWarning" in proc.stderr and "Nothing was applied to torch.compiler" in proc.stderr
+    assert (compiler_type, st_type) == ("module", "module")
+    assert mismatch["state"] == "failed" and "does not match torch/compiler/__init__.py" in mismatch["reason"]
+    assert other["state"] == "failed" and "all or none" in other["reason"]
+    assert proc.stderr.count("NOT applied to torch") == 1 and "DFLASH_PATCHES=0" in proc.stderr
+
+
+def test_uncovered_release_runs_plain_torch_and_warns_once(tmp_path):
+    real = _symlinked_torch(tmp_path)
+    version = (real / "version.py").read_text()
+    _replace(tmp_path / "torch" / "version.py", re.sub(r"__version__ = '[^']*'", "__version__ = '2.6.0'", version))
+    code = "import torch, torch._dynamo, torch.fx._symbolic_trace as st; print(type(st).__name__)"
+    env = {"PYTHONPATH": str(tmp_path), "DFLASH_PATCH_CACHE": str(tmp_path / "cache")}
+    for extra in ({}, {ALLOW: "1"}):
+        proc = _python(code, env={**env, **extra})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["module"]
+        assert proc.stderr.count("NOT applied to torch 2.6.0") == 1, proc.stderr
+        assert "DFLASH_PATCHES=0" in proc.stderr
+    silenced = _python(code, env={**env, "DFLASH_PATCHES": "0"})
+    assert "NOT applied" not in silenced.stderr
 
 
 def test_verify_rejects_unknown_classes_and_non_positive_budgets(capsys):

@@ -124,9 +124,11 @@ def test_patch_unpacked_applies_the_series_and_writes_the_marker(torch_wheel, tm
 def test_refuses_a_torch_release_the_series_was_not_verified_on(tmp_path, monkeypatch):
     monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
     (tmp_path / "torch").mkdir()
-    (tmp_path / "torch/version.py").write_text("__version__ = '2.12.1+cpu'\n")
-    with pytest.raises(WheelBuildError, match=rf"torch 2.12.1\+cpu(.|\n)*not a release(.|\n)*{ALLOW_UNVERIFIED_ENV}=1"):
-        patch_unpacked(tmp_path, source_name="torch-2.12.1.whl")
+    # 2.14.0: the series has variants for it, but no verification record.
+    (tmp_path / "torch/version.py").write_text("__version__ = '2.14.0+cpu'\n")
+    match = rf"torch 2.14.0\+cpu(.|\n)*not verified on torch 2.14.0(.|\n)*{ALLOW_UNVERIFIED_ENV}=1"
+    with pytest.raises(WheelBuildError, match=match):
+        patch_unpacked(tmp_path, source_name="torch-2.14.0.whl")
     assert not (tmp_path / "torch" / WHEEL_MARKER).exists()
 
 

@@ -67,9 +67,11 @@ def applies_to(bug_class: str, torch_version: str) -> bool | str:
         return True if version < (2, 14) else fx_flag_thread_local
     if bug_class == "E":
         return True if version <= (2, 11) else "dynamo config patches are per-thread since torch 2.12"
+    if bug_class == "G" and version < (2, 9):
+        return "torch._dynamo.error_on_graph_break does not exist before torch 2.9"
     if bug_class == "F":
         return True if version >= (2, 12) else "dynamo config is process-global before torch 2.12 (class E instead)"
-    # C (export half on every version measured), D, G: present in 2.5.1 through 2.15.0. H too: 2.14
+    # C (export half on every version measured), D, G (from 2.9): present through 2.15.0. H too: 2.14
     # made its FX-flag half thread-local, but eager flex still runs its mask/score GraphModules
     # through FX's process-wide nn.Module patching (class D): 140 / 2,600 plain on 2.14.1.
     return True

@@ -27,12 +27,13 @@ from dflash.patchtools.verify.checks import JOIN_TIMEOUT_S, CheckResult, run_che
 def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> CheckResult:
     """Run ``run_check(bug_class, seconds=seconds)`` in a fresh interpreter.
 
-    ``patched`` sets ``DFLASH_PATCHES=1`` (the dflash patch series applied at import) or
-    ``0`` (plain torch) in the child's environment. Raises ``RuntimeError`` with the
+    ``patched`` sets ``DFLASH_PATCHES=1`` (the dflash patch series applied at import, verified or
+    not) or ``0`` (plain torch) in the child's environment. Raises ``RuntimeError`` with the
     child's output when it crashes or prints no result.
     """
     require_class(bug_class)
-    env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0")
+    # Verifying is how a variant gets its record, so the patched run applies unverified variants too.
+    env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0", DFLASH_PATCHES_ALLOW_UNVERIFIED="1")
     cmd = [sys.executable, "-m", "dflash.patchtools.verify.runner", bug_class, "--seconds", str(seconds), "--json"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 3 * JOIN_TIMEOUT_S)
     lines = proc.stdout.strip().splitlines()
@@ -102,6 +103,20 @@ def run_checks_subprocess(
         return {run: future.result() for run, future in futures.items()}
 
 
+def series_states() -> dict[str, str]:
+    """Each concern's state (and variant) in this interpreter, every planned module imported first."""
+    import importlib
+
+    from dflash.patching import importhook
+
+    finder = importhook.active_finder()
+    if finder is None or finder.plan is None:
+        return {}
+    for module in list(finder.plan.module_patches):
+        importlib.import_module(module)
+    return {o.name: f"{o.state} {o.patch_file or ''}".strip() for o in finder.plan.outcomes.values()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dflash.patchtools.verify.runner", description="Run one two-thread bug-class check."
@@ -110,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="race duration (default 2)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
-    result = run_check(args.bug_class, seconds=args.seconds)
+    result = dataclasses.replace(run_check(args.bug_class, seconds=args.seconds), series=series_states())
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:
