@@ -1,0 +1,138 @@
+"""Numbers for the PR descriptions: instruction counts per commit, and the project's overhead benchmark.
+
+Instruction counts follow PyTorch's ``benchmarks/dynamo/pr_time_benchmarks`` method: prepare once
+(compile and warm up), then run the work a few times, counting the instructions of each run, and
+report the minimum. PyTorch counts with ``perf_event_open``, which virtual machines often lack; here
+the count comes from callgrind (``valgrind --tool=callgrind``), with collection switched on only around
+each run (``torch._C._valgrind_toggle``), so imports and warm-up are not counted. Each state of the
+stack (the tree, then each commit) is measured in its own process on the same laid-out tree as the
+test runs, so the difference between two states is the cost of one commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from dflash.patchtools.upstream.runs import PLAIN_ENV
+from dflash.patchtools.upstream.tree import UpstreamKitError
+
+ITERATIONS = 5
+
+# name -> (setup, work): small hot paths the stack touches. The work runs ITERATIONS times.
+WORKLOADS = {
+    "compiled_call": (
+        "fn = torch.compile(lambda a: a + 1, backend='eager', fullgraph=True)\n"
+        "x = torch.ones(2)\n"
+        "for _ in range(10): fn(x)",
+        "fn(x)",
+    ),
+    "eager_module_call_after_trace": (
+        "net = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(20)])\n"
+        "torch.fx.symbolic_trace(net)\n"
+        "x = torch.ones(2)\n"
+        "for _ in range(10): net(x)",
+        "net(x)",
+    ),
+    "is_exporting": ("f = torch.compiler.is_exporting\nf()", "for _ in range(100): f()"),
+    "dynamo_config_read": ("c = torch._dynamo.config\nc.recompile_limit", "for _ in range(100): c.recompile_limit"),
+}
+
+CHILD = r"""
+import sys, torch
+setup, work, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+scope = {"torch": torch}
+exec(setup, scope)
+code = compile(work, "work", "exec")
+for _ in range(n):
+    torch._C._valgrind_toggle()
+    exec(code, scope)
+    torch._C._valgrind_toggle_and_dump_stats()
+"""
+
+
+def callgrind_available() -> bool:
+    return shutil.which("valgrind") is not None
+
+
+def _dump_totals(folder: Path) -> list[int]:
+    """Instruction totals of the per-run dumps (``callgrind.out.<pid>.<n>``, n >= 1), in order."""
+    dumps = sorted(
+        (p for p in folder.glob("callgrind.out.*") if re.fullmatch(r"callgrind\.out\.\d+\.\d+", p.name)),
+        key=lambda p: int(p.name.rsplit(".", 1)[1]),
+    )
+    totals = []
+    for dump in dumps:
+        match = re.search(r"^(?:summary|totals):\s*(\d+)", dump.read_text(errors="replace"), re.M)
+        if match:
+            totals.append(int(match.group(1)))
+    return totals
+
+
+def count_instructions(python: str, root: Path, name: str) -> int:
+    """Minimum instruction count of ``WORKLOADS[name]``'s work with ``import torch`` from ``root``.
+
+    Raises:
+        UpstreamKitError: valgrind is missing or the run failed.
+    """
+    if not callgrind_available():
+        raise UpstreamKitError("valgrind is not installed (apt-get install valgrind); needed for instruction counts")
+    setup, work = WORKLOADS[name]
+    env = {**os.environ, **PLAIN_ENV, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--collect-atstart=no",
+                "--dump-instr=no",
+                "--dump-line=no",
+                f"--callgrind-out-file={tmp}/callgrind.out.%p",
+                python,
+                "-c",
+                CHILD,
+                setup,
+                work,
+                str(ITERATIONS),
+            ],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        totals = _dump_totals(Path(tmp))
+    if proc.returncode != 0 or len(totals) < ITERATIONS:
+        raise UpstreamKitError(f"callgrind run of {name} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+    return min(totals[-ITERATIONS:])
+
+
+def overhead_rows(benchmark_json: Path) -> tuple[dict, list[tuple[int, dict]]]:
+    """(the JSON, ``[(threads, result)]``) of ``benchmarks/patch_overhead.py --json`` output.
+
+    Raises:
+        UpstreamKitError: unreadable, or no ``calls_per_s_<N>_threads`` entries.
+    """
+    try:
+        data = json.loads(benchmark_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UpstreamKitError(f"cannot read the benchmark JSON {benchmark_json}: {error}") from None
+    rows = sorted((int(m.group(1)), v) for k, v in data.items() if (m := re.fullmatch(r"calls_per_s_(\d+)_threads", k)))
+    if not rows:
+        raise UpstreamKitError(
+            f"{benchmark_json} has no calls_per_s_<N>_threads entries: write it with "
+            "`python benchmarks/patch_overhead.py --json PATH`"
+        )
+    return data, rows
+
+
+def ratio_cell(result: dict) -> str:
+    # JSON from too few rounds has no interval.
+    if not result.get("ratio_ci95"):
+        return f"{result['ratio']:.3f}"
+    low, high = result["ratio_ci95"]
+    return f"{result['ratio']:.3f} (95% CI {low:.3f} to {high:.3f})"
