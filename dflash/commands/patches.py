@@ -133,6 +133,8 @@ def _upstream(args) -> int:
             f"wrote {out / 'COVER.md'} and {out / 'pr'}/*.md; apply the stack with "
             f"`git am --keep-non-patch {out / 'patches'}/*.patch` (keeps the [area] title prefixes)"
         )
+        if any("CRLF" in note for r in reports for note in r.notes):
+            print("the stack edits files with CRLF line endings: add --keep-cr to git am")
     unshown = [r.name for r in reports if r.patch_path and not args.no_run and r.verdict != SHOWN]
     if unshown:
         print(f"not shown failing without and passing with their fix: {', '.join(unshown)}", file=sys.stderr)

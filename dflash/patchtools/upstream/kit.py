@@ -153,13 +153,17 @@ def _run_pair(commit: Commit, index: int, commits: list[Commit], states, torch_d
         {"test": test, "without": outcome["without"].get(test, ("missing", ""))[0], "with": outcome["with"].get(test, ("missing", ""))[0]}
         for test in sorted(set(outcome["without"]) | set(outcome["with"]))
     ]
-    if any(r["with"] != "pass" for r in rows):
-        verdict = FAILS_WITH
-    elif any(r["without"] in ("fail", "error") for r in rows):
-        verdict = SHOWN
-    else:
-        verdict = PASSES_WITHOUT
-    return rows, verdict, note
+    return rows, verdict(rows), note
+
+
+def verdict(rows: list[dict]) -> str:
+    """A commit's verdict from its test rows (``{"test", "without", "with"}``): shown only when every test
+    passes with it and at least one fails (or errors) without it."""
+    if not rows or any(r["with"] != "pass" for r in rows):
+        return FAILS_WITH
+    if any(r["without"] in ("fail", "error") for r in rows):
+        return SHOWN
+    return PASSES_WITHOUT
 
 
 def _faithfulness(src: Path, commits: list[Commit], torch_dir: Path) -> list[str]:

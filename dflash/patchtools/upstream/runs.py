@@ -84,7 +84,7 @@ def base_torch(src: Path, python: str) -> tuple[Path, str]:
     if proc.returncode != 0:
         raise RuntimeError(f"{python} cannot import torch: {proc.stderr.strip()[-500:]}")
     folder, version = proc.stdout.split()[-2:]
-    return Path(folder), f"torch {version} of {python} (compiled parts; Python files of the tree overlaid)"
+    return Path(folder), f"an installed torch {version} (its compiled parts, the tree's Python files)"
 
 
 def _shadow(base: Path, overlay: dict[str, str], dest: Path) -> None:
