@@ -43,16 +43,19 @@ WORKLOADS = {
     "dynamo_config_read": ("c = torch._dynamo.config\nc.recompile_limit", "for _ in range(100): c.recompile_limit"),
 }
 
+# Runs every workload in one process (importing torch under callgrind costs about a minute): per
+# workload, its setup, then ITERATIONS counted runs of its work, each dumped to its own file.
 CHILD = r"""
-import sys, torch
-setup, work, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-scope = {"torch": torch}
-exec(setup, scope)
-code = compile(work, "work", "exec")
-for _ in range(n):
-    torch._C._valgrind_toggle()
-    exec(code, scope)
-    torch._C._valgrind_toggle_and_dump_stats()
+import json, sys, torch
+workloads, n = json.loads(sys.argv[1]), int(sys.argv[2])
+for setup, work in workloads:
+    scope = {"torch": torch}
+    exec(setup, scope)
+    code = compile(work, "work", "exec")
+    for _ in range(n):
+        torch._C._valgrind_toggle()
+        exec(code, scope)
+        torch._C._valgrind_toggle_and_dump_stats()
 """
 
 
@@ -74,15 +77,15 @@ def _dump_totals(folder: Path) -> list[int]:
     return totals
 
 
-def count_instructions(python: str, root: Path, name: str) -> int:
-    """Minimum instruction count of ``WORKLOADS[name]``'s work with ``import torch`` from ``root``.
+def count_instructions(python: str, root: Path) -> dict[str, int]:
+    """Per workload of :data:`WORKLOADS`, the minimum instruction count of its work, with ``import torch``
+    from ``root``; one callgrind process.
 
     Raises:
         UpstreamKitError: valgrind is missing or the run failed.
     """
     if not callgrind_available():
         raise UpstreamKitError("valgrind is not installed (apt-get install valgrind); needed for instruction counts")
-    setup, work = WORKLOADS[name]
     env = {**os.environ, **PLAIN_ENV, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
@@ -90,14 +93,11 @@ def count_instructions(python: str, root: Path, name: str) -> int:
                 "valgrind",
                 "--tool=callgrind",
                 "--collect-atstart=no",
-                "--dump-instr=no",
-                "--dump-line=no",
                 f"--callgrind-out-file={tmp}/callgrind.out.%p",
                 python,
                 "-c",
                 CHILD,
-                setup,
-                work,
+                json.dumps(list(WORKLOADS.values())),
                 str(ITERATIONS),
             ],
             cwd=tmp,
@@ -106,9 +106,11 @@ def count_instructions(python: str, root: Path, name: str) -> int:
             text=True,
         )
         totals = _dump_totals(Path(tmp))
-    if proc.returncode != 0 or len(totals) < ITERATIONS:
-        raise UpstreamKitError(f"callgrind run of {name} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
-    return min(totals[-ITERATIONS:])
+    expected = ITERATIONS * len(WORKLOADS)
+    if proc.returncode != 0 or len(totals) < expected:
+        raise UpstreamKitError(f"callgrind run failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+    totals = totals[-expected:]
+    return {name: min(totals[i * ITERATIONS : (i + 1) * ITERATIONS]) for i, name in enumerate(WORKLOADS)}
 
 
 def overhead_rows(benchmark_json: Path) -> tuple[dict, list[tuple[int, dict]]]:

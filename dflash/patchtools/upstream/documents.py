@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from dflash.patchtools.upstream import bench, text
+from dflash.patchtools.upstream.concerns import CONCERNS
 from dflash.patchtools.upstream.stack import REBASED, Commit
 
 _WORKLOAD_TEXT = {
@@ -50,7 +51,7 @@ def pr_description(
     commit: Commit, index: int, total: int, release: str, base: str, rows, verdict, note, counts, overhead, record
 ) -> str:
     concern = commit.concern
-    how = text.how_paragraphs(commit.patch, {})
+    how = text.how_paragraphs(commit.patch, {c.name: c.title for c in CONCERNS})
     out = [f"# [{concern.area}] {concern.title}", "", f"Commit {index + 1} of {total} of a stack.", "", "## Summary", ""]
     out += [concern.problem, "", *[p + "\n" for p in how]]
     out += ["## Test plan", ""] + [f"    {line}" for line in _test_plan_lines(commit)] + [""]
@@ -139,7 +140,8 @@ def cover_note(release, base, commits: list[Commit], patch_paths: list[Path], re
     others = [r for r in reports if r.state != REBASED]
     if others:
         out += ["## Not in this stack", "", "| change | state | why |", "|---|---|---|"]
-        out += [f"| {r.name} | {r.state} | {_reason(r)} |" for r in others]
+        titles = {c.name: c.title for c in CONCERNS}
+        out += [f"| {titles.get(r.name, r.name)} | {r.state} | {_reason(r)} |" for r in others]
         out += [""]
     return "\n".join(out)
 

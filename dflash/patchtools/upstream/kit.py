@@ -247,7 +247,7 @@ def make_kit(
         if instructions:
             for i, state in enumerate(states):
                 root = runs.lay_out(state, torch_dir, src / "test", scratch / f"bench-{i}")
-                instruction_counts.append({name: bench.count_instructions(python, root, name) for name in bench.WORKLOADS})
+                instruction_counts.append(bench.count_instructions(python, root))
     by_name = dict(zip((c.concern.name for c in commits), patch_paths))
     reports = [
         dataclasses.replace(r, patch_path=by_name.get(r.name), verdict=verdicts.get(r.name, ([], "", ""))[1]) for r in reports
