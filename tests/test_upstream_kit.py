@@ -173,7 +173,14 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
     # --keep-non-patch keeps "[dynamo]" in the subject (plain `git am` strips every leading [...]).
     _git(stacked, "am", "-q", "--keep-non-patch", *map(str, patches))
     subjects = _git(stacked, "log", "--format=%s", f"{head}..HEAD").splitlines()[::-1]
-    assert [s.split("] ")[0] + "]" for s in subjects] == ["[fx]", "[fx]", "[dynamo]", "[dynamo]", "[config]", "[dynamo]"]
+    assert [s.split("] ")[0] + "]" for s in subjects] == [
+        "[fx]",
+        "[fx]",
+        "[dynamo]",
+        "[dynamo]",
+        "[config]",
+        "[dynamo]",
+    ]
     # The internal overrides come before the config change that would otherwise leak them.
     assert "config.patch for torch's own" in subjects[3] and "process-wide" in subjects[4]
     for patch in patches:
@@ -186,8 +193,10 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
     # Tests sit where PyTorch's CI runs them.
     test_fx = (stacked / "test" / "test_fx.py").read_text()
     assert "from fx.test_fx_patcher_threads import TestFxPatcherThreads  # noqa: F401" in test_fx
-    assert test_fx.index("fx.test_cse_pass") < test_fx.index("fx.test_fx_patcher_threads") < test_fx.index(
-        "fx.test_matcher_utils"
+    assert (
+        test_fx.index("fx.test_cse_pass")
+        < test_fx.index("fx.test_fx_patcher_threads")
+        < test_fx.index("fx.test_matcher_utils")
     )
     assert (stacked / "test" / "fx" / "test_fx_patcher_threads.py").is_file()
     assert not list((stacked / "test" / "dynamo").glob("test_thread_safety*"))
@@ -266,7 +275,10 @@ def test_kit_detects_fixes_already_in_the_tree(tree, tmp_path):
 
 
 def test_verdicts():
-    assert verdict([{"test": "a", "without": "fail", "with": "pass"}, {"test": "b", "without": "pass", "with": "pass"}]) == SHOWN
+    assert (
+        verdict([{"test": "a", "without": "fail", "with": "pass"}, {"test": "b", "without": "pass", "with": "pass"}])
+        == SHOWN
+    )
     assert verdict([{"test": "a", "without": "pass", "with": "pass"}]) == PASSES_WITHOUT
     assert verdict([{"test": "a", "without": "fail", "with": "fail"}]) != SHOWN
     assert verdict([]) != SHOWN
@@ -276,7 +288,9 @@ def test_verdicts():
 def test_each_commit_fails_without_and_passes_with_its_fix(tree, tmp_path):
     reports = make_kit(tree, tmp_path / "kit")
     record = json.loads((tmp_path / "kit" / "runs.json").read_text())
-    assert {r.name: r.verdict for r in reports if r.state == REBASED} == {c["concern"]: SHOWN for c in record["commits"]}
+    assert {r.name: r.verdict for r in reports if r.state == REBASED} == {
+        c["concern"]: SHOWN for c in record["commits"]
+    }
     assert record["tree_differs_from_torch_in"] == []
     for commit in record["commits"]:
         assert any(t["without"] in ("fail", "error") for t in commit["tests"]), commit["concern"]
@@ -290,7 +304,12 @@ def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
             {
                 "torch": "2.13.0+cpu",
                 "backend": "eager",
-                "calls_per_s_1_threads": {"plain": 51234.0, "patched": 50987.0, "ratio": 0.9952, "ratio_ci95": [0.9901, 0.9987]},
+                "calls_per_s_1_threads": {
+                    "plain": 51234.0,
+                    "patched": 50987.0,
+                    "ratio": 0.9952,
+                    "ratio_ci95": [0.9901, 0.9987],
+                },
                 "calls_per_s_4_threads": {"plain": 60111.0, "patched": 59876.0, "ratio": 0.9961},
             }
         )

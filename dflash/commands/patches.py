@@ -1,4 +1,8 @@
-"""``dflash patches status|verify``: is the thread-safety patch series active, and does it work?"""
+"""``dflash patches status|verify|build-wheel|upstream``: the thread-safety patch series.
+
+Is it active, does it work (two-thread checks), a torch wheel with it built in, and a PyTorch stack of
+it for upstream review (``docs/upstream-kit.md``).
+"""
 
 from __future__ import annotations
 
@@ -181,9 +185,7 @@ def register(subparsers) -> None:
         metavar="PATH",
         help="interpreter whose torch runs the tests when the checkout is not built in place (default: this one)",
     )
-    upstream.add_argument(
-        "--no-run", action="store_true", help="do not run each commit's tests without and with it"
-    )
+    upstream.add_argument("--no-run", action="store_true", help="do not run each commit's tests without and with it")
     upstream.add_argument(
         "--instructions", action="store_true", help="count instructions per commit with callgrind (minutes per commit)"
     )

@@ -114,7 +114,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "`torch.fx._symbolic_trace` keeps the FX tracing flag in one module global that `Tracer.trace` "
             "sets and restores. Dynamo's `compile_wrapper` checks `is_fx_symbolic_tracing()` on every call "
             "of a compiled function, so while one thread traces (`symbolic_trace`, `make_fx` inside every "
-            "AOTAutograd compile, eager flex_attention), compiled calls in other threads raise \"Detected "
+            'AOTAutograd compile, eager flex_attention), compiled calls in other threads raise "Detected '
             'that you are using FX to symbolically trace a dynamo-optimized function" or run eagerly, and '
             "overlapping traces restore the flag in the wrong order."
         ),

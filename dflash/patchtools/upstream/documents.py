@@ -52,7 +52,14 @@ def pr_description(
 ) -> str:
     concern = commit.concern
     how = text.how_paragraphs(commit.patch, {c.name: c.title for c in CONCERNS})
-    out = [f"# [{concern.area}] {concern.title}", "", f"Commit {index + 1} of {total} of a stack.", "", "## Summary", ""]
+    out = [
+        f"# [{concern.area}] {concern.title}",
+        "",
+        f"Commit {index + 1} of {total} of a stack.",
+        "",
+        "## Summary",
+        "",
+    ]
     out += [concern.problem, "", *[p + "\n" for p in how]]
     out += ["## Test plan", ""] + [f"    {line}" for line in _test_plan_lines(commit)] + [""]
     if rows:

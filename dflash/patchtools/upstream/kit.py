@@ -140,17 +140,23 @@ def _run_pair(commit: Commit, index: int, commits: list[Commit], states, torch_d
             return [], NOT_RUN, f"cannot isolate it from {commit.concern.shows_failure_with} on this tree"
         without.update(later.fix_files)
         with_.update(later.fix_files)
-        note = f"both runs include the fix of the later commit \"{later.concern.title}\", which needs this one"
+        note = f'both runs include the fix of the later commit "{later.concern.title}", which needs this one'
     results = {}
     for label, state in (("without", without), ("with", with_)):
         root = runs.lay_out(state, torch_dir, src / "test", scratch / f"{index}-{label}")
-        results[label] = [runs.run_tests(python, root, path, classes) for path, classes in _test_targets(commit.concern)]
+        results[label] = [
+            runs.run_tests(python, root, path, classes) for path, classes in _test_targets(commit.concern)
+        ]
     errors = [r.error for label in results for r in results[label] if r.error]
     if errors:
         return [], NOT_RUN, f"{note}; {errors[0]}".strip("; ")
     outcome = {label: {k: v for r in results[label] for k, v in r.outcomes.items()} for label in results}
     rows = [
-        {"test": test, "without": outcome["without"].get(test, ("missing", ""))[0], "with": outcome["with"].get(test, ("missing", ""))[0]}
+        {
+            "test": test,
+            "without": outcome["without"].get(test, ("missing", ""))[0],
+            "with": outcome["with"].get(test, ("missing", ""))[0],
+        }
         for test in sorted(set(outcome["without"]) | set(outcome["with"]))
     ]
     return rows, verdict(rows), note
@@ -223,7 +229,11 @@ def make_kit(
     for commit in commits:
         how = text.how_paragraphs(commit.patch, titles)
         link_lines = text.links(commit.concern, commit.patch)
-        messages.append(text.commit_message(commit.concern, how, _test_plan(commit.concern), link_lines, [e.why for e in commit.concern.edits]))
+        messages.append(
+            text.commit_message(
+                commit.concern, how, _test_plan(commit.concern), link_lines, [e.why for e in commit.concern.edits]
+            )
+        )
     leaks = {f"commit {i + 1}": found for i, m in enumerate(messages) if (found := text.internal_references(m))}
     if leaks:
         raise UpstreamKitError(f"the commit messages would carry project-internal text: {leaks}")
@@ -250,22 +260,33 @@ def make_kit(
                 instruction_counts.append(bench.count_instructions(python, root))
     by_name = dict(zip((c.concern.name for c in commits), patch_paths))
     reports = [
-        dataclasses.replace(r, patch_path=by_name.get(r.name), verdict=verdicts.get(r.name, ([], "", ""))[1]) for r in reports
+        dataclasses.replace(r, patch_path=by_name.get(r.name), verdict=verdicts.get(r.name, ([], "", ""))[1])
+        for r in reports
     ]
     from dflash.patchtools.upstream.documents import cover_note, pr_description
 
     documents = {}
     for i, (commit, path) in enumerate(zip(commits, patch_paths)):
         rows, verdict, note = verdicts.get(commit.concern.name, ([], "", ""))
-        record["commits"].append({"concern": commit.concern.name, "patch": path.name, "verdict": verdict, "note": note, "tests": rows})
+        record["commits"].append(
+            {"concern": commit.concern.name, "patch": path.name, "verdict": verdict, "note": note, "tests": rows}
+        )
         counts = (instruction_counts[i], instruction_counts[i + 1]) if instruction_counts else None
         documents[f"pr/{path.stem}.md"] = pr_description(
             commit, i, len(commits), release, base, rows, verdict, note, counts, overhead, record
         )
-    documents["COVER.md"] = cover_note(release, base, commits, patch_paths, reports, record, instruction_counts, overhead)
+    documents["COVER.md"] = cover_note(
+        release, base, commits, patch_paths, reports, record, instruction_counts, overhead
+    )
     documents["runs.json"] = json.dumps({**record, "instruction_counts": instruction_counts}, indent=2) + "\n"
     leaks = {name: found for name, body in documents.items() if (found := text.internal_references(body))}
-    leaks.update({p.name: found for p in patch_paths if (found := text.internal_references(text.patch_text_to_check(p.read_text(encoding="utf-8"))))})
+    leaks.update(
+        {
+            p.name: found
+            for p in patch_paths
+            if (found := text.internal_references(text.patch_text_to_check(p.read_text(encoding="utf-8"))))
+        }
+    )
     if leaks:
         raise UpstreamKitError(f"the kit would write project-internal text: {leaks}")
     for name, body in documents.items():

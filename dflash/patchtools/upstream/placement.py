@@ -86,7 +86,9 @@ def merge_tests(target_text: str, tests_text: str, target: str) -> str:
         if clashes:
             raise UpstreamKitError(f"{target} already defines {', '.join(clashes)} differently; rename the test's")
         new_definitions.append(_segment(test_lines, node))
-    last_import = max((n.end_lineno for n in target_tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
+    last_import = max(
+        (n.end_lineno for n in target_tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0
+    )
     guard = next((n for n in target_tree.body if _is_main_guard(n)), None)
     insert_at = guard.lineno - 1 if guard is not None else len(target_lines)
     block = "".join(f"\n\n{d.rstrip()}\n" for d in new_definitions) + ("\n\n" if guard is not None else "")
@@ -99,9 +101,7 @@ def add_fx_import(test_fx_text: str, module: str, classes: list[str]) -> str:
     imports (sorted position), so PyTorch's CI, which runs ``test/fx`` through this file, runs them."""
     tree = ast.parse(test_fx_text)
     lines = test_fx_text.splitlines(keepends=True)
-    fx_imports = [
-        n for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fx.test_")
-    ]
+    fx_imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fx.test_")]
     line = f"from fx.{module} import {', '.join(classes)}  # noqa: F401\n"
     if not fx_imports:
         anchor = max((n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
@@ -124,7 +124,9 @@ def apply_placement(placement: TestPlacement, read) -> dict[str, str]:
         if placement.imported_from:
             current = read(placement.imported_from)
             if current is None:
-                raise UpstreamKitError(f"{placement.imported_from} is not in the tree (the kit imports its tests there)")
+                raise UpstreamKitError(
+                    f"{placement.imported_from} is not in the tree (the kit imports its tests there)"
+                )
             module = placement.target.rsplit("/", 1)[1].removesuffix(".py")
             out[placement.imported_from] = add_fx_import(current, module, test_classes(tests_text))
         return out
@@ -137,9 +139,7 @@ def apply_placement(placement: TestPlacement, read) -> dict[str, str]:
 def _snippet_function(edit: MethodEdit) -> tuple[list[str], ast.FunctionDef]:
     """The lines of ``edit.source`` and its ``def <edit.method>(self)`` (a module, so it lints and imports)."""
     snippet = test_source(edit.source)
-    func = next(
-        (n for n in ast.parse(snippet).body if isinstance(n, ast.FunctionDef) and n.name == edit.method), None
-    )
+    func = next((n for n in ast.parse(snippet).body if isinstance(n, ast.FunctionDef) and n.name == edit.method), None)
     if func is None:
         raise UpstreamKitError(f"upstream_tests/{edit.source} has no def {edit.method}")
     return snippet.splitlines(keepends=True), func

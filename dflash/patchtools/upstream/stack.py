@@ -123,7 +123,9 @@ def commit_stack(src: Path, base: str, commits: list[tuple[dict[str, str], str]]
     try:
         git(src, "var", "GIT_AUTHOR_IDENT")
     except UpstreamKitError:
-        raise UpstreamKitError(f"git has no author identity in {src}: set git config user.name and user.email") from None
+        raise UpstreamKitError(
+            f"git has no author identity in {src}: set git config user.name and user.email"
+        ) from None
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         git(src, "read-tree", base, env=env)

@@ -19,8 +19,12 @@ INTERNAL = {
     "project name": r"dflash|DFLASH",
     "bug-class notes": r"torch_races|\bRace class|\bclass(?:es)? [A-H](?:\b|,)",
     "local paths": r"\.\./shared|/work/|/shared/",
-    "patch-series terms": r"Variant for|\bvariants?\b|Patch-Name|Verified-On|Torch-Versions|DEP-3|\bseries\b|\b(?:as in|see) 000\d\b",
-    "where a patch was checked": r"Not yet run|\binterpreter\b|checked standalone|toy config|Written against|sources not checked",
+    "patch-series terms": (
+        r"Variant for|\bvariants?\b|Patch-Name|Verified-On|Torch-Versions|DEP-3|\bseries\b|\b(?:as in|see) 000\d\b"
+    ),
+    "where a patch was checked": (
+        r"Not yet run|\binterpreter\b|checked standalone|toy config|Written against|sources not checked"
+    ),
     "release-bound wording": r"\btorch \d+\.\d+(?:\.\d+)? (?:holds|has|keeps|is|does|still|sets)\b",
 }
 _INTERNAL_RE = {what: re.compile(pattern) for what, pattern in INTERNAL.items()}
@@ -105,7 +109,9 @@ def _wrap(paragraph: str, width: int = 72) -> str:
 
 def links(concern: UpstreamConcern, patch: Patch) -> list[str]:
     """``Fixes #N`` / ``Part of #N`` / ``See also #N`` lines: the concern's own, plus the patch's ``Bug:`` URLs."""
-    from_header = [int(n) for n in re.findall(r"github\.com/pytorch/pytorch/(?:issues|pull)/(\d+)", patch.header.get("Bug", ""))]
+    from_header = [
+        int(n) for n in re.findall(r"github\.com/pytorch/pytorch/(?:issues|pull)/(\d+)", patch.header.get("Bug", ""))
+    ]
     lines = [f"Fixes #{n}" for n in concern.fixes]
     lines += [f"Part of #{n}" for n in concern.part_of if n not in concern.fixes]
     cited = set(concern.fixes) | set(concern.part_of)
@@ -113,7 +119,9 @@ def links(concern: UpstreamConcern, patch: Patch) -> list[str]:
     return lines
 
 
-def commit_message(concern: UpstreamConcern, how: list[str], test_plan: list[str], link_lines: list[str], edits_why: list[str]) -> str:
+def commit_message(
+    concern: UpstreamConcern, how: list[str], test_plan: list[str], link_lines: list[str], edits_why: list[str]
+) -> str:
     parts = [f"[{concern.area}] {concern.title}", _wrap(concern.problem), *map(_wrap, how)]
     if edits_why:
         parts.append("\n".join(textwrap.fill(f"- {why}", 72, subsequent_indent="  ") for why in edits_why))
