@@ -43,15 +43,21 @@ WORKLOADS = {
     "dynamo_config_read": ("c = torch._dynamo.config\nc.recompile_limit", "for _ in range(100): c.recompile_limit"),
 }
 
-# Runs every workload in one process (importing torch under callgrind costs about a minute): per
-# workload, its setup, then ITERATIONS counted runs of its work, each dumped to its own file.
+# Runs every workload in one process: all setups first, uninstrumented (importing torch and compiling
+# under instrumentation would take many minutes), then, once the parent has switched instrumentation on,
+# ITERATIONS counted runs of each work, each dumped to its own file.
 CHILD = r"""
 import json, sys, torch
 workloads, n = json.loads(sys.argv[1]), int(sys.argv[2])
+scopes = []
 for setup, work in workloads:
     scope = {"torch": torch}
     exec(setup, scope)
-    code = compile(work, "work", "exec")
+    scopes.append((scope, compile(work, "work", "exec")))
+print("ready", flush=True)
+sys.stdin.readline()
+for scope, code in scopes:
+    exec(code, scope)  # once instrumented, before counting
     for _ in range(n):
         torch._C._valgrind_toggle()
         exec(code, scope)
@@ -88,27 +94,30 @@ def count_instructions(python: str, root: Path) -> dict[str, int]:
         raise UpstreamKitError("valgrind is not installed (apt-get install valgrind); needed for instruction counts")
     env = {**os.environ, **PLAIN_ENV, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--collect-atstart=no",
-                f"--callgrind-out-file={tmp}/callgrind.out.%p",
-                python,
-                "-c",
-                CHILD,
-                json.dumps(list(WORKLOADS.values())),
-                str(ITERATIONS),
-            ],
-            cwd=tmp,
-            env=env,
-            capture_output=True,
-            text=True,
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--collect-atstart=no",
+            f"--callgrind-out-file={tmp}/callgrind.out.%p",
+            python,
+            "-c",
+            CHILD,
+            json.dumps(list(WORKLOADS.values())),
+            str(ITERATIONS),
+        ]
+        proc = subprocess.Popen(
+            command, cwd=tmp, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
+        if proc.stdout.readline().strip() == "ready":
+            subprocess.run(["callgrind_control", "--instr=on", str(proc.pid)], capture_output=True, check=False)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        _, stderr = proc.communicate()
         totals = _dump_totals(Path(tmp))
     expected = ITERATIONS * len(WORKLOADS)
     if proc.returncode != 0 or len(totals) < expected:
-        raise UpstreamKitError(f"callgrind run failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        raise UpstreamKitError(f"callgrind run failed (exit {proc.returncode}): {stderr.strip()[-800:]}")
     totals = totals[-expected:]
     return {name: min(totals[i * ITERATIONS : (i + 1) * ITERATIONS]) for i, name in enumerate(WORKLOADS)}
 

@@ -70,6 +70,13 @@ def pr_description(
             text.run_table(rows),
             "",
         ]
+        guards = [r["test"] for r in rows if r["without"] == "pass"]
+        if guards:
+            out += [
+                "Passing without this commit too, so on this tree they guard against regressions rather than "
+                "show a bug: " + ", ".join(f"`{g}`" for g in guards) + ".",
+                "",
+            ]
     elif verdict:
         out += [f"Test runs: **{verdict}** ({note}).", ""]
     else:
