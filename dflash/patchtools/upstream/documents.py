@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dflash.patchtools.upstream import bench, text
 from dflash.patchtools.upstream.concerns import CONCERNS
+from dflash.patchtools.upstream.placement import test_plan
 from dflash.patchtools.upstream.stack import REBASED, Commit
 
 _WORKLOAD_TEXT = {
@@ -61,7 +62,7 @@ def pr_description(
         "",
     ]
     out += [concern.problem, "", *[p + "\n" for p in how]]
-    out += ["## Test plan", ""] + [f"    {line}" for line in _test_plan_lines(commit)] + [""]
+    out += ["## Test plan", ""] + [f"    {line}" for line in test_plan(commit.concern)] + [""]
     if rows:
         out += [
             f"Run on a {release} tree (base `{base[:12]}`, {record.get('torch', '')}), each side in a fresh "
@@ -95,12 +96,6 @@ def pr_description(
         out += [concern.related, ""]
     out += [f"- {line}" for line in text.links(concern, commit.patch)] + [""]
     return "\n".join(out)
-
-
-def _test_plan_lines(commit: Commit) -> list[str]:
-    from dflash.patchtools.upstream.kit import _test_plan
-
-    return _test_plan(commit.concern)
 
 
 def cover_note(release, base, commits: list[Commit], patch_paths: list[Path], reports, record, counts, overhead) -> str:

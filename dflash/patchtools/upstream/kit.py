@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 from dflash.patching.series import concerns as series_concerns
 from dflash.patchtools.upstream import bench, runs, text
 from dflash.patchtools.upstream.concerns import CONCERNS, UpstreamConcern
-from dflash.patchtools.upstream.placement import test_classes, test_source
+from dflash.patchtools.upstream.placement import test_classes, test_plan, test_source
 from dflash.patchtools.upstream.stack import (
     DOES_NOT_APPLY,
     KEPT_OUT,
@@ -64,16 +65,6 @@ def _test_targets(concern: UpstreamConcern) -> list[tuple[str, list[str]]]:
         elif edit.cls not in entry[1]:
             entry[1].append(edit.cls)
     return targets
-
-
-def _test_plan(concern: UpstreamConcern) -> list[str]:
-    lines = []
-    for placement in concern.tests:
-        runner = placement.imported_from or placement.target
-        classes = test_classes(test_source(placement.source))
-        lines.append(f"python {runner} " + " ".join(f"-k {c}" for c in classes))
-    lines += [f"python {e.target}" for e in dict.fromkeys(e for e in concern.edits)]
-    return list(dict.fromkeys(lines))
 
 
 def _collect(src: Path, version) -> tuple[list[Commit], list[ConcernReport]]:
@@ -231,7 +222,7 @@ def make_kit(
         link_lines = text.links(commit.concern, commit.patch)
         messages.append(
             text.commit_message(
-                commit.concern, how, _test_plan(commit.concern), link_lines, [e.why for e in commit.concern.edits]
+                commit.concern, how, test_plan(commit.concern), link_lines, [e.why for e in commit.concern.edits]
             )
         )
     leaks = {f"commit {i + 1}": found for i, m in enumerate(messages) if (found := text.internal_references(m))}
@@ -240,7 +231,7 @@ def make_kit(
     patch_paths = commit_stack(src, base, [(c.files, m) for c, m in zip(commits, messages)], out / "patches")
     check_patches(src, patch_paths)
 
-    python = python or runs.default_python()
+    python = python or sys.executable
     states = _states(commits)
     record = {"release": release, "base": base, "commits": []}
     verdicts: dict[str, tuple[list, str, str]] = {}

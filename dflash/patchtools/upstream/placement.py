@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.resources
 
-from dflash.patchtools.upstream.concerns import MethodEdit, TestPlacement
+from dflash.patchtools.upstream.concerns import MethodEdit, TestPlacement, UpstreamConcern
 from dflash.patchtools.upstream.tree import UpstreamKitError
 
 
@@ -171,3 +171,14 @@ def apply_method_edit(edit: MethodEdit, text: str) -> str:
     first = min([method.lineno, *(d.lineno for d in method.decorator_list)])
     body = _reindent(snippet_lines[func.lineno - 1 : func.end_lineno], func.col_offset, method.col_offset)
     return "".join(lines[: first - 1]) + body + "".join(lines[method.end_lineno :])
+
+
+def test_plan(concern: UpstreamConcern) -> list[str]:
+    """The commands that run ``concern``'s tests in a PyTorch checkout (the commit's ``Test Plan``)."""
+    lines = []
+    for placement in concern.tests:
+        runner = placement.imported_from or placement.target
+        classes = test_classes(test_source(placement.source))
+        lines.append(f"python {runner} " + " ".join(f"-k {c}" for c in classes))
+    lines += [f"python {e.target}" for e in dict.fromkeys(e for e in concern.edits)]
+    return list(dict.fromkeys(lines))

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -133,7 +132,3 @@ def run_tests(python: str, root: Path, test_file: str, classes: list[str]) -> Ru
     if "torch" in data and not data["torch"].startswith(str(root)):
         return RunResult({}, f"imported torch from {data['torch']}, not from the laid-out tree")
     return RunResult({k: tuple(v) for k, v in data["outcomes"].items()}, data.get("error", ""))
-
-
-def default_python() -> str:
-    return sys.executable
