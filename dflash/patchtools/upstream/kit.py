@@ -11,6 +11,7 @@ from pathlib import Path
 from dflash.patching.series import concerns as series_concerns
 from dflash.patchtools.upstream import bench, runs, text
 from dflash.patchtools.upstream.concerns import CONCERNS, UpstreamConcern
+from dflash.patchtools.upstream.documents import cover_note, pr_description
 from dflash.patchtools.upstream.placement import test_classes, test_plan, test_source
 from dflash.patchtools.upstream.stack import (
     DOES_NOT_APPLY,
@@ -254,8 +255,6 @@ def make_kit(
         dataclasses.replace(r, patch_path=by_name.get(r.name), verdict=verdicts.get(r.name, ([], "", ""))[1])
         for r in reports
     ]
-    from dflash.patchtools.upstream.documents import cover_note, pr_description
-
     documents = {}
     for i, (commit, path) in enumerate(zip(commits, patch_paths)):
         rows, verdict, note = verdicts.get(commit.concern.name, ([], "", ""))
