@@ -2,11 +2,13 @@
 
 Instruction counts follow PyTorch's ``benchmarks/dynamo/pr_time_benchmarks`` method: prepare once
 (compile and warm up), then run the work a few times, counting the instructions of each run, and
-report the minimum. PyTorch counts with ``perf_event_open``, which virtual machines often lack; here
-the count comes from callgrind (``valgrind --tool=callgrind``), with collection switched on only around
-each run (``torch._C._valgrind_toggle``), so imports and warm-up are not counted. Each state of the
-stack (the tree, then each commit) is measured in its own process on the same laid-out tree as the
-test runs, so the difference between two states is the cost of one commit.
+report the minimum (garbage collection off while counting, a fixed hash seed). PyTorch counts with
+``perf_event_open``, which virtual machines often lack; here the count comes from callgrind
+(``valgrind --tool=callgrind``), with instrumentation switched on once every setup is done and
+collection only around each run (``torch._C._valgrind_toggle``), so imports, compiles and warm-up
+are not counted. Each state of the stack (the tree, then each commit) is measured in its own process
+on the same laid-out tree as the test runs, so the difference between two states is the cost of one
+commit.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ WORKLOADS = {
 # under instrumentation would take many minutes), then, once the parent has switched instrumentation on,
 # ITERATIONS counted runs of each work, each dumped to its own file.
 CHILD = r"""
-import json, sys, torch
+import gc, json, sys, torch
 workloads, n = json.loads(sys.argv[1]), int(sys.argv[2])
 scopes = []
 for setup, work in workloads:
@@ -59,9 +61,12 @@ sys.stdin.readline()
 for scope, code in scopes:
     exec(code, scope)  # once instrumented, before counting
     for _ in range(n):
+        gc.collect()
+        gc.disable()
         torch._C._valgrind_toggle()
         exec(code, scope)
         torch._C._valgrind_toggle_and_dump_stats()
+        gc.enable()
 """
 
 
@@ -92,7 +97,8 @@ def count_instructions(python: str, root: Path) -> dict[str, int]:
     """
     if not callgrind_available():
         raise UpstreamKitError("valgrind is not installed (apt-get install valgrind); needed for instruction counts")
-    env = {**os.environ, **PLAIN_ENV, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    # A fixed hash seed: dict and set layouts (and so instruction counts) otherwise differ per process.
+    env = {**os.environ, **PLAIN_ENV, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         command = [
             "valgrind",

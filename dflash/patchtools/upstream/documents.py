@@ -29,7 +29,8 @@ def _instruction_table(before: dict[str, int], after: dict[str, int], first: str
 def _instruction_method() -> str:
     return (
         f"Instruction counts, measured as PyTorch's `benchmarks/dynamo/pr_time_benchmarks` does (prepare "
-        f"once, then the minimum over {bench.ITERATIONS} counted runs of the work), counted with callgrind "
+        f"once, then the minimum over {bench.ITERATIONS} counted runs of the work, garbage collection off, "
+        "a fixed hash seed), counted with callgrind "
         "instead of `perf_event_open` (unavailable on the machine used), same tree and build on both sides:"
     )
 
