@@ -7,8 +7,10 @@ test exactly that tree. Their ``test/`` files are small stand-ins with the shape
 (``from fx.test_* import`` lines in ``test/test_fx.py``, a ``TestConfigModule.tearDown`` and
 ``test_get_hash_per_thread_isolation`` in ``test/test_utils_config_module.py``).
 
-Slow (subprocesses): ``test_each_commit_fails_without_and_passes_with_its_fix`` runs every commit's
-tests twice in fresh interpreters (a few minutes on 2 cores).
+Integration tier: every test runs git in subprocesses (about 20 s together on 2 cores), and
+``test_each_commit_fails_without_and_passes_with_its_fix`` runs every commit's tests twice in fresh
+interpreters (2-8 minutes on 2 cores, depending on load; needs ``expecttest``, PyTorch's test
+dependency).
 """
 
 import importlib.util
