@@ -3,7 +3,7 @@
 ``status`` (is it active here, and what became of each concern), ``verify`` (the bug-class checks,
 plain vs patched; ``--record`` writes a verification record), ``coverage`` (which torch releases
 the series covers), ``refresh`` (regenerate each release's variants), ``build-wheel`` (a torch
-wheel with the series built in) and ``upstream`` (the PyTorch PR kit).
+wheel with the series built in) and ``upstream`` (a PyTorch PR stack of it, ``docs/upstream-kit.md``).
 """
 
 from __future__ import annotations
@@ -176,16 +176,18 @@ def _build_wheel(args) -> int:
 
 
 def _upstream(args) -> int:
-    import sys
     from pathlib import Path
 
-    from dflash.patchtools.upstream import UpstreamKitError, make_kit
+    from dflash.patchtools.upstream import DOES_NOT_APPLY, SHOWN, UpstreamKitError, make_kit
 
     try:
         reports = make_kit(
             Path(args.pytorch_src),
             Path(args.out),
+            python=args.python,
+            run=not args.no_run,
             benchmark_json=Path(args.benchmark_json) if args.benchmark_json else None,
+            instructions=args.instructions,
         )
     except UpstreamKitError as error:
         print(f"dflash patches upstream: {error}", file=sys.stderr)
@@ -193,12 +195,22 @@ def _upstream(args) -> int:
     width = max(len(r.name) for r in reports)
     for report in reports:
         print(f"  {report.name:<{width}}  {report.state:<16}  {report.patch_path or report.reason}")
+        if report.verdict:
+            print(f"  {'':<{width}}  tests: {report.verdict}")
+        for note in report.notes:
+            print(f"  {'':<{width}}  note: {note}")
     if any(r.patch_path for r in reports):
+        out = Path(args.out)
         print(
-            f"wrote {Path(args.out) / 'PR_DESCRIPTION.md'}; apply the stack with "
-            f"`git am --keep-non-patch {Path(args.out) / 'patches'}/*.patch` (keeps the [area] title prefixes)"
+            f"wrote {out / 'COVER.md'} and {out / 'pr'}/*.md; apply the stack with "
+            f"`git am --keep-non-patch {out / 'patches'}/*.patch` (keeps the [area] title prefixes)"
         )
-    return 1 if any(r.state == "does-not-apply" for r in reports) else 0
+        if any("CRLF" in note for r in reports for note in r.notes):
+            print("the stack edits files with CRLF line endings: add --keep-cr to git am")
+    unshown = [r.name for r in reports if r.patch_path and not args.no_run and r.verdict != SHOWN]
+    if unshown:
+        print(f"not shown failing without and passing with their fix: {', '.join(unshown)}", file=sys.stderr)
+    return 1 if unshown or any(r.state == DOES_NOT_APPLY for r in reports) else 0
 
 
 def register(subparsers) -> None:
@@ -253,13 +265,23 @@ def register(subparsers) -> None:
     build.set_defaults(func=_build_wheel)
 
     upstream = commands.add_parser(
-        "upstream", help="write a PR kit for a PyTorch checkout: format-patch commits with tests, PR_DESCRIPTION.md"
+        "upstream",
+        help="write a PyTorch stack: one format-patch commit per concern with its tests, PR descriptions, a cover note",
     )
     upstream.add_argument(
         "--pytorch-src", required=True, metavar="DIR", help="root of a PyTorch git checkout (only read)"
     )
     upstream.add_argument(
         "--out", default="upstream-kit", metavar="DIR", help="where to write the kit (default upstream-kit)"
+    )
+    upstream.add_argument(
+        "--python",
+        metavar="PATH",
+        help="interpreter whose torch runs the tests when the checkout is not built in place (default: this one)",
+    )
+    upstream.add_argument("--no-run", action="store_true", help="do not run each commit's tests without and with it")
+    upstream.add_argument(
+        "--instructions", action="store_true", help="count instructions per commit with callgrind (minutes per commit)"
     )
     upstream.add_argument("--benchmark-json", metavar="PATH", help="output of benchmarks/patch_overhead.py --json")
     upstream.set_defaults(func=_upstream)

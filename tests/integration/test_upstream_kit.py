@@ -1,25 +1,117 @@
-"""``dflash patches upstream``: the pull-request kit, made for a tree of the torch 2.15.0 sources.
+"""``dflash patches upstream``: the PyTorch stack made from the patch series.
 
-The tree is laid out like a PyTorch checkout (``torch/...`` at the root plus
-``version.txt``), holding the files the series touches, committed in a temporary
-git repository. The sources come from ``DFLASH_TORCH_SOURCES/2.15.0`` (made by
-``scripts/fetch_torch_sources.py``, as CI does).
+The trees are laid out like a PyTorch checkout (``torch/...``, ``test/...``, ``version.txt``) and
+committed in a temporary git repository. Their ``torch/`` files are the installed torch's own (the
+files the series touches), so the kit's test runs, which borrow the installed torch's compiled parts,
+test exactly that tree. Their ``test/`` files are small stand-ins with the shapes of PyTorch's
+(``from fx.test_* import`` lines in ``test/test_fx.py``, a ``TestConfigModule.tearDown`` and
+``test_get_hash_per_thread_isolation`` in ``test/test_utils_config_module.py``).
+
+Integration tier: every test runs git in subprocesses (about 20 s together on 2 cores), and
+``test_each_commit_fails_without_and_passes_with_its_fix`` runs every commit's tests twice in fresh
+interpreters (2-8 minutes on 2 cores, depending on load; needs ``expecttest``, PyTorch's test
+dependency).
 """
 
+import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash.cli import main
 from dflash.patching.series import load_series
-from dflash.patchtools.upstream import PRESENT, REBASED, UpstreamKitError, make_kit, tree_release
+from dflash.patchtools.upstream import (
+    KEPT_OUT,
+    PASSES_WITHOUT,
+    PRESENT,
+    REBASED,
+    SHOWN,
+    UpstreamKitError,
+    make_kit,
+    tree_release,
+)
+from dflash.patchtools.upstream import concerns as concerns_module
+from dflash.patchtools.upstream.kit import verdict
+from dflash.patchtools.upstream.text import internal_references, patch_text_to_check
 
-SOURCES = os.environ.get("DFLASH_TORCH_SOURCES")
+TORCH_DIR = Path(torch.__file__).parent
+
+TEST_FX = """\
+# Owner(s): ["module: fx"]
+import torch
+
+from fx.test_cse_pass import TestCSEPass  # noqa: F401
+from fx.test_fx_param_shape_control_flow import (  # noqa: F401
+    TestConstParamShapeInControlFlow,
+)
+from fx.test_matcher_utils import TestMatcher  # noqa: F401
+from torch.testing._internal.common_utils import run_tests
+
+
+if __name__ == "__main__":
+    run_tests()
+"""
+TEST_DYNAMO = """\
+# Owner(s): ["module: dynamo"]
+
+import torch
+import torch._dynamo.test_case
+
+
+class {cls}(torch._dynamo.test_case.TestCase):
+    def test_nothing(self):
+        self.assertTrue(torch.ones(1).item())
+
+
+if __name__ == "__main__":
+    from torch._dynamo.test_case import run_tests
+
+    run_tests()
+"""
+TEST_CONFIG_MODULE = """\
+# Owner(s): ["module: unknown"]
+import threading
+
+from torch.testing._internal import fake_config_module as config
+from torch.testing._internal.common_utils import run_tests, TestCase
+from torch.utils._config_module import _UNSET_SENTINEL
+
+
+class TestConfigModule(TestCase):
+    def tearDown(self):
+        # Config changes get persisted between test cases
+        for k in config._config:
+            config._config[k].user_override.set(_UNSET_SENTINEL)
+            config._config[k].hide = False
+        config._hash_cache_var.set(None)
+
+    def test_overrides(self):
+        config.e_int = 2
+        self.assertEqual(config.e_int, 2)
+
+    def test_get_hash_per_thread_isolation(self):
+        base_hash = config.get_hash()
+        thread_hash = [None]
+
+        def thread_fn():
+            config.e_int = 999
+            thread_hash[0] = config.get_hash()
+
+        t = threading.Thread(target=thread_fn)
+        t.start()
+        t.join()
+        self.assertEqual(config.get_hash(), base_hash)
+        self.assertNotEqual(thread_hash[0], base_hash)
+
+
+if __name__ == "__main__":
+    run_tests()
+"""
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -28,27 +120,31 @@ def _git(cwd: Path, *args: str) -> str:
     return proc.stdout
 
 
-def _init_repo(path: Path) -> None:
-    _git(path, "init", "-q")
-    _git(path, "config", "user.name", "Kit Tester")
-    _git(path, "config", "user.email", "kit@example.com")
-    _git(path, "add", "-A")
-    _git(path, "commit", "-q", "-m", "base")
+def _make_tree(root: Path, version: str, *, crlf: str | None = None) -> Path:
+    for path in {f.path for patch in load_series() for f in patch.files}:
+        if (TORCH_DIR / path.removeprefix("torch/")).exists():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(TORCH_DIR / path.removeprefix("torch/"), root / path)
+    (root / "test" / "dynamo").mkdir(parents=True)
+    (root / "test" / "test_fx.py").write_text(TEST_FX)
+    (root / "test" / "dynamo" / "test_config.py").write_text(TEST_DYNAMO.format(cls="ConfigTests"))
+    (root / "test" / "dynamo" / "test_compile.py").write_text(TEST_DYNAMO.format(cls="InPlaceCompilationTests"))
+    (root / "test" / "test_utils_config_module.py").write_text(TEST_CONFIG_MODULE)
+    (root / "version.txt").write_text(version + "\n")
+    if crlf:
+        (root / crlf).write_bytes((root / crlf).read_bytes().replace(b"\n", b"\r\n"))
+    _git(root, "init", "-q")
+    _git(root, "config", "user.name", "Kit Tester")
+    _git(root, "config", "user.email", "kit@example.com")
+    _git(root, "config", "core.autocrlf", "false")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "base")
+    return root
 
 
 @pytest.fixture
 def tree(tmp_path) -> Path:
-    source = Path(SOURCES or "/nonexistent") / "2.15.0"
-    if not (source / "torch" / "version.py").exists():
-        pytest.skip("torch 2.15.0 sources missing: set DFLASH_TORCH_SOURCES (scripts/fetch_torch_sources.py)")
-    root = tmp_path / "pytorch"
-    for path in {f.path for patch in load_series() for f in patch.files}:
-        if (source / path).exists():
-            (root / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(source / path, root / path)
-    (root / "version.txt").write_text("2.15.0\n")
-    _init_repo(root)
-    return root
+    return _make_tree(tmp_path / "pytorch", torch.__version__.split("+")[0])
 
 
 def _clone(tree: Path, dest: Path) -> Path:
@@ -58,56 +154,149 @@ def _clone(tree: Path, dest: Path) -> Path:
     return dest
 
 
-def test_kit_rebases_the_series_onto_a_2_15_tree(tree, tmp_path, capsys):
-    head = _git(tree, "rev-parse", "HEAD")
-    assert main(["patches", "upstream", "--pytorch-src", str(tree), "--out", str(tmp_path / "kit")]) == 0
-    printed = capsys.readouterr().out
-    assert "fx-tracing-flag-thread-local" in printed and "upstream" in printed
-    patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
-    assert len(patches) >= 3
-    # The checkout itself is untouched.
-    assert _git(tree, "rev-parse", "HEAD") == head and _git(tree, "status", "--porcelain") == ""
+def _written_text(kit: Path) -> dict[str, str]:
+    """What the kit wrote in words: the Markdown and JSON, and each patch's message and added lines."""
+    out = {p.name: p.read_text() for p in kit.rglob("*") if p.suffix in (".md", ".json")}
+    out.update({p.name: patch_text_to_check(p.read_text()) for p in (kit / "patches").glob("*.patch")})
+    return out
 
-    applied = _clone(tree, tmp_path / "apply")
-    for patch in patches:
-        _git(applied, "apply", "--check", str(patch))
-        _git(applied, "apply", str(patch))
+
+def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
+    head = _git(tree, "rev-parse", "HEAD").strip()
+    assert main(["patches", "upstream", "--pytorch-src", str(tree), "--out", str(tmp_path / "kit"), "--no-run"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"fx-tracing-flag-legacy-attribute\s+kept-out", printed)
+    patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
+    assert len(patches) == 6
+    # The checkout is untouched.
+    assert _git(tree, "rev-parse", "HEAD").strip() == head and _git(tree, "status", "--porcelain") == ""
 
     stacked = _clone(tree, tmp_path / "am")
-    # --keep-non-patch: keep "[dynamo]" in the subject (plain `git am` strips every leading [...]).
+    # --keep-non-patch keeps "[dynamo]" in the subject (plain `git am` strips every leading [...]).
     _git(stacked, "am", "-q", "--keep-non-patch", *map(str, patches))
-    subjects = _git(stacked, "log", "--format=%s", f"{head.strip()}..HEAD").splitlines()[::-1]
-    assert len(subjects) == len(patches)
-    assert all(s.startswith(("[fx] ", "[dynamo] ")) for s in subjects), subjects
-    assert _git(applied, "diff", "HEAD", "--stat") != ""
-    # git am of the stack and git apply of each patch give the same tree.
-    for path in _git(stacked, "ls-files").split():
-        assert (stacked / path).read_bytes() == (applied / path).read_bytes(), path
-
+    subjects = _git(stacked, "log", "--format=%s", f"{head}..HEAD").splitlines()[::-1]
+    assert [s.split("] ")[0] + "]" for s in subjects] == [
+        "[fx]",
+        "[fx]",
+        "[dynamo]",
+        "[dynamo]",
+        "[config]",
+        "[dynamo]",
+    ]
+    # The internal overrides come before the config change that would otherwise leak them.
+    assert "config.patch for torch's own" in subjects[3] and "process-wide" in subjects[4]
     for patch in patches:
-        text = patch.read_text()
-        assert text.startswith("From ") and "\nDate: " in text and "\nSubject: [PATCH " in text
-        assert "\nTest plan:\npython test/" in text
-        assert re.search(r"\n(Fixes|Part of|See also) #\d+\n", text), patch.name
-        assert "\nnew file mode 100644\n" in text and "/test_thread_safety_" in text
+        message = patch.read_text().split("\n---\n")[0]
+        assert "\nTest Plan:\npython test/" in message
+        assert re.search(r"\n(Fixes|Part of) #\d+(\n|$)", message), patch.name
+        paragraphs = [p for p in message.split("\n\n")[1:] if p.strip()]
+        assert len(paragraphs) >= 4, f"{patch.name}: problem, how, test plan and links expected"
+
+    # Tests sit where PyTorch's CI runs them.
+    test_fx = (stacked / "test" / "test_fx.py").read_text()
+    assert "from fx.test_fx_patcher_threads import TestFxPatcherThreads  # noqa: F401" in test_fx
+    assert (
+        test_fx.index("fx.test_cse_pass")
+        < test_fx.index("fx.test_fx_patcher_threads")
+        < test_fx.index("fx.test_matcher_utils")
+    )
+    assert (stacked / "test" / "fx" / "test_fx_patcher_threads.py").is_file()
+    assert not list((stacked / "test" / "dynamo").glob("test_thread_safety*"))
+    config_tests = (stacked / "test" / "dynamo" / "test_config.py").read_text()
+    assert "class ConfigThreadTests(" in config_tests and "class ConfigOverrideThreadTests(" in config_tests
+    assert config_tests.index("class ConfigThreadTests(") < config_tests.index('if __name__ == "__main__":')
+    config_module = (stacked / "test" / "test_utils_config_module.py").read_text()
+    assert "process_override = _UNSET_SENTINEL" in config_module
+    assert "with config.patch(e_int=999):" in config_module
     for test_file in _git(stacked, "ls-files", "test").split():
         compile((stacked / test_file).read_text(), test_file, "exec")
 
-    description = (tmp_path / "kit" / "PR_DESCRIPTION.md").read_text()
-    for section in ("## Problem", "## Reproducer", "## Fix", "## Why the lock is off the hot path", "## Benchmark"):
-        assert section in description
-    assert "Not measured." in description
-    assert "#118260" in description and "#126024" in description
+    kit = tmp_path / "kit"
+    assert len(list((kit / "pr").glob("*.md"))) == 6
+    for description in (kit / "pr").glob("*.md"):
+        body = description.read_text()
+        for section in ("## Summary", "## Test plan", "## BC-breaking notes", "## Benchmark", "## Related"):
+            assert section in body, (description.name, section)
+    cover = (kit / "COVER.md").read_text()
+    assert "#196637" in cover and "#187589" in cover
+    assert "#186537" in (kit / "patches" / patches[4].name).read_text()
+    assert {name: found for name, body in _written_text(kit).items() if (found := internal_references(body))} == {}
+
+
+def test_internal_references_are_found():
+    for leak in (
+        "see torch_races.md",
+        "dflash patches verify",
+        "Variant for 2.15 (typed signatures)",
+        "race (class C)",
+        "classes A, B",
+        "../shared/notes.md",
+        "torch 2.13 holds the flag",
+        "checked on a torch 2.13 interpreter",
+    ):
+        assert internal_references(leak), leak
+    assert internal_references("Fixes #186537; compile_wrapper takes no lock") == []
+
+
+def test_leaking_or_stale_text_stops_the_kit(tree, tmp_path, monkeypatch):
+    original = concerns_module.CONCERNS
+    leaking = tuple(c.__class__(**{**c.__dict__, "bc": ("see class A",)}) for c in original)
+    monkeypatch.setattr("dflash.patchtools.upstream.kit.CONCERNS", leaking)
+    with pytest.raises(UpstreamKitError, match="project-internal text"):
+        make_kit(tree, tmp_path / "kit", run=False)
+    stale = tuple(c.__class__(**{**c.__dict__, "bc": ("`_no_such_function` is gone",)}) for c in original)
+    monkeypatch.setattr("dflash.patchtools.upstream.kit.CONCERNS", stale)
+    with pytest.raises(UpstreamKitError, match="_no_such_function"):
+        make_kit(tree, tmp_path / "kit2", run=False)
+
+
+def test_development_tree_and_crlf_files_are_reported(tmp_path):
+    tree = _make_tree(tmp_path / "pytorch", "2.16.0a0", crlf="torch/_dynamo/utils.py")
+    reports = {r.name: r for r in make_kit(tree, tmp_path / "kit", run=False)}
+    # 2.16 has the thread-local FX flag (since 2.14); no patch claims 2.16: the newest are tried exactly.
+    assert reports["fx-tracing-flag-thread-local"].state == "upstream"
+    assert reports["fx-tracing-flag-legacy-attribute"].state == KEPT_OUT
+    assert reports["fx-patcher-thread-isolation"].state == REBASED
+    assert any("tried the newest" in n for n in reports["fx-patcher-thread-isolation"].notes)
+    assert any("CRLF" in n for r in reports.values() for n in r.notes)
+    patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
+    stacked = _clone(tree, tmp_path / "am")
+    _git(stacked, "config", "core.autocrlf", "false")
+    # --keep-cr: git am drops the CRs of CRLF lines unless told not to.
+    _git(stacked, "am", "-q", "--keep-non-patch", "--keep-cr", *map(str, patches))
+    utils = (stacked / "torch" / "_dynamo" / "utils.py").read_bytes()
+    assert b"_error_on_graph_break_state" in utils and b"\r\n" in utils and b"\n" not in utils.replace(b"\r\n", b"")
 
 
 def test_kit_detects_fixes_already_in_the_tree(tree, tmp_path):
-    make_kit(tree, tmp_path / "kit")
-    patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
-    _git(tree, "am", "-q", *map(str, patches))
-    reports = make_kit(tree, tmp_path / "again")
+    make_kit(tree, tmp_path / "kit", run=False)
+    _git(tree, "am", "-q", "--keep-non-patch", *map(str, sorted((tmp_path / "kit" / "patches").glob("*.patch"))))
+    reports = make_kit(tree, tmp_path / "again", run=False)
     assert not [r for r in reports if r.state == REBASED]
-    assert len([r for r in reports if r.state == PRESENT]) == len(patches)
-    assert not (tmp_path / "again" / "patches").exists()
+    assert len([r for r in reports if r.state == PRESENT]) == 6
+
+
+def test_verdicts():
+    assert (
+        verdict([{"test": "a", "without": "fail", "with": "pass"}, {"test": "b", "without": "pass", "with": "pass"}])
+        == SHOWN
+    )
+    assert verdict([{"test": "a", "without": "pass", "with": "pass"}]) == PASSES_WITHOUT
+    assert verdict([{"test": "a", "without": "fail", "with": "fail"}]) != SHOWN
+    assert verdict([]) != SHOWN
+
+
+@pytest.mark.skipif(importlib.util.find_spec("expecttest") is None, reason="PyTorch's tests need expecttest")
+def test_each_commit_fails_without_and_passes_with_its_fix(tree, tmp_path):
+    reports = make_kit(tree, tmp_path / "kit")
+    record = json.loads((tmp_path / "kit" / "runs.json").read_text())
+    assert {r.name: r.verdict for r in reports if r.state == REBASED} == {
+        c["concern"]: SHOWN for c in record["commits"]
+    }
+    assert record["tree_differs_from_torch_in"] == []
+    for commit in record["commits"]:
+        assert any(t["without"] in ("fail", "error") for t in commit["tests"]), commit["concern"]
+        assert all(t["with"] == "pass" for t in commit["tests"]), commit["concern"]
 
 
 def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
@@ -127,14 +316,14 @@ def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
             }
         )
     )
-    make_kit(tree, tmp_path / "kit", benchmark_json=bench)
-    description = (tmp_path / "kit" / "PR_DESCRIPTION.md").read_text()
-    assert "| 1 | 51,234 | 50,987 | 0.995 (95% CI 0.990 to 0.999) |" in description
-    assert "| 4 | 60,111 | 59,876 | 0.996 |" in description  # JSON from before the interval was added
-    assert "Not measured." not in description
+    make_kit(tree, tmp_path / "kit", run=False, benchmark_json=bench)
+    for description in (tmp_path / "kit" / "pr").glob("*.md"):
+        body = description.read_text()
+        assert "| 1 | 51,234 | 50,987 | 0.995 (95% CI 0.990 to 0.999) |" in body
+        assert "| 4 | 60,111 | 59,876 | 0.996 |" in body
     bench.write_text(json.dumps({"torch": "2.13.0"}))
     with pytest.raises(UpstreamKitError, match="no calls_per_s_<N>_threads entries"):
-        make_kit(tree, tmp_path / "kit2", benchmark_json=bench)
+        make_kit(tree, tmp_path / "kit2", run=False, benchmark_json=bench)
 
 
 def test_tree_release_reads_version_txt_or_version_py(tmp_path):
@@ -153,4 +342,9 @@ def test_bad_trees_are_named(tmp_path):
     (tmp_path / "torch").mkdir()
     (tmp_path / "version.txt").write_text("2.16.0a0\n")
     with pytest.raises(UpstreamKitError, match="git rev-parse"):
+        make_kit(tmp_path, tmp_path / "kit")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "-c", "user.name=a", "-c", "user.email=a@b", "commit", "-q", "--allow-empty", "-m", "x")
+    (tmp_path / "version.txt").write_text("not-a-version\n")
+    with pytest.raises(UpstreamKitError, match="not a PEP 440 version"):
         make_kit(tmp_path, tmp_path / "kit")

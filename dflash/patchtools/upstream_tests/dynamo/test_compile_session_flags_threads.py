@@ -24,7 +24,7 @@ def plus_one(x):
     return x + 1
 
 
-class TestCompileSessionFlagsThreadLocal(torch._dynamo.test_case.TestCase):
+class CompileSessionFlagsThreadTests(torch._dynamo.test_case.TestCase):
     def run_blocked(self, target, entered, release, check):
         """Run ``target`` in a thread; once it sets ``entered``, call ``check`` here, then release it."""
         errors = []

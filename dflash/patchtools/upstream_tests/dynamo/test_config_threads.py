@@ -24,7 +24,7 @@ def read_in_thread(fn):
     return out[0]
 
 
-class TestConfigProcessDefaults(torch._dynamo.test_case.TestCase):
+class ConfigThreadTests(torch._dynamo.test_case.TestCase):
     def test_plain_assignment_is_seen_by_other_threads(self):
         old = config.recompile_limit
         try:

@@ -20,7 +20,7 @@ from torch._higher_order_ops.utils import _set_compilation_env
 TIMEOUT_S = 60
 
 
-class TestInternalConfigOverridesThreadLocal(torch._dynamo.test_case.TestCase):
+class ConfigOverrideThreadTests(torch._dynamo.test_case.TestCase):
     def read_while_held(self, region, read):
         """(value of ``read()`` inside ``region`` in a worker thread, value of ``read()`` here meanwhile)."""
         entered, release = threading.Event(), threading.Event()

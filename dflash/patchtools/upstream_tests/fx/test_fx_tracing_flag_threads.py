@@ -57,7 +57,7 @@ def sin_plus_one(x):
     return x.sin() + 1
 
 
-class TestFxTracingFlagThreadLocal(TestCase):
+class TestFxTracingFlagThreads(TestCase):
     def test_flag_is_not_visible_in_another_thread(self):
         module, errors = BlockingModule(), []
         thread = start_trace(module, errors)

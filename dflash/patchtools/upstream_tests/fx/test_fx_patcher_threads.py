@@ -1,5 +1,5 @@
 # Owner(s): ["module: fx"]
-"""FX tracing's monkeypatches are visible only to the tracing thread (#118260, #187589).
+"""FX tracing's monkeypatches are visible only to the tracing thread (#118260).
 
 ``Tracer.trace`` patches ``torch.nn.Module.__call__`` (and ``torch.fx.wrap``
 functions) while it traces. Another thread's eager module calls must not enter
@@ -36,7 +36,7 @@ def call_module_targets(gm: torch.fx.GraphModule) -> list:
     return [node.target for node in gm.graph.nodes if node.op == "call_module"]
 
 
-class TestFxPatcherThreadIsolation(TestCase):
+class TestFxPatcherThreads(TestCase):
     def start_trace(self, net: BlockingNet, results: dict, key: str) -> threading.Thread:
         def trace():
             try:

@@ -1,0 +1,285 @@
+"""What each concern of the series becomes upstream: one commit, its title, text, tests and links.
+
+The diff of a commit comes from the series (``patches/*.patch``, the variant the
+tree's version selects); its *how* paragraph comes from that patch's DEP-3
+``Description:`` (see :mod:`.text`), so it follows the patch. What a PyTorch
+reviewer needs besides (the problem in version-neutral words, backward
+compatibility, where the tests go, which issues and open PRs it relates to)
+is kept here, per concern. Identifiers quoted in backticks in this text must
+occur in the concern's diff or tests (:func:`.text.stale_identifiers`), so a
+renamed function in a patch shows up as an error, not as stale prose.
+
+Upstream numbers cited: #118260 (umbrella: "Dynamo is not thread safe"),
+#126024 (FX tracing flag), #168999 (thread-local FX tracing flag, in 2.14),
+#187589 (open PR on concurrent symbolic traces), #118387 (design: process-wide
+config value plus a thread-local patch layer), #173568 (config made
+thread-local with ContextVars), #186537 (the regression that caused, open),
+#179345 (closed PR: config.patch reentrant across threads), #181651,
+#196637 (open PR: eval-frame region flags thread-local in C with ``Py_tss_t``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+UMBRELLA = 118260
+
+
+@dataclasses.dataclass(frozen=True)
+class TestPlacement:
+    """Where a concern's tests go in a PyTorch checkout.
+
+    Attributes:
+        source: file under ``dflash/patchtools/upstream_tests/`` holding the tests as a runnable module.
+        target: path in the checkout; a new file (``new_file``) or an existing test file that the tests
+            are merged into (imports added, definitions inserted before its ``if __name__`` block).
+        new_file: ``target`` does not exist upstream and is created.
+        imported_from: for a new file under ``test/fx/`` (which ``test/run_test.py`` skips), the existing
+            file that must import its test classes so CI runs them (``test/test_fx.py``).
+    """
+
+    source: str
+    target: str
+    new_file: bool = False
+    imported_from: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodEdit:
+    """Replace (or extend) a method of a class in an existing upstream test file.
+
+    Attributes:
+        target: the upstream test file.
+        cls: the class holding the method.
+        method: the method's name.
+        source: file under ``upstream_tests/`` with the new method (``replace``) or the lines appended to
+            its body (``append``), written at class-body indentation.
+        mode: ``replace`` or ``append``.
+        why: one line for the commit message.
+    """
+
+    target: str
+    cls: str
+    method: str
+    source: str
+    mode: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamConcern:
+    """One concern as an upstream commit.
+
+    Attributes:
+        name: the series' ``Patch-Name``.
+        area: title prefix (``fx``, ``dynamo``, ``config``).
+        title: the commit subject after ``[area] ``, imperative, no trailing period.
+        problem: what is wrong today, version-neutral.
+        bc: backward-compatibility notes (empty: none).
+        fixes, part_of, see_also: issue / PR numbers for the ``Fixes #``/``Part of #``/``See also #`` lines.
+        related: how the commit relates to open or recent upstream work (sentences).
+        tests: where the tests go.
+        edits: changes to existing upstream tests that the fix makes necessary.
+        shows_failure_with: a later concern whose change this one is a prerequisite for: its tests are
+            shown failing on (parent + that concern) and passing on (parent + this + that).
+        kept_out: why this concern stays out of the upstream stack ("" = it goes in).
+    """
+
+    name: str
+    area: str
+    title: str
+    problem: str
+    tests: tuple[TestPlacement, ...] = ()
+    bc: tuple[str, ...] = ()
+    fixes: tuple[int, ...] = ()
+    part_of: tuple[int, ...] = (UMBRELLA,)
+    see_also: tuple[int, ...] = ()
+    related: str = ""
+    edits: tuple[MethodEdit, ...] = ()
+    shows_failure_with: str | None = None
+    kept_out: str = ""
+
+
+def _fx_test(stem: str) -> TestPlacement:
+    return TestPlacement(f"fx/{stem}.py", f"test/fx/{stem}.py", new_file=True, imported_from="test/test_fx.py")
+
+
+# In stack order: a commit never depends on a later one.
+CONCERNS: tuple[UpstreamConcern, ...] = (
+    UpstreamConcern(
+        name="fx-tracing-flag-thread-local",
+        area="fx",
+        title="Make the FX tracing flag thread-local",
+        problem=(
+            "`torch.fx._symbolic_trace` keeps the FX tracing flag in one module global that `Tracer.trace` "
+            "sets and restores. Dynamo's `compile_wrapper` checks `is_fx_symbolic_tracing()` on every call "
+            "of a compiled function, so while one thread traces (`symbolic_trace`, `make_fx` inside every "
+            'AOTAutograd compile, eager flex_attention), compiled calls in other threads raise "Detected '
+            'that you are using FX to symbolically trace a dynamo-optimized function" or run eagerly, and '
+            "overlapping traces restore the flag in the wrong order."
+        ),
+        tests=(_fx_test("test_fx_tracing_flag_threads"),),
+        bc=(
+            "`torch.fx._symbolic_trace._is_fx_tracing_flag` stays readable and writable, as a view of the "
+            "calling thread's flag: code that set it process-wide now sets it for its own thread only.",
+        ),
+        fixes=(126024,),
+        see_also=(168999,),
+        related="This is the change of #168999 for a release branch, with the flag read kept cheap.",
+    ),
+    UpstreamConcern(
+        name="fx-tracing-flag-legacy-attribute",
+        area="fx",
+        title="Restore _is_fx_tracing_flag as a per-thread view",
+        problem="",
+        kept_out=(
+            "restores a private module attribute for third-party code that read it; not something to ask "
+            "upstream to keep"
+        ),
+    ),
+    UpstreamConcern(
+        name="fx-patcher-thread-isolation",
+        area="fx",
+        title="Scope symbolic tracing's monkeypatches to the tracing thread",
+        problem=(
+            "`Tracer.trace` (`torch.fx.symbolic_trace`, and `make_fx` inside every AOTAutograd compile) "
+            "patches `torch.nn.Module.__call__`/`__getattr__`, `torch.fx.wrap` functions and autowrapped "
+            "globals process-wide, and keeps its patcher in the module global `CURRENT_PATCHER`. Another "
+            "thread's eager module calls then enter the tracer (\"NameError: module is not installed as a "
+            'submodule"), and overlapping traces revert each other\'s patches ("AssertionError: '
+            'CURRENT_PATCHER is None in finally block", wrong graphs, patches left installed).'
+        ),
+        tests=(_fx_test("test_fx_patcher_threads"),),
+        bc=(
+            "After the first trace, `torch.nn.Module.__call__` and `torch.nn.Module.__getattr__` stay "
+            "replaced by dispatchers for the life of the process (a compile in another thread may hold a "
+            "guard on the value it read), so `torch.nn.Module.__call__ is original` becomes False; code "
+            "that compares them by identity sees the change. Each eager module call pays one thread-local "
+            "read (see Benchmark).",
+            "`CURRENT_PATCHER` is read through a module `__getattr__` and answers for the calling thread.",
+        ),
+        see_also=(187589,),
+        related=(
+            "#187589 (open) makes `CURRENT_PATCHER` safe for a single trace at a time and leaves concurrent "
+            "symbolic traces unsupported; this commit makes concurrent traces correct. If #187589 lands "
+            "first, this rebases onto it."
+        ),
+    ),
+    UpstreamConcern(
+        name="compile-session-flags-thread-local",
+        area="dynamo",
+        title="Make torch.compiler's compile and export session flags thread-local",
+        problem=(
+            "`torch.compiler` keeps the compile and export session flags as module globals. A dynamo "
+            "compile holds the compiling flag for the whole compile and `torch.export` holds both for an "
+            "export, so `torch.compiler.is_compiling()`/`is_exporting()` answer True in every other thread "
+            "meanwhile, and `compile_wrapper`, seeing `is_exporting()`, hands back the uncompiled function "
+            "in a thread that merely calls a compiled function."
+        ),
+        tests=(TestPlacement("dynamo/test_compile_session_flags_threads.py", "test/dynamo/test_compile.py"),),
+        bc=(
+            "The private module attributes `torch.compiler._is_compiling_flag` and "
+            "`torch.compiler._is_exporting_flag` are removed; code outside torch that assigned one (to make "
+            "`is_compiling()` answer True) must use `torch.compiler._session_flags_context` instead, which "
+            "sets the flag for the calling thread. Keeping the attributes through a module `__getattr__` "
+            "would slow every `torch.compiler.<name>` lookup on the compiled-call path.",
+        ),
+    ),
+    UpstreamConcern(
+        name="internal-config-overrides-thread-local",
+        area="dynamo",
+        title="Use config.patch for torch's own temporary config overrides",
+        problem=(
+            "flex_attention's eager path (`_set_compilation_env`), dynamo's `disable_cache_limit` and "
+            "export's custom-op decomposition switch save a config value, assign a new one and restore "
+            "it. With plain assignments process-wide (the next commit; also every release before config "
+            "became thread-local), the override is seen by, and undone by, other threads."
+        ),
+        tests=(TestPlacement("dynamo/test_config_overrides_threads.py", "test/dynamo/test_config.py"),),
+        shows_failure_with="config-process-defaults",
+        related="Prepares the next commit in this stack: its tests fail there without this change.",
+    ),
+    UpstreamConcern(
+        name="config-process-defaults",
+        area="config",
+        title="Keep plain config assignments process-wide; config.patch() stays thread-local",
+        problem=(
+            "Since config overrides became `ContextVar`s (#173568), a plain `torch._dynamo.config.X = v` "
+            "made on the main thread is invisible to every other thread, including autograd's backward "
+            "threads: a raised `recompile_limit` is ignored there and compiles fall back to eager or fail "
+            "under `fullgraph=True` (#186537). Before that change, `config.patch()` was process-wide instead, "
+            "so a patch in one thread (and `torch.compile(dynamic=...)`, applied as a patch around each "
+            "compiled call) leaked into others (#118260). One patch object entered from two threads "
+            'asserts "prior should be empty when entering ConfigPatch".'
+        ),
+        tests=(TestPlacement("dynamo/test_config_threads.py", "test/dynamo/test_config.py"),),
+        edits=(
+            MethodEdit(
+                "test/test_utils_config_module.py",
+                "TestConfigModule",
+                "tearDown",
+                "config/teardown_process_values.py",
+                "append",
+                "tearDown also clears the process-wide values that plain assignments now set.",
+            ),
+            MethodEdit(
+                "test/test_utils_config_module.py",
+                "TestConfigModule",
+                "test_get_hash_per_thread_isolation",
+                "config/test_get_hash_per_thread_isolation.py",
+                "replace",
+                "test_get_hash_per_thread_isolation checks per-thread isolation through config.patch(); a "
+                "plain assignment in a thread is process-wide by design now.",
+            ),
+        ),
+        bc=(
+            "A plain assignment (`config.X = v`, `load_config`, `unittest.mock.patch`) sets the process-wide "
+            "value again, as up to 2.11: an assignment made in a worker thread is seen by every thread. Code "
+            "that relied on assignments staying in their thread must use `config.patch()`.",
+            "`config.patch()`, its decorator form and `_make_closure_patcher()` stay thread-local, as now; an "
+            "assignment to a key the calling thread has patched goes to that patch and is undone with it.",
+            "Test harnesses that reset config between tests must also clear the process-wide values (the "
+            "updated `tearDown` of `test/test_utils_config_module.py` shows how).",
+        ),
+        fixes=(186537,),
+        see_also=(118387, 173568, 179345, 181651),
+        related=(
+            "Implements the design of #118387 (process-wide value plus a thread-local patch layer) on top "
+            "of the `ContextVar` layer of #173568. #179345 (closed) made one patch object reentrant across "
+            "threads; that behaviour is kept here."
+        ),
+    ),
+    UpstreamConcern(
+        name="compile-wrapper-guard",
+        area="dynamo",
+        title="Make error_on_graph_break thread-local and share eval-frame settings across threads",
+        problem=(
+            "`compile_wrapper` sets and restores process-global state around every call of a compiled "
+            "function: the `error_on_graph_break` flag (a module global of `torch/_dynamo/utils.py`) and "
+            "eval-frame settings kept in C globals (`skip_guard_eval_unsafe`, the isolate-recompiles id). "
+            "From several threads these saves and restores interleave: an `error_on_graph_break` region in "
+            "one thread changes compiles in another, and a thread can restore a setting while another "
+            "still runs under it, or leave a stale value set."
+        ),
+        tests=(TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),),
+        bc=(
+            "`torch._dynamo.error_on_graph_break(...)` applies to the calling thread only (the private "
+            "global `torch._dynamo.utils._error_on_graph_break` is gone; use `_get_error_on_graph_break()`).",
+            "A thread whose compiled call needs other eval-frame values than the ones in force (a stance "
+            "change, `isolate_recompiles=True`) waits until no other thread is inside a compiled call; "
+            "threads needing the same values never wait.",
+        ),
+        see_also=(196637,),
+        related=(
+            "#196637 (open) makes the eval-frame region flags thread-local in C with `Py_tss_t`, which "
+            "removes the shared C globals this commit guards. We support #196637: where it has landed, the "
+            "shared-settings gate here is not needed and only the per-thread `error_on_graph_break` "
+            "remains, which we offer as a follow-up on top of it. This commit is for trees without "
+            "#196637."
+        ),
+    ),
+)
+
+
+def by_name() -> dict[str, UpstreamConcern]:
+    return {c.name: c for c in CONCERNS}
