@@ -2,6 +2,7 @@
 checkpoints that transformers loads, Llama targets, compile monitoring, config errors."""
 
 import json
+import os
 import logging
 import math
 
@@ -385,3 +386,14 @@ def test_no_save_trains_without_writing_a_checkpoint(assets, tmp_path, caplog):
     assert "no checkpoint will be written" in caplog.text
     assert trainer.train()["loss"] > 0
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets, tmp_path, caplog):
+    from dflash.run_lock import run_lock
+
+    argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path)]
+    argv += ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--no-progress"]
+    with run_lock(tmp_path):  # another training holds --out
+        assert main(argv) == 2
+    assert "train.lock" in caplog.text and str(os.getpid()) in caplog.text
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "train_config.json").exists()
