@@ -2,9 +2,9 @@
 checkpoints that transformers loads, Llama targets, compile monitoring, config errors."""
 
 import json
-import os
 import logging
 import math
+import os
 
 import pytest
 import torch
