@@ -172,3 +172,28 @@ def capture_packed_and_alone(target, sizes: list[int], seq_len: int):
                 torch.testing.assert_close(got, getattr(alone, field), rtol=1e-5, atol=1e-5)
             start += size
     return batch, packed
+
+
+#: Training flags of the tiny tests: a drafter a few thousand parameters big, steps in milliseconds.
+TINY_TRAINING = dict(
+    block_size=4,
+    gamma=2.0,
+    num_target_layers=2,
+    seq_len=48,
+    batch_size=2,
+    max_anchors=6,
+    steps=6,
+    warmup_steps=2,
+    lr=1e-2,
+    save_every=3,
+    log_every=1,
+    progress=False,
+    seed=7,
+)
+
+
+def train_config(target, data, out, **overrides):
+    """A :class:`dflash.config.TrainConfig` of :data:`TINY_TRAINING` for ``target``/``data``/``out``."""
+    from dflash.config import TrainConfig
+
+    return TrainConfig(**{**TINY_TRAINING, "target": str(target), "data": str(data), "out": str(out), **overrides})

@@ -6,11 +6,10 @@ import functools
 import logging
 
 import pytest
-from tiny import make_target, write_chat_data
+from tiny import make_target, train_config, write_chat_data
 
 import dflash.trainer
 from dflash.compile_watch import recompile_limit_name
-from dflash.config import TrainConfig
 from dflash.engine import threaded
 from dflash.engine.replica import build_replicas
 from dflash.trainer import Trainer
@@ -23,21 +22,14 @@ def assets(tmp_path_factory):
 
 
 def _config(assets, out):
-    return TrainConfig(
-        target=str(assets["target"]),
-        data=str(assets["data"]),
-        out=str(out),
-        block_size=4,
-        gamma=2.0,
-        num_target_layers=2,
-        seq_len=48,
-        batch_size=2,
-        max_anchors=6,
+    return train_config(
+        assets["target"],
+        assets["data"],
+        out,
         steps=3,
         warmup_steps=1,
         save_every=0,
         log_every=3,
-        progress=False,
         target_devices="cpu",
         drafter_devices="cpu:0-1",
         compile="on",

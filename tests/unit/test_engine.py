@@ -6,11 +6,10 @@ import threading
 
 import pytest
 import torch
-from tiny import make_target, record_losses, write_chat_data
+from tiny import make_target, record_losses, train_config, write_chat_data
 
 import dflash.loss
 from dflash.checkpoint import CheckpointError
-from dflash.config import TrainConfig
 from dflash.engine import threaded
 from dflash.engine.jobs import seq_len_schedule
 from dflash.engine.threaded import Control, Inbox, PipelineError
@@ -27,28 +26,8 @@ def assets(tmp_path_factory):
 
 
 def _config(assets, out, **overrides):
-    values = dict(
-        target=str(assets["target"]),
-        data=str(assets["data"]),
-        out=str(out),
-        block_size=4,
-        gamma=2.0,
-        num_target_layers=2,
-        seq_len=48,
-        batch_size=2,
-        max_anchors=6,
-        steps=4,
-        warmup_steps=2,
-        lr=1e-2,
-        save_every=2,
-        log_every=1,
-        progress=False,
-        seed=7,
-        target_devices="cpu",
-        drafter_devices="cpu:0-1",
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
+    threaded = dict(steps=4, save_every=2, target_devices="cpu", drafter_devices="cpu:0-1")
+    return train_config(assets["target"], assets["data"], out, **{**threaded, **overrides})
 
 
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from tiny import make_target, record_losses, write_chat_data
+from tiny import make_target, record_losses, train_config, write_chat_data
 
 from dflash.checkpoint import CheckpointError, find_checkpoint
 from dflash.cli import main
@@ -27,26 +27,7 @@ def assets(tmp_path_factory):
 
 
 def _config(assets, out, **overrides):
-    values = dict(
-        target=str(assets["qwen3"]),
-        data=str(assets["data"]),
-        out=str(out),
-        block_size=4,
-        gamma=2.0,
-        num_target_layers=2,
-        seq_len=48,
-        batch_size=2,
-        max_anchors=6,
-        steps=6,
-        warmup_steps=2,
-        lr=1e-2,
-        save_every=3,
-        log_every=1,
-        progress=False,
-        seed=7,
-    )
-    values.update(overrides)
-    return TrainConfig(**values)
+    return train_config(assets["qwen3"], assets["data"], out, **overrides)
 
 
 def test_resume_continues_exactly(assets, tmp_path):
