@@ -192,8 +192,10 @@ TINY_TRAINING = dict(
 )
 
 
-def train_config(target, data, out, **overrides):
-    """A :class:`dflash.config.TrainConfig` of :data:`TINY_TRAINING` for ``target``/``data``/``out``."""
+def train_config(**values):
+    """A :class:`dflash.config.TrainConfig` of :data:`TINY_TRAINING` updated with ``values`` (paths
+    may be ``Path`` objects)."""
     from dflash.config import TrainConfig
 
-    return TrainConfig(**{**TINY_TRAINING, "target": str(target), "data": str(data), "out": str(out), **overrides})
+    paths = {k: str(values[k]) for k in ("target", "data", "out") if values.get(k) is not None}
+    return TrainConfig(**{**TINY_TRAINING, **values, **paths})

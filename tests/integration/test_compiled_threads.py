@@ -23,9 +23,9 @@ def assets(tmp_path_factory):
 
 def _config(assets, out):
     return train_config(
-        assets["target"],
-        assets["data"],
-        out,
+        target=assets["target"],
+        data=assets["data"],
+        out=out,
         steps=3,
         warmup_steps=1,
         save_every=0,

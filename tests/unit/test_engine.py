@@ -27,7 +27,7 @@ def assets(tmp_path_factory):
 
 def _config(assets, out, **overrides):
     threaded = dict(steps=4, save_every=2, target_devices="cpu", drafter_devices="cpu:0-1")
-    return train_config(assets["target"], assets["data"], out, **{**threaded, **overrides})
+    return train_config(**{"target": assets["target"], "data": assets["data"], "out": out, **threaded, **overrides})
 
 
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -27,7 +27,7 @@ def assets(tmp_path_factory):
 
 
 def _config(assets, out, **overrides):
-    return train_config(assets["qwen3"], assets["data"], out, **overrides)
+    return train_config(**{"target": assets["qwen3"], "data": assets["data"], "out": out, **overrides})
 
 
 def test_resume_continues_exactly(assets, tmp_path):
