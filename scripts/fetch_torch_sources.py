@@ -7,6 +7,7 @@ The wheels are deleted afterwards (~550 MB each).
 Used by CI (.ci/run) and by tests that read ``DFLASH_TORCH_SOURCES``.
 
     python scripts/fetch_torch_sources.py --dest ~/.cache/dflash/torch-src 2.11.0 2.13.0 2.14.1 2.15.0
+    python scripts/fetch_torch_sources.py --dest ~/.cache/dflash/torch-src --series   # what CI fetches
 """
 
 from __future__ import annotations
@@ -83,12 +84,28 @@ def fetch(version: str, dest: Path) -> Path:
     return target
 
 
+def _release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("versions", nargs="+", help="torch releases, e.g. 2.14.1 2.15.0")
+    parser.add_argument("versions", nargs="*", help="torch releases, e.g. 2.14.1 2.15.0")
+    parser.add_argument(
+        "--series",
+        action="store_true",
+        help="every release the series' variants are generated for (the Base-Release of each patch file)",
+    )
     parser.add_argument("--dest", type=Path, required=True, help="folder to extract into")
     args = parser.parse_args()
-    for version in args.versions:
+    versions = list(args.versions)
+    if args.series:
+        from dflash.patching.series import load_sources
+
+        versions += sorted({str(p.base_release) for p in load_sources()} - set(versions), key=_release_key)
+    if not versions:
+        parser.error("name torch releases, or pass --series")
+    for version in versions:
         print(f"torch {version}: {fetch(version, args.dest)}")
     return 0
 
