@@ -211,8 +211,8 @@ class Trainer:
         if not config.save:
             logger.warning("--no-save: no checkpoint will be written, this run cannot be resumed or evaluated")
         logger.info(
-            "drafter: %d layers, %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d x %d x %d "
-            "conversations x %d tokens; target threads %s, drafter threads %s (process %d/%d)",
+            "drafter: %d layers, %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d replica(s) "
+            "x %d micro-batch(es) x %d rows x %d tokens (%s); target threads %s, drafter threads %s (process %d/%d)",
             drafter.config.num_hidden_layers,
             sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
             config.block_size,
@@ -223,6 +223,7 @@ class Trainer:
             config.grad_accum,
             config.batch_size,
             config.seq_len,
+            "packed" if config.pack else "one conversation per row",
             [s.name for s in self.layout.targets],
             [s.name for s in self.layout.drafters],
             self.process.rank,
