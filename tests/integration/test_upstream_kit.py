@@ -15,6 +15,7 @@ dependency).
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -120,11 +121,12 @@ def _git(cwd: Path, *args: str) -> str:
     return proc.stdout
 
 
-def _make_tree(root: Path, version: str, *, crlf: str | None = None) -> Path:
+def _make_tree(root: Path, version: str, *, crlf: str | None = None, torch_dir: Path = TORCH_DIR) -> Path:
+    """A git tree labelled ``version`` holding the files of ``torch_dir`` the series touches."""
     for path in {f.path for patch in load_series() for f in patch.files}:
-        if (TORCH_DIR / path.removeprefix("torch/")).exists():
+        if (torch_dir / path.removeprefix("torch/")).exists():
             (root / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(TORCH_DIR / path.removeprefix("torch/"), root / path)
+            shutil.copy(torch_dir / path.removeprefix("torch/"), root / path)
     (root / "test" / "dynamo").mkdir(parents=True)
     (root / "test" / "test_fx.py").write_text(TEST_FX)
     (root / "test" / "dynamo" / "test_config.py").write_text(TEST_DYNAMO.format(cls="ConfigTests"))
@@ -251,7 +253,11 @@ def test_leaking_or_stale_text_stops_the_kit(tree, tmp_path, monkeypatch):
 
 
 def test_development_tree_and_crlf_files_are_reported(tmp_path):
-    tree = _make_tree(tmp_path / "pytorch", "2.16.0a0", crlf="torch/_dynamo/utils.py")
+    # A development tree: the 2.15.0 sources labelled 2.16.0a0 (the newest release's code).
+    sources = Path(os.environ.get("DFLASH_TORCH_SOURCES", "/nonexistent")) / "2.15.0" / "torch"
+    if not sources.is_dir():
+        pytest.skip("needs the 2.15.0 sources in DFLASH_TORCH_SOURCES (scripts/fetch_torch_sources.py --series)")
+    tree = _make_tree(tmp_path / "pytorch", "2.16.0a0", crlf="torch/_dynamo/utils.py", torch_dir=sources)
     reports = {r.name: r for r in make_kit(tree, tmp_path / "kit", run=False)}
     # 2.16 has the thread-local FX flag (since 2.14); the newest variants claim every later release
     # (Torch-Versions ">=2.12"), so a development tree gets them, applied exactly or reported.
