@@ -79,7 +79,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -217,7 +218,7 @@ def save_checkpoint(
     if training_state is not None:
         torch.save(training_state, tmp / STATE_NAME)
         names.append(STATE_NAME)
-    manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+    manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
     (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     for n in names + [MANIFEST_NAME]:
         with open(tmp / n, "rb") as f:
@@ -336,7 +337,7 @@ def verify_checkpoint(step_dir: Path) -> None:
             raise CheckpointError(
                 f"{file}: {size} bytes, expected {expected['bytes']} (truncated or incomplete write); {fix}"
             )
-        if _sha256(file) != expected["sha256"]:
+        if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"{file}: content does not match its sha256 in {MANIFEST_NAME} (corrupt); {fix}")
 
 

@@ -60,6 +60,12 @@ def check_out_dir(out: Path, *, resume: bool) -> None:
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
+    if (out / "config.json").is_file() and not (out / "checkpoints").is_dir():
+        run = out.parent.parent if out.parent.name == "checkpoints" else out.parent
+        raise ValueError(
+            f"--out {out} is a checkpoint (a step directory), not a run directory; pass the run's --out "
+            f"(here probably {run}); --resume continues from its newest checkpoint"
+        )
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
     try:
         with tempfile.TemporaryFile(dir=existing):

@@ -236,6 +236,8 @@ class Trainer:
         from dflash.assets import default_data_dir
 
         path = Path(self.config.data) if self.config.data else default_data_dir() / "train.jsonl"
+        # Saved with every checkpoint: a resume on edited data is not the run it continues.
+        self.data_sha256 = checkpoint.sha256_file(path)
         return read_conversations(path, progress=self.config.progress and self.process.is_main)
 
     def _build_loader(self, target, conversations) -> BatchLoader:
@@ -382,6 +384,8 @@ class Trainer:
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / SAVED_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            self._trim_metrics()
+            # purge_step: TensorBoard hides what an earlier run of this --out logged from here on.
             writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc="train")
         metrics: dict[str, float] = {}
@@ -400,7 +404,9 @@ class Trainer:
                     bar.set_postfix(self._postfix(metrics), refresh=False)
                     if self._log_due():
                         self._log(metrics, writer)
-                    if stats.stop:
+                    # Several processes stop together at the step whose gradients carried the
+                    # request; one process stops right after the step in flight.
+                    if stats.stop or (stop.requested and self.process.world_size == 1):
                         self.save_checkpoint()
                         raise TrainingStopped(stop.signum or signal.SIGTERM, self.step)
                     if cfg.save_every and self.step % cfg.save_every == 0:
@@ -417,6 +423,22 @@ class Trainer:
         if self.is_main:
             self._log_throughput(throughput)
         return metrics
+
+    def _trim_metrics(self) -> None:
+        """Keep only the rows of ``metrics.jsonl`` up to the step this run starts from: a resume
+        continues the log of the checkpoint it starts from, a new run starts an empty one (a
+        killed run may have logged steps after its last checkpoint)."""
+        path = self.out / METRICS_NAME
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):  # a row cut short by a kill
+                continue
+        path.write_text("".join(kept))
 
     def _lr(self) -> float:
         return learning_rate(self.step, self.config, self.total_steps)
@@ -554,6 +576,7 @@ class Trainer:
             "engine": self.engine.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
+            "data_sha256": self.data_sha256,
         }
         if not self.is_main:
             return None
@@ -582,6 +605,15 @@ class Trainer:
         step_dir = checkpoint.find_checkpoint(self.out)
         state = checkpoint.load_training_state(step_dir)
         _check_resume_config(state["config"], self.config, step_dir)
+        if state.get("data_sha256", self.data_sha256) != self.data_sha256:
+            logger.warning(
+                "%s: the data file changed since %s was saved (sha256 %.12s -> %.12s): the resumed run draws its "
+                "batches from the new contents, so it is not the run it continues",
+                self.config.data or "the embedded chat corpus",
+                step_dir,
+                state["data_sha256"],
+                self.data_sha256,
+            )
         engine_state = state.get("engine")
         if engine_state is None:
             raise checkpoint.CheckpointError(
@@ -671,7 +703,7 @@ def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> N
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(current, k)!r}" for k in changed)
         raise checkpoint.CheckpointError(
             f"{step_dir} was trained with a different config ({details}); resume with the same flags "
-            "(see train_config.json in --out; relative paths there are relative to where the run started) "
+            "(train_config.json in --out holds them; flags you do not repeat are taken from it) "
             "or train into a new --out"
         )
     if (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):

@@ -148,14 +148,18 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _resume_hint(values.get("out", TrainConfig.out), "interrupted")
         return 130
+    if not trainer.is_main:  # rank 0 speaks for the job
+        return 0
     if not metrics:
         print(
             f"nothing to train: {trainer.out} is already at step {trainer.step} of {trainer.total_steps} "
             "(pass a larger --steps to continue)"
         )
         return 0
-    print(
-        f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}; "
+    saved = (
         f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter {trainer.out})"
+        if trainer.config.save
+        else "nothing saved (--no-save)"
     )
+    print(f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}; {saved}")
     return 0

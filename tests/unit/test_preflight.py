@@ -159,3 +159,11 @@ def test_the_cli_reports_nan_before_loading_anything(inputs, tmp_path, slow_targ
     assert main(argv + ["--lr", "nan"]) == 2
     assert time.perf_counter() - start < 0.5 and "lr must be a finite number" in caplog.text
     assert os.listdir(tmp_path) == []
+
+
+def test_a_step_directory_as_out_is_named_before_any_work(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"is a checkpoint .*not a run directory.*probably {tmp_path / 'run'}"):
+        validate_inputs(TrainConfig(out=str(step), resume=True))

@@ -378,3 +378,37 @@ def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets,
         assert main(argv) == 2
     assert "train.lock" in caplog.text and str(os.getpid()) in caplog.text
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "train_config.json").exists()
+
+
+def test_metrics_log_of_a_resumed_run_continues_from_its_checkpoint(assets, tmp_path):
+    crashed = record_losses(Trainer(_config(assets, tmp_path, save_every=2)), crash_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()  # steps 1-3 logged, the checkpoint holds step 2
+    Trainer(_config(assets, tmp_path, save_every=2, resume=True)).train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    # A new run into a directory left without a checkpoint starts a new log.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step"')
+    Trainer(_config(assets, tmp_path / "other", steps=1)).train()
+    assert [json.loads(line)["step"] for line in (tmp_path / "other" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_resume_warns_when_the_data_file_changed(assets, tmp_path, caplog):
+    data = tmp_path / "train.jsonl"
+    data.write_text(assets["data"].read_text())
+    Trainer(_config(assets, tmp_path / "run", data=str(data), steps=2)).train()
+    with caplog.at_level(logging.WARNING):
+        Trainer(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True))
+        assert "data file changed" not in caplog.text
+        data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
+        Trainer(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True))
+    assert "the data file changed since" in caplog.text
+
+
+def test_no_save_says_nothing_was_saved(assets, tmp_path, capsys):
+    argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path)]
+    argv += ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--steps", "1"]
+    assert main([*argv, "--no-progress", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing saved (--no-save)" in out and "drafter saved" not in out
