@@ -21,7 +21,7 @@ class BuildPyWithStartupHook(build_py):
 
     In editable mode setuptools points the ``install`` command's ``install_lib``
     at the folder it zips into the editable wheel (stable from setuptools 64 to
-    84; ``tests/test_packaging.py`` checks the file lands after ``pip install -e .``).
+    84; ``tests/integration/test_packaging.py`` checks the file lands after ``pip install -e .``).
     """
 
     def run(self):

@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 
+from dflash import __version__
 from dflash.progress_logging import log_above_progress_bars
 
 # Modules under dflash.commands, in the order their subcommands are listed in --help.
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train and evaluate DFlash speculative-decoding drafters on thread-safe torch.compile.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"dflash {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(f"dflash.commands.{name}").register(subparsers)

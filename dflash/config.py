@@ -75,7 +75,8 @@ class TrainConfig:
     overflow: str = "truncate"
     """What to do with conversations longer than --seq-len: `truncate` (keep the start) or `drop`."""
     batch_size: int = 8
-    """Conversations per micro-batch."""
+    """Rows per micro-batch of each drafter replica (a row of --seq-len tokens holds several conversations when
+    packed); a step trains on batch_size x grad_accum x drafter replicas x processes rows."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (the loss is normalised by the position weights of the whole step)."""
     max_anchors: int = 32

@@ -6,7 +6,7 @@ the drafter fills a block ``[last token, MASK x (Bs-1)]`` from the target hidden
 the verified prefix; the target verifies the block in one forward; drafts are accepted while
 they equal the target's argmax, and the target's next argmax is the bonus token. Each step
 therefore emits ``accepted + 1`` tokens, and the output is exactly the target's greedy output
-(:func:`greedy_generate`; ``tests/test_evaluate.py`` checks it).
+(:func:`greedy_generate`; ``tests/unit/test_evaluate.py`` checks it).
 
 Each figure comes in two conventions, both reported (labelled) so results compare with ours and
 with the published ones (z-lab/dflash ``benchmark.py``, whose numbers the DFlash paper reports):

@@ -213,7 +213,7 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
         computed yet). That last accepted token is slot 0 of the block, at position S (the anchor),
         followed by Bs-1 mask tokens; all context is visible (``kv < S``). This is exactly what
         :meth:`forward` computes for a block anchored at S, so training and inference agree
-        (``tests/test_model.py`` checks it). No KV cache: the context keys/values are recomputed
+        (``tests/unit/test_model.py`` checks it). No KV cache: the context keys/values are recomputed
         on every call, O(S * layers) per step, acceptable for small drafters and short prompts.
 
         Args:

@@ -3,7 +3,7 @@
 torch.export is not among the actions: beyond the session flags the series makes
 per-thread (class C, checked by ``dflash.patchtools.verify``), export keeps process-global
 state the series does not patch (the pre-dispatch mode stack, ``_EXPORT_FLAGS`` and
-``_EXPORT_MODULE_HIERARCHY`` in torch/export/_trace.py); see README, "Known gaps".
+``_EXPORT_MODULE_HIERARCHY`` in torch/export/_trace.py); see docs/bug-classes.md, "Out of scope".
 
 Every value drawn here is plain data (strings, ints, tuples in frozen dataclasses),
 so the minimal failing schedule hypothesis prints can be pasted back as a regression
