@@ -94,9 +94,13 @@ def regenerate_conversations(
         prompts[i] + [{"role": "assistant", "content": replies[i]}] for i in range(len(prompts)) if replies[i].strip()
     ]
     logger.info(
-        "regenerated %d assistant replies with the target (%d prompts, %d empty replies dropped)",
+        "regenerated %d assistant replies with the target from %d conversations (%d without a prompt before an "
+        "assistant turn or with a prompt over %d tokens (--seq-len minus --regenerate-max-new-tokens) skipped, "
+        "%d empty replies dropped)",
         len(result),
-        len(prompts),
+        len(conversations),
+        len(conversations) - len(prompts),
+        max(1, seq_len - max_new_tokens),
         len(prompts) - len(result),
     )
     return result
