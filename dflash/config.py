@@ -13,6 +13,7 @@ import inspect
 import json
 import math
 import os
+import re
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -165,6 +166,11 @@ class TrainConfig:
     recompiles, for benchmarks and soak runs; 0 = off."""
 
     def __post_init__(self) -> None:
+        if self.target and re.fullmatch(r"[\w.-]+/[\w.-]+", self.target) and not os.path.exists(self.target):
+            raise ValueError(
+                f"target {self.target!r}: no such directory, and Hub ids are not downloaded; fetch the model first "
+                f"(huggingface-cli download {self.target} --local-dir DIR) and pass --target DIR"
+            )
         for name in INPUT_PATHS:
             if getattr(self, name):
                 setattr(self, name, absolute_path(getattr(self, name)))

@@ -42,6 +42,8 @@ def read_target_config(path: str | Path) -> dict:
         TargetLoadError: no such directory, no ``config.json``, or one that is not a JSON object.
     """
     path = Path(path)
+    if path.is_file():
+        raise TargetLoadError(f"target {path}: a file; pass --target with the model's directory ({path.parent}?)")
     if not path.is_dir():
         raise TargetLoadError(
             f"target {path}: no such directory; pass --target with a local HF model "

@@ -178,6 +178,10 @@ class Trainer:
         init_process_group(self.process, self.layout.drafters[0].device)
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
+        if not config.progress:  # transformers draws its own bars (loading weights)
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
         _seed_everything(config.seed)
         device = self.layout.targets[0].device
         self.compiled = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")

@@ -167,3 +167,13 @@ def test_a_step_directory_as_out_is_named_before_any_work(tmp_path):
     (step / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=f"is a checkpoint .*not a run directory.*probably {tmp_path / 'run'}"):
         validate_inputs(TrainConfig(out=str(step), resume=True))
+
+
+def test_a_target_file_or_a_hub_id_is_named(inputs, tmp_path):
+    weights = inputs["target"] / "model.safetensors"
+    with pytest.raises(
+        TargetLoadError, match=f"a file; pass --target with the model's directory \\({inputs['target']}"
+    ):
+        validate_inputs(TrainConfig(target=str(weights), data=str(inputs["data"]), out=str(tmp_path / "o")))
+    with pytest.raises(ValueError, match="Hub ids are not downloaded.*huggingface-cli download Qwen/Qwen3-8B"):
+        TrainConfig(target="Qwen/Qwen3-8B")
