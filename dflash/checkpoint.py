@@ -20,17 +20,20 @@ So a step directory doubles as a drafter that vLLM, SGLang and ``transformers`` 
 Every write is atomic: files go into ``step_N.tmp/`` and are fsynced, the directory is renamed
 to ``step_N`` (one ``rename``), then ``latest`` is replaced through a temp file + ``os.replace``.
 A kill at any point leaves the previous checkpoint and ``latest`` untouched; a stale
-``step_N.tmp`` is deleted by the next save. Loading checks the manifest, so a truncated or
+``step_N.tmp`` is deleted by the next save; a write the OS refuses (disk full) removes it at
+once and raises :class:`CheckpointError` with the fix. Loading checks the manifest, so a truncated or
 edited file is reported by name with the fix instead of failing deep inside torch.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -188,10 +191,10 @@ def save_checkpoint(
 
     Raises:
         ValueError: ``drafter_config`` has no RoPE base (before anything is written).
+        CheckpointError: the OS refused a write (disk full, quota, permissions); the temp
+            directory is removed first, the previous checkpoints and ``latest`` are untouched.
     """
-    from safetensors.torch import save_file
-
-    from dflash.portable import MODELING_FILE, modeling_source, portable_config
+    from dflash.portable import portable_config
 
     exported = {k: _export(v, dtype) for k, v in weights.items()}
     float_dtypes = {v.dtype for v in exported.values() if v.is_floating_point()}
@@ -201,28 +204,20 @@ def save_checkpoint(
         training_state = {**training_state, MASTER_WEIGHTS_KEY: master}
 
     root = Path(out_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("step_*.tmp"):
-        shutil.rmtree(stale)
     name = f"step_{step:08d}"
     tmp, final = root / f"{name}.tmp", root / name
-    tmp.mkdir()
-
-    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (tmp / MODELING_FILE).write_bytes(modeling_source())
-    save_file(exported, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    # safetensors writes 0600; serving engines often run as another user.
-    os.chmod(tmp / WEIGHTS_NAME, 0o644)
-    names = [CONFIG_NAME, MODELING_FILE, WEIGHTS_NAME]
-    if training_state is not None:
-        torch.save(training_state, tmp / STATE_NAME)
-        names.append(STATE_NAME)
-    manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
-    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    for n in names + [MANIFEST_NAME]:
-        with open(tmp / n, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+        _write_step(tmp, config, exported, training_state)
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = _os_error(error)
+        if os_error is None:
+            raise
+        raise CheckpointError(_write_failure(root, step, os_error)) from error
 
     if final.exists():  # re-saving a step (e.g. the final save right after a periodic one)
         shutil.rmtree(final)
@@ -234,6 +229,66 @@ def save_checkpoint(
     return final
 
 
+def _write_step(tmp: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], training_state) -> None:
+    """Write and fsync the files of a step directory, manifest last, into the empty ``tmp``."""
+    from safetensors.torch import save_file
+
+    from dflash.portable import MODELING_FILE, modeling_source
+
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (tmp / MODELING_FILE).write_bytes(modeling_source())
+    save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    # safetensors writes 0600; serving engines often run as another user.
+    os.chmod(tmp / WEIGHTS_NAME, 0o644)
+    names = [CONFIG_NAME, MODELING_FILE, WEIGHTS_NAME]
+    if training_state is not None:
+        # Through a Python file, so a failed write leaves its OSError as the context of torch's
+        # RuntimeError (given a path, torch reports only "unexpected pos" from its C++ stream).
+        with open(tmp / STATE_NAME, "wb") as f:
+            torch.save(training_state, f)
+        names.append(STATE_NAME)
+    manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    for n in names + [MANIFEST_NAME]:
+        with open(tmp / n, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+
+# safetensors reports an I/O failure as text only: "... No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The operating-system error behind a failed write: ``error`` itself, one it was raised
+    from or during (torch.save), or the errno in a SafetensorError's text; None for other failures."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    match = _RUST_OS_ERROR.search(str(error))
+    if match is not None:
+        code = int(match.group(1))
+        return OSError(code, os.strerror(code))
+    return None
+
+
+def _write_failure(root: Path, step: int, error: OSError) -> str:
+    """The one-line message of a checkpoint save that the OS refused (names directory, error and fix)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space on that disk (or pass another --out)"
+    else:
+        fix = f"make {root} writable (or pass another --out)"
+    steps = _complete_steps(root) if root.is_dir() else []
+    kept = f"the previous checkpoint {steps[-1].name} is intact" if steps else "no earlier checkpoint was saved"
+    code = errno.errorcode.get(error.errno, error.errno)
+    return (
+        f"could not save the checkpoint of step {step} in {root}: {error.strerror or error} [{code}]; "
+        f"its partial step_{step:08d}.tmp was removed and {kept}: {fix}"
+    )
+
+
 def _export(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     tensor = tensor.detach().to("cpu")
     if dtype is not None and tensor.is_floating_point():
@@ -241,8 +296,13 @@ def _export(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.contiguous()
 
 
+def _complete_steps(root: Path) -> list[Path]:
+    """The step directories in ``root``, oldest first; never a half-written ``step_N.tmp``."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    steps = _complete_steps(root)
     for old in steps[:-keep_last]:
         shutil.rmtree(old)
 
@@ -300,7 +360,7 @@ def _newest_complete_step(root: Path, problem: str) -> Path:
     Raises:
         CheckpointError: no step directory in ``root``.
     """
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    steps = _complete_steps(root)
     if not steps:
         raise CheckpointError(
             f"{problem}, and no other step directory is left in {root}; "
