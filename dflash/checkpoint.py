@@ -35,6 +35,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ WEIGHTS_NAME = "model.safetensors"
 STATE_NAME = "training_state.pt"
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
+#: What ``dflash eval`` reads: a drafter shipped to serving (these and ``modeling_dflash.py``) is enough.
+DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 #: Key of the full-precision drafter weights in the training state (see :func:`save_checkpoint`).
 MASTER_WEIGHTS_KEY = "master_weights"
 
@@ -312,15 +315,22 @@ def _prune(root: Path, keep_last: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
+def find_checkpoint(path: str | Path, *, verify: bool = True, files: Sequence[str] | None = None) -> Path:
     """Resolve a run directory, its ``checkpoints/`` folder or a step directory to a
-    step directory (via ``latest`` where needed), checked against its manifest unless
-    ``verify`` is off (a cheap look before loading that checks it anyway).
+    step directory (via ``latest`` where needed), checked against its manifest.
 
     Without a usable ``latest`` (missing, unreadable, or naming a deleted step, e.g. after the
     user deleted a corrupt newest step as the verify error tells them to), the newest complete
     step directory is taken, with a warning: a ``step_N`` (saves rename ``step_N.tmp`` to it
     only once it is whole; one damaged since is reported by the manifest check, not skipped).
+
+    Args:
+        verify: check the files (off: a cheap look before loading, which checks them anyway).
+        files: the files the caller reads. None (``dflash train --resume``): every file the
+            manifest lists, and the manifest must be there. Given (``dflash eval``:
+            :data:`DRAFTER_FILES`): each must exist and only they are checked against the
+            manifest; a directory without one (a drafter shipped for serving) is used unverified,
+            with a warning.
 
     Raises:
         CheckpointError: nothing there, ``latest`` names a missing directory and no step is left,
@@ -330,6 +340,7 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     latest_file = path / LATEST_NAME
+    picked = True
     if latest_file.is_file():
         try:
             latest = latest_file.read_text().strip()
@@ -343,13 +354,19 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
             )
     elif not (path / CONFIG_NAME).is_file() and list(path.glob("step_*")):
         path = _newest_complete_step(path, f"{latest_file} is missing")
+    else:
+        picked = False  # the caller named the step directory itself
     if not (path / CONFIG_NAME).is_file():
         raise CheckpointError(
             f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
             "pass a run directory (--out of dflash train) or a step_N directory"
         )
-    if verify:
-        verify_checkpoint(path)
+    if verify and not verify_checkpoint(path, files=files, picked=picked):
+        logger.warning(
+            "%s has no %s (a drafter shipped without it): its files were not verified; loading them as they are",
+            path,
+            MANIFEST_NAME,
+        )
     return path
 
 
@@ -370,25 +387,46 @@ def _newest_complete_step(root: Path, problem: str) -> Path:
     return steps[-1]
 
 
-def verify_checkpoint(step_dir: Path) -> None:
-    """Check every file against ``manifest.json`` (size and sha256).
+def verify_checkpoint(step_dir: Path, *, files: Sequence[str] | None = None, picked: bool = True) -> bool:
+    """Check files against ``manifest.json`` (size and sha256).
+
+    Args:
+        files: see :func:`find_checkpoint`; None: all files, and no manifest is an error.
+        picked: ``step_dir`` was taken from its run's checkpoints, so the fix offered is to
+            delete it (the next lookup takes the step before it); False: the user named it,
+            and the fix is to restore it or name another.
+
+    Returns:
+        bool: True when verified, False when ``files`` are given and there is no manifest.
 
     Raises:
-        CheckpointError: no manifest (incomplete save), or a missing/corrupt file, naming it.
+        CheckpointError: no manifest (incomplete save) when ``files`` is None, an unreadable
+            manifest, or a missing/corrupt file, naming it and the fix.
     """
-    fix = (
-        f"delete {step_dir}: `dflash train --resume` and `dflash eval --drafter` then take the newest "
-        f"step left in {step_dir.parent} (or pass one of its step_N directories to dflash eval)"
-    )
+    if picked:
+        fix = (
+            f"delete {step_dir}: `dflash train --resume` and `dflash eval --drafter` then take the newest "
+            f"step left in {step_dir.parent} (or pass one of its step_N directories to dflash eval)"
+        )
+    else:
+        fix = f"copy {step_dir} again from where it came from, or pass another drafter directory"
     manifest_path = step_dir / MANIFEST_NAME
+    if files is not None and not manifest_path.exists():
+        for name in files:
+            if not (step_dir / name).is_file():
+                raise CheckpointError(f"{step_dir / name}: missing; a drafter needs {' and '.join(files)}; {fix}")
+        return False
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(
             f"{manifest_path}: missing or unreadable ({e}); the checkpoint is incomplete: {fix}"
         ) from None
-    for name, expected in manifest.items():
+    for name in manifest if files is None else files:
         file = step_dir / name
+        if name not in manifest:
+            raise CheckpointError(f"{file}: not listed in {manifest_path}, so it cannot be verified; {fix}")
+        expected = manifest[name]
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the checkpoint; {fix}")
         size = file.stat().st_size
@@ -398,6 +436,7 @@ def verify_checkpoint(step_dir: Path) -> None:
             )
         if _sha256(file) != expected["sha256"]:
             raise CheckpointError(f"{file}: content does not match its sha256 in {MANIFEST_NAME} (corrupt); {fix}")
+    return True
 
 
 def load_drafter_files(step_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -209,16 +209,18 @@ def speculative_generate(
 
 
 def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
-    """Load a drafter from a run directory, its ``checkpoints/`` or a step directory (verified
-    against its manifest), in ``dtype`` on ``device``, with SDPA attention.
+    """Load a drafter from a run directory, its ``checkpoints/``, a step directory or a drafter
+    shipped for serving (``config.json`` and ``model.safetensors`` are all it reads: no training
+    state needed), in ``dtype`` on ``device``, with SDPA attention. The two files are verified
+    against the manifest when there is one; without it a warning says they were not.
 
     Raises:
         CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`.
     """
-    from dflash.checkpoint import find_checkpoint
+    from dflash.checkpoint import DRAFTER_FILES, find_checkpoint
     from dflash.model import DFlashDraftModel
 
-    step_dir = find_checkpoint(path)
+    step_dir = find_checkpoint(path, files=DRAFTER_FILES)
     drafter = DFlashDraftModel.from_pretrained(step_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
     logger.info(
         "drafter %s: %d layers, block size %d, taps target layers %s",
