@@ -9,35 +9,19 @@ import shutil
 
 import pytest
 import torch
-from tiny import make_target, write_chat_data
+from tiny import make_target, save_random_drafter, write_chat_data
 
-from dflash.checkpoint import MANIFEST_NAME, STATE_NAME, WEIGHTS_NAME, CheckpointError, find_checkpoint, save_checkpoint
+from dflash.checkpoint import MANIFEST_NAME, STATE_NAME, WEIGHTS_NAME, CheckpointError, find_checkpoint
 from dflash.evaluate import load_drafter
-from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.portable import MODELING_FILE
-from dflash.target import load_target
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(target directory, run directory holding one full checkpoint of a random drafter)."""
-    from transformers import AutoTokenizer
-
     root = tmp_path_factory.mktemp("shipped")
     target_dir = make_target(root / "target", num_layers=5)
-    target = load_target(target_dir, num_capture_layers=2, device="cpu")
-    mask_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids("<|mask|>")
-    config = create_drafter_config(
-        target.config, 1, block_size=4, target_layer_ids=target.layer_ids, mask_token_id=mask_id
-    )
-    drafter = DFlashDraftModel._from_config(config)
-    save_checkpoint(
-        root / "run",
-        7,
-        weights=drafter.state_dict(),
-        drafter_config=config.to_diff_dict(),
-        training_state={"step": 7},
-    )
+    save_random_drafter(target_dir, root / "run", step=7)
     return target_dir, root / "run"
 
 
