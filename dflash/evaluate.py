@@ -277,8 +277,9 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int,
 
     A prompt is usable when its rendered length plus ``max_new_tokens`` fits the target's
     ``context`` (positions past ``max_position_embeddings`` make tau and speedup meaningless).
-    As in training (:mod:`dflash.data`), at most :func:`dflash.data.char_budget` characters of a
-    prompt are rendered and tokenized, so one huge conversation costs no more than a long one.
+    As in training (:mod:`dflash.data`), a prompt with more content than
+    :func:`dflash.data.char_budget` of that limit is surely too long and skipped unrendered, so
+    the work per conversation is bounded (a huge one costs nothing).
 
     Raises:
         ValueError: ``max_new_tokens`` leaves no room for a prompt in ``context``.
@@ -299,9 +300,12 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int,
         if messages is None:
             held_out.without_prompt += 1
             continue
-        kept, cut = cut_to_budget(messages, limit)
-        ids = [] if cut else encode(tokenizer, _render_prompt(tokenizer, kept))["input_ids"]
-        if cut or len(ids) > limit:
+        if cut_to_budget(messages, limit)[1]:  # surely over the limit: never rendered whole
+            held_out.too_long += 1
+            continue
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = encode(tokenizer, text)["input_ids"]
+        if len(ids) > limit:
             held_out.too_long += 1
             continue
         held_out.prompts.append(torch.tensor([ids]))
@@ -310,10 +314,6 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int,
     if not held_out.prompts:
         raise DatasetError(f"{path}: no usable prompt: {_why_none(held_out)}")
     return held_out
-
-
-def _render_prompt(tokenizer, messages) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _why_none(held_out: HeldOutPrompts) -> str:
