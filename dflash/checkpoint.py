@@ -20,18 +20,22 @@ So a step directory doubles as a drafter that vLLM, SGLang and ``transformers`` 
 Every write is atomic: files go into ``step_N.tmp/`` and are fsynced, the directory is renamed
 to ``step_N`` (one ``rename``), then ``latest`` is replaced through a temp file + ``os.replace``.
 A kill at any point leaves the previous checkpoint and ``latest`` untouched; a stale
-``step_N.tmp`` is deleted by the next save. Loading checks the manifest, so a truncated or
+``step_N.tmp`` is deleted by the next save; a write the OS refuses (disk full) removes it at
+once and raises :class:`CheckpointError` with the fix. Loading checks the manifest, so a truncated or
 edited file is reported by name with the fix instead of failing deep inside torch.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,8 @@ WEIGHTS_NAME = "model.safetensors"
 STATE_NAME = "training_state.pt"
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
+#: What ``dflash eval`` reads: a drafter shipped to serving (these and ``modeling_dflash.py``) is enough.
+DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 #: Key of the full-precision drafter weights in the training state (see :func:`save_checkpoint`).
 MASTER_WEIGHTS_KEY = "master_weights"
 
@@ -189,10 +195,10 @@ def save_checkpoint(
 
     Raises:
         ValueError: ``drafter_config`` has no RoPE base (before anything is written).
+        CheckpointError: the OS refused a write (disk full, quota, permissions); the temp
+            directory is removed first, the previous checkpoints and ``latest`` are untouched.
     """
-    from safetensors.torch import save_file
-
-    from dflash.portable import MODELING_FILE, modeling_source, portable_config
+    from dflash.portable import portable_config
 
     exported = {k: _export(v, dtype) for k, v in weights.items()}
     float_dtypes = {v.dtype for v in exported.values() if v.is_floating_point()}
@@ -202,28 +208,20 @@ def save_checkpoint(
         training_state = {**training_state, MASTER_WEIGHTS_KEY: master}
 
     root = Path(out_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("step_*.tmp"):
-        shutil.rmtree(stale)
     name = f"step_{step:08d}"
     tmp, final = root / f"{name}.tmp", root / name
-    tmp.mkdir()
-
-    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (tmp / MODELING_FILE).write_bytes(modeling_source())
-    save_file(exported, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    # safetensors writes 0600; serving engines often run as another user.
-    os.chmod(tmp / WEIGHTS_NAME, 0o644)
-    names = [CONFIG_NAME, MODELING_FILE, WEIGHTS_NAME]
-    if training_state is not None:
-        torch.save(training_state, tmp / STATE_NAME)
-        names.append(STATE_NAME)
-    manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
-    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    for n in names + [MANIFEST_NAME]:
-        with open(tmp / n, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+        _write_step(tmp, config, exported, training_state)
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = _os_error(error)
+        if os_error is None:
+            raise
+        raise CheckpointError(_write_failure(root, step, os_error)) from error
 
     if final.exists():  # re-saving a step (e.g. the final save right after a periodic one)
         shutil.rmtree(final)
@@ -235,6 +233,66 @@ def save_checkpoint(
     return final
 
 
+def _write_step(tmp: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], training_state) -> None:
+    """Write and fsync the files of a step directory, manifest last, into the empty ``tmp``."""
+    from safetensors.torch import save_file
+
+    from dflash.portable import MODELING_FILE, modeling_source
+
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (tmp / MODELING_FILE).write_bytes(modeling_source())
+    save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    # safetensors writes 0600; serving engines often run as another user.
+    os.chmod(tmp / WEIGHTS_NAME, 0o644)
+    names = [CONFIG_NAME, MODELING_FILE, WEIGHTS_NAME]
+    if training_state is not None:
+        # Through a Python file, so a failed write leaves its OSError as the context of torch's
+        # RuntimeError (given a path, torch reports only "unexpected pos" from its C++ stream).
+        with open(tmp / STATE_NAME, "wb") as f:
+            torch.save(training_state, f)
+        names.append(STATE_NAME)
+    manifest = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
+    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    for n in names + [MANIFEST_NAME]:
+        with open(tmp / n, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+
+# safetensors reports an I/O failure as text only: "... No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The operating-system error behind a failed write: ``error`` itself, one it was raised
+    from or during (torch.save), or the errno in a SafetensorError's text; None for other failures."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    match = _RUST_OS_ERROR.search(str(error))
+    if match is not None:
+        code = int(match.group(1))
+        return OSError(code, os.strerror(code))
+    return None
+
+
+def _write_failure(root: Path, step: int, error: OSError) -> str:
+    """The one-line message of a checkpoint save that the OS refused (names directory, error and fix)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space on that disk (or pass another --out)"
+    else:
+        fix = f"make {root} writable (or pass another --out)"
+    steps = _complete_steps(root) if root.is_dir() else []
+    kept = f"the previous checkpoint {steps[-1].name} is intact" if steps else "no earlier checkpoint was saved"
+    code = errno.errorcode.get(error.errno, error.errno)
+    return (
+        f"could not save the checkpoint of step {step} in {root}: {error.strerror or error} [{code}]; "
+        f"its partial step_{step:08d}.tmp was removed and {kept}: {fix}"
+    )
+
+
 def _export(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     tensor = tensor.detach().to("cpu")
     if dtype is not None and tensor.is_floating_point():
@@ -242,8 +300,13 @@ def _export(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.contiguous()
 
 
+def _complete_steps(root: Path) -> list[Path]:
+    """The step directories in ``root``, oldest first; never a half-written ``step_N.tmp``."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    steps = _complete_steps(root)
     for old in steps[:-keep_last]:
         shutil.rmtree(old)
 
@@ -253,15 +316,22 @@ def _prune(root: Path, keep_last: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
+def find_checkpoint(path: str | Path, *, verify: bool = True, files: Sequence[str] | None = None) -> Path:
     """Resolve a run directory, its ``checkpoints/`` folder or a step directory to a
-    step directory (via ``latest`` where needed), checked against its manifest unless
-    ``verify`` is off (a cheap look before loading that checks it anyway).
+    step directory (via ``latest`` where needed), checked against its manifest.
 
     Without a usable ``latest`` (missing, unreadable, or naming a deleted step, e.g. after the
     user deleted a corrupt newest step as the verify error tells them to), the newest complete
     step directory is taken, with a warning: a ``step_N`` (saves rename ``step_N.tmp`` to it
     only once it is whole; one damaged since is reported by the manifest check, not skipped).
+
+    Args:
+        verify: check the files (off: a cheap look before loading, which checks them anyway).
+        files: the files the caller reads. None (``dflash train --resume``): every file the
+            manifest lists, and the manifest must be there. Given (``dflash eval``:
+            :data:`DRAFTER_FILES`): each must exist and only they are checked against the
+            manifest; a directory without one (a drafter shipped for serving) is used unverified,
+            with a warning.
 
     Raises:
         CheckpointError: nothing there, ``latest`` names a missing directory and no step is left,
@@ -271,6 +341,7 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     latest_file = path / LATEST_NAME
+    picked = True
     if latest_file.is_file():
         try:
             latest = latest_file.read_text().strip()
@@ -284,13 +355,19 @@ def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
             )
     elif not (path / CONFIG_NAME).is_file() and list(path.glob("step_*")):
         path = _newest_complete_step(path, f"{latest_file} is missing")
+    else:
+        picked = False  # the caller named the step directory itself
     if not (path / CONFIG_NAME).is_file():
         raise CheckpointError(
             f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
             "pass a run directory (--out of dflash train) or a step_N directory"
         )
-    if verify:
-        verify_checkpoint(path)
+    if verify and not verify_checkpoint(path, files=files, picked=picked):
+        logger.warning(
+            "%s has no %s (a drafter shipped without it): its files were not verified; loading them as they are",
+            path,
+            MANIFEST_NAME,
+        )
     return path
 
 
@@ -301,7 +378,7 @@ def _newest_complete_step(root: Path, problem: str) -> Path:
     Raises:
         CheckpointError: no step directory in ``root``.
     """
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    steps = _complete_steps(root)
     if not steps:
         raise CheckpointError(
             f"{problem}, and no other step directory is left in {root}; "
@@ -311,25 +388,46 @@ def _newest_complete_step(root: Path, problem: str) -> Path:
     return steps[-1]
 
 
-def verify_checkpoint(step_dir: Path) -> None:
-    """Check every file against ``manifest.json`` (size and sha256).
+def verify_checkpoint(step_dir: Path, *, files: Sequence[str] | None = None, picked: bool = True) -> bool:
+    """Check files against ``manifest.json`` (size and sha256).
+
+    Args:
+        files: see :func:`find_checkpoint`; None: all files, and no manifest is an error.
+        picked: ``step_dir`` was taken from its run's checkpoints, so the fix offered is to
+            delete it (the next lookup takes the step before it); False: the user named it,
+            and the fix is to restore it or name another.
+
+    Returns:
+        bool: True when verified, False when ``files`` are given and there is no manifest.
 
     Raises:
-        CheckpointError: no manifest (incomplete save), or a missing/corrupt file, naming it.
+        CheckpointError: no manifest (incomplete save) when ``files`` is None, an unreadable
+            manifest, or a missing/corrupt file, naming it and the fix.
     """
-    fix = (
-        f"delete {step_dir}: `dflash train --resume` and `dflash eval --drafter` then take the newest "
-        f"step left in {step_dir.parent} (or pass one of its step_N directories to dflash eval)"
-    )
+    if picked:
+        fix = (
+            f"delete {step_dir}: `dflash train --resume` and `dflash eval --drafter` then take the newest "
+            f"step left in {step_dir.parent} (or pass one of its step_N directories to dflash eval)"
+        )
+    else:
+        fix = f"copy {step_dir} again from where it came from, or pass another drafter directory"
     manifest_path = step_dir / MANIFEST_NAME
+    if files is not None and not manifest_path.exists():
+        for name in files:
+            if not (step_dir / name).is_file():
+                raise CheckpointError(f"{step_dir / name}: missing; a drafter needs {' and '.join(files)}; {fix}")
+        return False
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(
             f"{manifest_path}: missing or unreadable ({e}); the checkpoint is incomplete: {fix}"
         ) from None
-    for name, expected in manifest.items():
+    for name in manifest if files is None else files:
         file = step_dir / name
+        if name not in manifest:
+            raise CheckpointError(f"{file}: not listed in {manifest_path}, so it cannot be verified; {fix}")
+        expected = manifest[name]
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the checkpoint; {fix}")
         size = file.stat().st_size
@@ -339,6 +437,7 @@ def verify_checkpoint(step_dir: Path) -> None:
             )
         if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"{file}: content does not match its sha256 in {MANIFEST_NAME} (corrupt); {fix}")
+    return True
 
 
 def load_drafter_files(step_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

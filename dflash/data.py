@@ -31,6 +31,7 @@ labels and the DFlash mask treat each as if it were alone (:mod:`dflash.masks`).
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -169,10 +170,10 @@ def read_conversations(
 ) -> list[list[dict[str, str]]]:
     """Read a JSONL chat file into conversations of ``{"role", "content"}`` messages.
 
-    Blank lines are skipped. Roles are normalised (``human`` -> ``user``, ``gpt`` ->
-    ``assistant``, see ``_ROLE_ALIASES``). A file over 64 MiB shows a progress bar unless
-    ``progress`` is off. ``max_records``: stop after that many conversations (a quick check of
-    the file's start).
+    Blank lines are skipped, and so is a UTF-8 byte order mark at the start of the file. Roles
+    are normalised (``human`` -> ``user``, ``gpt`` -> ``assistant``, see ``_ROLE_ALIASES``). A
+    file over 64 MiB shows a progress bar unless ``progress`` is off. ``max_records``: stop
+    after that many conversations (a quick check of the file's start).
 
     Raises:
         DatasetError: missing or empty file, a line over ``max_line_bytes`` bytes (found
@@ -199,6 +200,8 @@ def read_conversations(
         for lineno, raw in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), start=1):
             where = f"{path}:{lineno}"
             bar.update(len(raw))
+            if lineno == 1:  # Windows editors start UTF-8 files with a byte order mark
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 raise DatasetError(
                     f"{where}: line longer than {max_line_bytes:,} bytes; one conversation this long "

@@ -209,16 +209,18 @@ def speculative_generate(
 
 
 def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
-    """Load a drafter from a run directory, its ``checkpoints/`` or a step directory (verified
-    against its manifest), in ``dtype`` on ``device``, with SDPA attention.
+    """Load a drafter from a run directory, its ``checkpoints/``, a step directory or a drafter
+    shipped for serving (``config.json`` and ``model.safetensors`` are all it reads: no training
+    state needed), in ``dtype`` on ``device``, with SDPA attention. The two files are verified
+    against the manifest when there is one; without it a warning says they were not.
 
     Raises:
         CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`.
     """
-    from dflash.checkpoint import find_checkpoint
+    from dflash.checkpoint import DRAFTER_FILES, find_checkpoint
     from dflash.model import DFlashDraftModel
 
-    step_dir = find_checkpoint(path)
+    step_dir = find_checkpoint(path, files=DRAFTER_FILES)
     drafter = DFlashDraftModel.from_pretrained(step_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
     logger.info(
         "drafter %s: %d layers, block size %d, taps target layers %s",
@@ -230,28 +232,104 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     return drafter.to(device).eval()
 
 
-def load_prompts(tokenizer, path: str | Path, *, num_prompts: int) -> list[torch.Tensor]:
-    """Prompts from held-out conversations: the messages before the first assistant turn,
-    rendered with the chat template and its generation prompt. Returns int64 ``[1, P]`` each.
+@dataclass
+class HeldOutPrompts:
+    """The prompts :func:`load_prompts` took from a held-out file, and what it left out.
+
+    Args:
+        source (Path): the JSONL file.
+        prompts (list[torch.Tensor]): int64 ``[1, P]`` each, ``P <= max_prompt_tokens``.
+        requested (int): prompts asked for (``--num-prompts``); more than were usable when
+            the file ran out.
+        context (int): the target's ``max_position_embeddings``.
+        max_new_tokens (int): tokens each prompt is continued by.
+        too_long (int): conversations skipped for a prompt over ``max_prompt_tokens`` tokens.
+        without_prompt (int): conversations skipped for no user turn before an assistant turn.
+    """
+
+    source: Path
+    prompts: list[torch.Tensor]
+    requested: int
+    context: int
+    max_new_tokens: int
+    too_long: int = 0
+    without_prompt: int = 0
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt whose generation stays within the target's context."""
+        return self.context - self.max_new_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "source": str(self.source),
+            "requested": self.requested,
+            "used": len(self.prompts),
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "skipped_too_long": self.too_long,
+            "skipped_without_prompt": self.without_prompt,
+        }
+
+
+def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int, max_new_tokens: int) -> HeldOutPrompts:
+    """The first ``num_prompts`` usable prompts of held-out conversations: the messages before
+    the first assistant turn, rendered with the chat template and its generation prompt.
+
+    A prompt is usable when its rendered length plus ``max_new_tokens`` fits the target's
+    ``context`` (positions past ``max_position_embeddings`` make tau and speedup meaningless).
+    As in training (:mod:`dflash.data`), a prompt with more content than
+    :func:`dflash.data.char_budget` of that limit is surely too long and skipped unrendered, so
+    the work per conversation is bounded (a huge one costs nothing).
 
     Raises:
-        DatasetError: unreadable file (see :func:`dflash.data.read_conversations`) or no
-            conversation with a prompt before an assistant turn.
+        ValueError: ``max_new_tokens`` leaves no room for a prompt in ``context``.
+        DatasetError: unreadable file (see :func:`dflash.data.read_conversations`), or no
+            usable prompt (the message says why and the fix).
     """
-    from dflash.data import DatasetError, prompt_messages, read_conversations
+    from dflash.data import DatasetError, cut_to_budget, encode, prompt_messages, read_conversations
 
-    prompts = []
+    held_out = HeldOutPrompts(Path(path), [], num_prompts, context, max_new_tokens)
+    limit = held_out.max_prompt_tokens
+    if limit < 1:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the target's context of "
+            f"{context} tokens (max_position_embeddings); pass --max-new-tokens below {context}"
+        )
     for conversation in read_conversations(path):
         messages = prompt_messages(conversation)
         if messages is None:
+            held_out.without_prompt += 1
+            continue
+        if cut_to_budget(messages, limit)[1]:  # surely over the limit: never rendered whole
+            held_out.too_long += 1
             continue
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts.append(torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]]))
-        if len(prompts) == num_prompts:
+        ids = encode(tokenizer, text)["input_ids"]
+        if len(ids) > limit:
+            held_out.too_long += 1
+            continue
+        held_out.prompts.append(torch.tensor([ids]))
+        if len(held_out.prompts) == num_prompts:
             break
-    if not prompts:
-        raise DatasetError(f"{path}: no conversation has a user turn before an assistant turn to use as a prompt")
-    return prompts
+    if not held_out.prompts:
+        raise DatasetError(f"{path}: no usable prompt: {_why_none(held_out)}")
+    return held_out
+
+
+def _why_none(held_out: HeldOutPrompts) -> str:
+    """Why no prompt was usable, and the fix (one line)."""
+    reasons, wanted = [], []
+    if held_out.too_long:
+        reasons.append(
+            f"{held_out.too_long} prompts are longer than {held_out.max_prompt_tokens} tokens (the target's "
+            f"max_position_embeddings {held_out.context} minus --max-new-tokens {held_out.max_new_tokens})"
+        )
+        wanted.append("shorter conversations")
+    if held_out.without_prompt:
+        reasons.append(f"{held_out.without_prompt} conversations have no user turn before an assistant turn")
+        wanted.append("conversations that have a user turn before an assistant turn")
+    fix = f"pass --data with {' and '.join(wanted)}"
+    return f"{' and '.join(reasons)}; " + (f"lower --max-new-tokens, or {fix}" if held_out.too_long else fix)
 
 
 def evaluate(

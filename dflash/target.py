@@ -64,6 +64,24 @@ def read_target_config(path: str | Path) -> dict:
     return config
 
 
+def context_length(path: str | Path) -> int:
+    """The target's context in tokens: ``max_position_embeddings`` of its ``config.json`` (of its
+    ``text_config`` in a multimodal config), read without loading the model.
+
+    Raises:
+        TargetLoadError: see :func:`read_target_config`; or no positive integer
+            ``max_position_embeddings`` (the drafter config copies it, so every target has it).
+    """
+    raw = read_target_config(path)
+    positions = (raw.get("text_config") or raw).get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        raise TargetLoadError(
+            f"target {Path(path) / 'config.json'}: max_position_embeddings is {positions!r}, expected the "
+            "context length in tokens; is it a causal LM's config?"
+        )
+    return positions
+
+
 def require_tokenizer_files(path: str | Path) -> None:
     """Check that the target directory holds its tokenizer, before anything loads it.
 

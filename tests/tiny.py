@@ -104,6 +104,26 @@ def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hi
     return directory
 
 
+def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
+    """A run directory ``out`` holding one complete checkpoint (step ``step``) of a random 1-layer
+    drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its step directory."""
+    from transformers import AutoTokenizer
+
+    from dflash.checkpoint import save_checkpoint
+    from dflash.model import DFlashDraftModel, create_drafter_config
+    from dflash.target import load_target
+
+    target = load_target(target_dir, num_capture_layers=2, device="cpu")
+    mask_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids("<|mask|>")
+    config = create_drafter_config(
+        target.config, 1, block_size=4, target_layer_ids=target.layer_ids, mask_token_id=mask_id
+    )
+    drafter = DFlashDraftModel._from_config(config)
+    return save_checkpoint(
+        out, step, weights=drafter.state_dict(), drafter_config=config.to_diff_dict(), training_state={"step": step}
+    )
+
+
 def write_jsonl(path: Path, records) -> Path:
     """Write records (dicts) one per line; a str record is written verbatim."""
     with open(path, "w", encoding="utf-8") as f:

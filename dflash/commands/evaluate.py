@@ -15,6 +15,17 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type of the counts: a clear usage error instead of a traceback deep in torch."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "eval",
@@ -23,7 +34,10 @@ def register(subparsers) -> None:
         "conversations (prompt = the conversation up to its first assistant turn).",
     )
     parser.add_argument(
-        "--drafter", required=True, help="run directory of dflash train (--out), its checkpoints/ or a step_N directory"
+        "--drafter",
+        required=True,
+        help="run directory of dflash train (--out), its checkpoints/, a step_N directory, or a drafter "
+        "shipped for serving (config.json + model.safetensors)",
     )
     parser.add_argument(
         "--target",
@@ -32,14 +46,19 @@ def register(subparsers) -> None:
         "from its train_config.json; else the embedded default target)",
     )
     parser.add_argument(
-        "--data", default=None, help="JSONL chat file of held-out conversations (default: the embedded held-out set)"
+        "--data",
+        default=None,
+        help="JSONL chat file of held-out conversations (default: the embedded held-out set, chit-chat); prompts "
+        "that do not fit the target's context with --max-new-tokens are skipped",
     )
-    parser.add_argument("--num-prompts", type=int, default=20, help="prompts to decode (default: 20)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    parser.add_argument("--num-prompts", type=_at_least_one, default=20, help="prompts to decode (default: 20)")
+    parser.add_argument(
+        "--max-new-tokens", type=_at_least_one, default=64, help="tokens to generate per prompt (default: 64)"
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument(
         "--cpu-threads",
-        type=int,
+        type=_at_least_one,
         default=None,
         help="torch intra-op threads on CPU (default: torch's; use 1 on a shared machine)",
     )
@@ -48,19 +67,39 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        logger.error("--num-prompts and --max-new-tokens must be >= 1")
-        return 2
     try:
-        report = _evaluate(args)
+        prompts, report = _evaluate(args)
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        held_out = {**prompts.to_dict(), "embedded_default": args.data is None}
+        print(json.dumps({**report.to_dict(), "prompts": held_out}, indent=2))
         return 0
+    _print_prompts(prompts, embedded_default=args.data is None)
     _print_report(report)
     return 0
+
+
+def _print_prompts(prompts, *, embedded_default: bool) -> None:
+    """Which held-out file was evaluated, and which of its conversations were not (and why)."""
+    default = " (the embedded default held-out set: chit-chat; pass --data for your own)" if embedded_default else ""
+    print(f"held-out prompts: {len(prompts.prompts)} from {prompts.source}{default}")
+    skipped = []
+    if prompts.too_long:
+        skipped.append(
+            f"{prompts.too_long} longer than {prompts.max_prompt_tokens} tokens (the target's "
+            f"max_position_embeddings {prompts.context} minus --max-new-tokens {prompts.max_new_tokens})"
+        )
+    if prompts.without_prompt:
+        skipped.append(f"{prompts.without_prompt} without a user turn before an assistant turn")
+    if skipped:
+        print(f"  skipped conversations: {'; '.join(skipped)}")
+    if len(prompts.prompts) < prompts.requested:
+        print(
+            f"  fewer than --num-prompts {prompts.requested}: the file has no more usable conversations, "
+            "so the figures below rest on fewer prompts"
+        )
 
 
 def _print_report(report) -> None:
@@ -92,21 +131,25 @@ def _print_report(report) -> None:
 
 
 def _evaluate(args: argparse.Namespace):
+    """``(HeldOutPrompts, EvalReport)`` of the command's arguments."""
     import torch
 
-    from dflash.assets import default_data_dir, default_target_dir
+    from dflash.assets import default_target_dir
     from dflash.evaluate import evaluate, load_drafter, load_prompts
-    from dflash.target import load_target, load_tokenizer, resolve_device
+    from dflash.target import context_length, load_target, load_tokenizer, resolve_device
 
     device = resolve_device(args.device)
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
     target_dir = Path(args.target) if args.target else _trained_target(Path(args.drafter)) or default_target_dir()
-    data = Path(args.data) if args.data else default_data_dir() / "heldout.jsonl"
+    data = _held_out_data(args.data, Path(args.drafter))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # Tokenizer and prompts first: their errors come before the (slow) target loads.
+    context = context_length(target_dir)
     tokenizer = load_tokenizer(target_dir)
-    prompts = load_prompts(tokenizer, data, num_prompts=args.num_prompts)
+    prompts = load_prompts(
+        tokenizer, data, num_prompts=args.num_prompts, context=context, max_new_tokens=args.max_new_tokens
+    )
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
     target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
     if drafter.config.num_target_layers != target.num_layers:
@@ -115,18 +158,20 @@ def _evaluate(args: argparse.Namespace):
             f"{target_dir} has {target.num_layers} layers; pass the matching --target"
         )
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
-    return evaluate(
+    report = evaluate(
         target,
         drafter,
-        prompts,
+        prompts.prompts,
         max_new_tokens=args.max_new_tokens,
         eos_ids={e for e in eos_ids if e is not None},
         progress=True,
     )
+    return prompts, report
 
 
-def _trained_target(drafter: Path) -> Path | None:
-    """The --target of the run that ``drafter`` (run, checkpoints/ or step_N directory) belongs to, if recorded.
+def _run_config(drafter: Path) -> tuple[Path, dict] | None:
+    """``(path, flags)`` of the train_config.json of the run that ``drafter`` (run, checkpoints/ or
+    step_N directory) belongs to; None when there is none (a drafter shipped elsewhere).
 
     Raises:
         ValueError: the run's train_config.json is not valid JSON.
@@ -140,11 +185,41 @@ def _trained_target(drafter: Path) -> Path | None:
         runs.append(drafter.parent.parent)
     for run in runs:
         if (run / SAVED_CONFIG_NAME).is_file():
-            target = read_saved_config(run).get("target")
-            if target:
-                logger.info("target: %s (from %s; pass --target to use another)", target, run / SAVED_CONFIG_NAME)
-            return Path(target) if target else None
+            return run / SAVED_CONFIG_NAME, read_saved_config(run)
     return None
+
+
+def _trained_target(drafter: Path) -> Path | None:
+    """The --target of the run that ``drafter`` belongs to, if recorded (see :func:`_run_config`)."""
+    found = _run_config(drafter)
+    target = found[1].get("target") if found else None
+    if target:
+        logger.info("target: %s (from %s; pass --target to use another)", target, found[0])
+    return Path(target) if target else None
+
+
+def _held_out_data(data: str | None, drafter: Path) -> Path:
+    """``--data``, else the embedded held-out set; logged, with a warning when the run that
+    ``drafter`` belongs to was trained on other data than the embedded set."""
+    from dflash.assets import default_data_dir
+
+    if data:
+        logger.info("held-out data: %s", data)
+        return Path(data)
+    path = default_data_dir() / "heldout.jsonl"
+    found = _run_config(drafter)
+    trained_on = found[1].get("data") if found else None
+    if trained_on:
+        logger.warning(
+            "held-out data: %s, the embedded default (chit-chat), but the drafter was trained on %s "
+            "(%s): pass --data with held-out conversations like those",
+            path,
+            trained_on,
+            found[0],
+        )
+    else:
+        logger.info("held-out data: %s (the embedded default held-out set; pass --data for your own)", path)
+    return path
 
 
 def _as_list(value):

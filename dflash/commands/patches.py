@@ -132,17 +132,30 @@ def _coverage(args) -> int:
     import os
     from pathlib import Path
 
-    from dflash.patchtools.coverage import collect
+    from dflash.patchtools.coverage import collect, installed_torch
 
     sources = args.sources or os.environ.get("DFLASH_TORCH_SOURCES")
-    report = collect(Path(sources) if sources else None)
+    try:
+        report = collect(Path(sources) if sources else None)
+    except ValueError as error:
+        given = f"--sources {args.sources}" if args.sources else f"DFLASH_TORCH_SOURCES={sources}"
+        print(f"dflash patches coverage: {given}: {error}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"releases": [c.as_dict() for c in report]}, indent=2))
         return 0
+    print(f"  {'release':<12} {'state':<12} {'records':<19} reason")
     for item in report:
         match = "records match" if item.records_match else "no matching record"
         dev = " (dev tree)" if item.dev else ""
-        print(f"  {item.version:<12} {item.state:<12} {match:<19}{dev} {item.reason}".rstrip())
+        mark = "*" if item.installed else " "
+        print(f"{mark} {item.version:<12} {item.state:<12} {match:<19}{dev} {item.reason}".rstrip())
+    installed = installed_torch()
+    print(
+        (f"* = installed torch {installed[0]}; " if installed is not None else "")
+        + "verified: the variants fit and its record matches; fits: they fit, no matching record; unsupported: "
+        "see reason; records: does patches/records/<release>.json name exactly today's diffs"
+    )
     return 0
 
 
@@ -238,7 +251,9 @@ def register(subparsers) -> None:
         "coverage", help="per torch release from 2.5 on: verified / fits / unsupported, and whether records match"
     )
     coverage.add_argument(
-        "--json", action="store_true", help='print {"releases": [{version, state, records_match, reason, dev}]}'
+        "--json",
+        action="store_true",
+        help='print {"releases": [{version, state, records_match, reason, dev, installed}]}',
     )
     coverage.add_argument(
         "--sources", metavar="DIR", help="<version>/torch trees to check hunks against (default $DFLASH_TORCH_SOURCES)"

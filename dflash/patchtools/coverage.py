@@ -8,8 +8,9 @@ record, the installed one, and any source trees given):
 - ``fits``: the variants exist and fit its sources, but no record matches them (the reason says why);
 - ``unsupported``: a concern has no variant for it, or a hunk does not fit (the reason names it).
 
-``records_match`` says whether a record exists and names exactly the diffs applied today.
-Development trees (``2.16.0a0``) are reported with ``dev: true``; tests never assert on them.
+``records_match`` says whether a record exists and names exactly the diffs applied today;
+``installed`` marks the release of the torch importable here. Development trees (``2.16.0a0``)
+are reported with ``dev: true``; tests never assert on them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Coverage:
     records_match: bool
     reason: str
     dev: bool = False
+    installed: bool = False
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -51,14 +53,25 @@ def installed_torch() -> tuple[str, Path] | None:
     return torch_release(folder), folder
 
 
-def _trees(sources: Path | None) -> dict[str, Path]:
-    """Version string -> torch folder, for every ``<version>/torch`` under ``sources`` and the installed torch."""
+def _trees(sources: Path | None, installed: tuple[str, Path] | None) -> dict[str, Path]:
+    """Version string -> torch folder, for every ``<version>/torch`` under ``sources`` and the installed torch.
+
+    Raises:
+        ValueError: ``sources`` is not a directory, or holds no ``<version>/torch`` tree.
+    """
     trees = {}
-    if sources is not None and sources.is_dir():
+    if sources is not None:
+        if not sources.is_dir():
+            raise ValueError(
+                "no such directory; pass a folder of <version>/torch trees (scripts/fetch_torch_sources.py)"
+            )
         for entry in sorted(sources.iterdir()):
             if (entry / "torch" / "version.py").exists():
                 trees[torch_release(entry / "torch")] = entry / "torch"
-    installed = installed_torch()
+        if not trees:
+            raise ValueError(
+                "holds no <version>/torch/version.py tree; pass the folder scripts/fetch_torch_sources.py filled"
+            )
     if installed is not None:
         trees.setdefault(installed[0], installed[1])
     return trees
@@ -118,8 +131,14 @@ def release_coverage(version: str, tree: Path | None) -> Coverage:
 
 
 def collect(sources: Path | None = None) -> list[Coverage]:
-    """Coverage of every known release from 2.5 on, oldest first (``sources``: extra ``<version>/torch`` trees)."""
-    trees = _trees(sources)
+    """Coverage of every known release from 2.5 on, oldest first (``sources``: extra ``<version>/torch`` trees).
+
+    Raises:
+        ValueError: see :func:`_trees`.
+    """
+    installed = installed_torch()
+    trees = _trees(sources, installed)
+    installed_public = Version(installed[0]).public if installed is not None else None
     known = known_releases(trees)
     out = []
     for version in known:
@@ -130,5 +149,7 @@ def collect(sources: Path | None = None) -> list[Coverage]:
         tree = trees.get(version) or next(
             (t for v, t in trees.items() if final and Version(v).public == parsed.public), None
         )
-        out.append(release_coverage(parsed.public if final else version, tree))
+        coverage = release_coverage(parsed.public if final else version, tree)
+        coverage.installed = parsed.public == installed_public
+        out.append(coverage)
     return out

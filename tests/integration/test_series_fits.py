@@ -76,7 +76,8 @@ def test_coverage_json_lists_releases_and_reports_dev_trees(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     releases = json.loads(proc.stdout)["releases"]
-    assert all(set(r) == {"version", "state", "records_match", "reason", "dev"} for r in releases)
+    assert all(set(r) == {"version", "state", "records_match", "reason", "dev", "installed"} for r in releases)
+    assert [r["version"] for r in releases if r["installed"]] == [Version(torch.__version__).public]
     assert all(r["state"] in ("verified", "fits", "unsupported") for r in releases)
     assert all(r["reason"] for r in releases if r["state"] != "verified")
     versions = [r["version"] for r in releases]

@@ -9,7 +9,6 @@ The wheel is found with ``pip download torch==<installed version> --no-deps --no
 (pip's configured ``find-links``; never the network), or set ``DFLASH_TORCH_WHEEL``.
 """
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.checkpoint import sha256_file
 from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, BUILT_IN, WHEEL_MARKER, make_plan
 from dflash.patching.series import load_series
 from dflash.patchtools.verify.catalogue import applies_to
@@ -142,10 +142,6 @@ def test_bad_inputs_are_named(tmp_path):
 # --- the slow one: full rebuild, install into a clean venv, bug-class checks there ------------------
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
     assert proc.returncode == 0, (
@@ -158,7 +154,7 @@ def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
 def installed_venv(torch_wheel, tmp_path_factory):
     """(venv python, built wheel): the rebuilt wheel in a venv that has torch's runtime deps and no dflash."""
     work = tmp_path_factory.mktemp("rebuilt")
-    input_hash = _sha256(torch_wheel)
+    input_hash = sha256_file(torch_wheel)
     start = time.monotonic()
     _run(
         [
@@ -175,7 +171,7 @@ def installed_venv(torch_wheel, tmp_path_factory):
         timeout=600,
     )
     built = time.monotonic()
-    assert _sha256(torch_wheel) == input_hash, "build-wheel modified its input"
+    assert sha256_file(torch_wheel) == input_hash, "build-wheel modified its input"
     (wheel,) = (work / "dist").glob("*.whl")
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv])

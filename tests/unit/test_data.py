@@ -160,3 +160,14 @@ def _indices(batches) -> list[int]:
 def test_prompt_is_the_conversation_before_the_first_assistant_turn():
     assert prompt_messages(CONVERSATIONS[1]) == CONVERSATIONS[1][:2]
     assert prompt_messages([{"role": "assistant", "content": "hi"}]) is None
+
+
+def test_a_utf8_byte_order_mark_at_the_start_is_accepted(tmp_path):
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"messages": c} for c in CONVERSATIONS[:2]])
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())  # what Notepad's "UTF-8 with BOM" writes
+    assert read_conversations(bom) == read_conversations(plain) == CONVERSATIONS[:2]
+    middle = tmp_path / "middle.jsonl"  # only the file's start may carry one
+    middle.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + plain.read_bytes())
+    with pytest.raises(DatasetError, match=r"middle\.jsonl:3: malformed JSON"):
+        read_conversations(middle)

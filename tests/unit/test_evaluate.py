@@ -22,7 +22,8 @@ def setup(tmp_path_factory):
     target_dir = make_target(root / "target", num_layers=5)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = load_target(target_dir, num_capture_layers=2, device="cpu")
-    prompts = load_prompts(tokenizer, write_chat_data(root / "heldout.jsonl", repeat=1), num_prompts=3)
+    data = write_chat_data(root / "heldout.jsonl", repeat=1)
+    prompts = load_prompts(tokenizer, data, num_prompts=3, context=512, max_new_tokens=MAX_NEW + 8).prompts
     return target, tokenizer, prompts
 
 
