@@ -5,3 +5,22 @@ Each module exposes ``register(subparsers)``, which adds its parser and sets
 exit code. Heavy imports (torch, transformers) happen inside ``func`` so that
 ``dflash --help`` stays instant.
 """
+
+import argparse
+import math
+
+
+def positive(kind):
+    """argparse ``type`` of a finite number > 0 of ``kind`` (int or float): a clear usage error
+    (``must be a finite number > 0``) instead of a traceback deep in torch."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+        return value
+
+    return parse

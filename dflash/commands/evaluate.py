@@ -12,18 +12,9 @@ import json
 import logging
 from pathlib import Path
 
+from dflash.commands import positive
+
 logger = logging.getLogger(__name__)
-
-
-def _at_least_one(text: str) -> int:
-    """argparse type of the counts: a clear usage error instead of a traceback deep in torch."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -51,14 +42,14 @@ def register(subparsers) -> None:
         help="JSONL chat file of held-out conversations (default: the embedded held-out set, chit-chat); prompts "
         "that do not fit the target's context with --max-new-tokens are skipped",
     )
-    parser.add_argument("--num-prompts", type=_at_least_one, default=20, help="prompts to decode (default: 20)")
+    parser.add_argument("--num-prompts", type=positive(int), default=20, help="prompts to decode (default: 20)")
     parser.add_argument(
-        "--max-new-tokens", type=_at_least_one, default=64, help="tokens to generate per prompt (default: 64)"
+        "--max-new-tokens", type=positive(int), default=64, help="tokens to generate per prompt (default: 64)"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument(
         "--cpu-threads",
-        type=_at_least_one,
+        type=positive(int),
         default=None,
         help="torch intra-op threads on CPU (default: torch's; use 1 on a shared machine)",
     )

@@ -8,23 +8,10 @@ wheel with the series built in) and ``upstream`` (a PyTorch PR stack of it, ``do
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
 
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-        return value
-
-    return parse
+from dflash.commands import positive
 
 
 def _status(args) -> int:
@@ -238,8 +225,8 @@ def register(subparsers) -> None:
         "verify", help="two-thread check of each bug class, with and without the patches, in fresh interpreters"
     )
     verify.add_argument("classes", nargs="*", metavar="CLASS", help="bug classes to check (default: all, A-H)")
-    verify.add_argument("--seconds", type=_positive(float), default=1.5, help="race duration per check (default 1.5)")
-    verify.add_argument("--jobs", type=_positive(int), default=2, help="checks run at once (default 2)")
+    verify.add_argument("--seconds", type=positive(float), default=1.5, help="race duration per check (default 1.5)")
+    verify.add_argument("--jobs", type=positive(int), default=2, help="checks run at once (default 2)")
     verify.add_argument(
         "--record",
         action="store_true",

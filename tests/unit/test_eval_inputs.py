@@ -100,7 +100,7 @@ def test_counts_below_one_are_usage_errors(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as exited:
         main(["eval", "--drafter", str(tmp_path), "--device", "cpu", flag, value])
     assert exited.value.code == 2
-    assert f"argument {flag}: must be an integer >= 1, got {value}" in capsys.readouterr().err
+    assert f"argument {flag}: must be a finite number > 0, got {value}" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
