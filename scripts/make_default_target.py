@@ -191,10 +191,14 @@ def save_target(model, tokenizer, target_dir: Path, summary: dict) -> None:
     )
     model.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
-    # transformers 5 writes its own class name; the generic one also loads with transformers 4.x.
+    # transformers 5 writes its own class name and a list under extra_special_tokens, which 4.x
+    # reads as a dict and fails on; the generic class and additional_special_tokens load in both.
     config_path = target_dir / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = tok_config.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        tok_config["additional_special_tokens"] = extra
     config_path.write_text(json.dumps(tok_config, indent=1) + "\n")
     (target_dir / "training_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
