@@ -271,7 +271,7 @@ def test_mismatching_module_refuses_the_whole_series_and_says_why(tmp_path):
     real = _symlinked_torch(tmp_path)
     compiler = tmp_path / "torch" / "compiler" / "__init__.py"
     text = (real / "compiler" / "__init__.py").read_text()
-    _replace(compiler, text.replace("_is_exporting_flag: bool = False", "_is_exporting_flag: bool = bool(0)"))
+    _replace(compiler, text.replace("    return _is_exporting_flag\n", "    return bool(_is_exporting_flag)\n"))
     code = textwrap.dedent("""\
         import json, torch, torch.compiler, torch.fx._symbolic_trace as st
         from dflash.patching.status import collect

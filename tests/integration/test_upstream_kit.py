@@ -13,6 +13,7 @@ interpreters (2-8 minutes on 2 cores, depending on load; needs ``expecttest``, P
 dependency).
 """
 
+import ast
 import importlib.util
 import json
 import os
@@ -272,6 +273,76 @@ def test_development_tree_and_crlf_files_are_reported(tmp_path):
     _git(stacked, "am", "-q", "--keep-non-patch", "--keep-cr", *map(str, patches))
     utils = (stacked / "torch" / "_dynamo" / "utils.py").read_bytes()
     assert b"_error_on_graph_break_state" in utils and b"\r\n" in utils and b"\n" not in utils.replace(b"\r\n", b"")
+
+
+def _compile_wrapper_commit(kit: Path) -> tuple[str, str]:
+    """(the compile-wrapper-guard commit's patch file, its PR description) in a kit."""
+    patch = next(p for p in (kit / "patches").glob("*.patch") if "error_on_graph_break" in p.name)
+    return patch.read_text(), (kit / "pr" / f"{patch.stem}.md").read_text()
+
+
+@pytest.mark.parametrize("version", ["2.15.0", "2.16.0a0"])
+def test_trees_with_per_thread_eval_frame_settings_get_only_the_per_thread_error_on_graph_break(tmp_path, version):
+    # From 2.15 the eval-frame settings are per-thread in C: the commit must not carry the shared gate,
+    # nor the isolate-recompiles test that polls with a time limit.
+    tree = _make_tree(tmp_path / "pytorch", version)
+    make_kit(tree, tmp_path / "kit", run=False)
+    patch, pr = _compile_wrapper_commit(tmp_path / "kit")
+    changed = re.findall(r"^diff --git a/(\S+)", patch, flags=re.M)
+    assert changed == ["test/dynamo/test_compile.py", "torch/_dynamo/utils.py"], changed
+    assert re.search(r"\nSubject: \[PATCH (\d)/\1\] \[dynamo\] Make error_on_graph_break thread-local\n", patch)
+    assert "_SharedEvalFrameSettings" not in patch and "EvalFrameSettingsThreadTests" not in patch
+    assert "+class CompileWrapperThreadTests(" in patch and "time.sleep" not in patch
+    assert "per-thread in C on this tree" in patch and "per-thread in C on this tree" in pr
+    assert "waits until no other thread" not in pr  # the gate's BC note
+
+
+def test_trees_with_shared_eval_frame_settings_get_the_gate(tree, tmp_path):
+    make_kit(tree, tmp_path / "kit", run=False)
+    patch, pr = _compile_wrapper_commit(tmp_path / "kit")
+    assert "torch/_dynamo/eval_frame.py" in patch and "_SharedEvalFrameSettings" in patch
+    assert "+class CompileWrapperThreadTests(" in patch and "+class EvalFrameSettingsThreadTests(" in patch
+    assert "share eval-frame settings across threads" in pr and "waits until no other thread" in pr
+
+
+UPSTREAM_TESTS = Path(importlib.util.find_spec("dflash.patchtools").submodule_search_locations[0]) / "upstream_tests"
+
+
+def test_upstream_test_threads_cannot_hang_a_run():
+    # A regression must fail the test, not hang it: every worker thread is a daemon, and every
+    # function that joins one (with a timeout) then checks that it has ended.
+    for source in sorted(UPSTREAM_TESTS.rglob("*.py")):
+        tree = ast.parse(source.read_text())
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            if ast.unparse(call.func) == "threading.Thread":
+                assert any(k.arg == "daemon" and ast.unparse(k.value) == "True" for k in call.keywords), (
+                    f"{source.name}:{call.lineno}: a worker thread that is not a daemon"
+                )
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            joins = [
+                n
+                for n in ast.walk(func)
+                if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "join"
+                and ast.unparse(n.func.value) not in ("self", "os.path")  # thread joins only
+            ]
+            for join in joins:
+                assert join.args, f"{source.name}:{join.lineno}: join() without a timeout"
+                assert "is_alive" in ast.unparse(func), (
+                    f"{source.name}:{join.lineno}: join() not followed by is_alive()"
+                )
+
+
+def test_upstream_read_in_thread_raises_the_threads_exception():
+    spec = importlib.util.spec_from_file_location(
+        "upstream_config_threads", UPSTREAM_TESTS / "dynamo" / "test_config_threads.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.read_in_thread(lambda: 42) == 42
+    with pytest.raises(ZeroDivisionError):
+        module.read_in_thread(lambda: 1 / 0)
 
 
 def test_kit_detects_fixes_already_in_the_tree(tree, tmp_path):

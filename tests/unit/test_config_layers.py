@@ -51,10 +51,21 @@ def config(tmp_path):
 
 
 def in_thread(fn):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
+    """``fn()`` in a new thread; its exception is raised here."""
+    out, errors = [], []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as e:  # re-raised below, not lost in the thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join()
+    thread.join(60)
+    assert not thread.is_alive(), "the thread did not finish"
+    if errors:
+        raise errors[0]
     return out[0]
 
 
@@ -77,6 +88,18 @@ def test_del_inside_a_patch_stays_in_the_patch(config):
         config.e_int = 7  # unittest.mock assigns right after its delete
         assert config.e_int == 7 and in_thread(lambda: config.e_int) == 1
     assert config.e_int == 1 and config._get_dict()["e_int"] == 1
+
+
+def test_del_inside_a_patch_hides_nothing_from_other_threads(config):
+    # unittest.mock.patch's undo inside a config.patch() of the same key, in this thread only.
+    with config.patch(e_int=5):
+        del config.e_int
+        with pytest.raises(AttributeError):
+            config.e_int  # noqa: B018  (this thread: hidden until assigned again, as on plain torch)
+        assert in_thread(lambda: config.e_int) == 1  # another thread: untouched
+        config.e_int = 5
+        assert config.e_int == 5 and in_thread(lambda: config.e_int) == 1
+    assert config.e_int == 1 and in_thread(lambda: config.e_int) == 1
 
 
 def test_mock_patch_inside_a_config_patch_leaves_no_process_value(config):

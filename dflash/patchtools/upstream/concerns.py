@@ -83,6 +83,11 @@ class UpstreamConcern:
         shows_failure_with: a later concern whose change this one is a prerequisite for: its tests are
             shown failing on (parent + that concern) and passing on (parent + this + that).
         kept_out: why this concern stays out of the upstream stack ("" = it goes in).
+        needs: this text describes the patches whose diff contains ``needs`` ("" = any patch). A concern
+            whose fix differs between trees has one entry per form in ``CONCERNS``, most specific first;
+            the kit takes the first whose ``needs`` the chosen patch has.
+        how: the commit's *how* paragraphs, for a form the patch's ``Description:`` does not describe
+            (empty: taken from the ``Description:``).
     """
 
     name: str
@@ -98,6 +103,8 @@ class UpstreamConcern:
     edits: tuple[MethodEdit, ...] = ()
     shows_failure_with: str | None = None
     kept_out: str = ""
+    needs: str = ""
+    how: tuple[str, ...] = ()
 
 
 def _fx_test(stem: str) -> TestPlacement:
@@ -179,10 +186,13 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         tests=(TestPlacement("dynamo/test_compile_session_flags_threads.py", "test/dynamo/test_compile.py"),),
         bc=(
             "The private module attributes `torch.compiler._is_compiling_flag` and "
-            "`torch.compiler._is_exporting_flag` are removed; code outside torch that assigned one (to make "
-            "`is_compiling()` answer True) must use `torch.compiler._session_flags_context` instead, which "
-            "sets the flag for the calling thread. Keeping the attributes through a module `__getattr__` "
-            "would slow every `torch.compiler.<name>` lookup on the compiled-call path.",
+            "`torch.compiler._is_exporting_flag` stay as a process-wide override: code outside torch that "
+            "saves, sets and restores one (to make `is_compiling()` answer True) still does so, in every "
+            "thread, as before. torch itself no longer writes them (its sessions set the calling thread's "
+            "flag through `torch.compiler._session_flags_context`), so reading one no longer tells whether "
+            "a compile or export is in progress: call `is_compiling()`/`is_exporting()`. The readers look at "
+            "the module attribute first (one global load); no module `__getattr__` is involved, which would "
+            "slow every `torch.compiler.<name>` lookup on the compiled-call path.",
         ),
     ),
     UpstreamConcern(
@@ -253,6 +263,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         name="compile-wrapper-guard",
         area="dynamo",
         title="Make error_on_graph_break thread-local and share eval-frame settings across threads",
+        needs="_SharedEvalFrameSettings",
         problem=(
             "`compile_wrapper` sets and restores process-global state around every call of a compiled "
             "function: the `error_on_graph_break` flag (a module global of `torch/_dynamo/utils.py`) and "
@@ -261,7 +272,10 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "one thread changes compiles in another, and a thread can restore a setting while another "
             "still runs under it, or leave a stale value set."
         ),
-        tests=(TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),),
+        tests=(
+            TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),
+            TestPlacement("dynamo/test_eval_frame_settings_threads.py", "test/dynamo/test_compile.py"),
+        ),
         bc=(
             "`torch._dynamo.error_on_graph_break(...)` applies to the calling thread only (the private "
             "global `torch._dynamo.utils._error_on_graph_break` is gone; use `_get_error_on_graph_break()`).",
@@ -272,14 +286,61 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         see_also=(196637,),
         related=(
             "#196637 (open) makes the eval-frame region flags thread-local in C with `Py_tss_t`, which "
-            "removes the shared C globals this commit guards. We support #196637: where it has landed, the "
-            "shared-settings gate here is not needed and only the per-thread `error_on_graph_break` "
-            "remains, which we offer as a follow-up on top of it. This commit is for trees without "
-            "#196637."
+            "removes the shared C globals this commit guards. We support #196637: where the settings are "
+            "per-thread in C, the shared-settings gate here is wrong (its one process-wide record of the "
+            "values in force would let a thread skip setting its own) and only the per-thread "
+            "`error_on_graph_break` remains. This commit is for trees whose eval-frame settings are C "
+            "globals shared by all threads."
+        ),
+    ),
+    UpstreamConcern(
+        name="compile-wrapper-guard",
+        area="dynamo",
+        title="Make error_on_graph_break thread-local",
+        problem=(
+            "`torch._dynamo.error_on_graph_break(...)` and `compile_wrapper` set and restore the "
+            "`error_on_graph_break` flag, a module global of `torch/_dynamo/utils.py`. A region entered in "
+            "one thread makes graph breaks raise in other threads' compiles, and overlapping regions in two "
+            "threads restore each other's value."
+        ),
+        how=(
+            "The flag moves to a `threading.local`; `_get_error_on_graph_break()` and "
+            "`_set_error_on_graph_break()` keep their signatures and are its only readers and writers.",
+            "The eval-frame settings that `compile_wrapper` also saves and restores around each call "
+            "(`skip_guard_eval_unsafe`, the isolate-recompiles id) are per-thread in C on this tree (set in "
+            "one thread, another thread reads its own), so that save and restore is right as it is and this "
+            "commit leaves it alone.",
+        ),
+        tests=(TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),),
+        bc=(
+            "`torch._dynamo.error_on_graph_break(...)` applies to the calling thread only (the private "
+            "global `torch._dynamo.utils._error_on_graph_break` is gone; use `_get_error_on_graph_break()`).",
+        ),
+        see_also=(196637,),
+        related=(
+            "#196637 makes the eval-frame region flags thread-local in C with `Py_tss_t`. On this tree the "
+            "eval-frame settings are per-thread already, so this commit carries only the per-thread "
+            "`error_on_graph_break`, the follow-up we offered there."
         ),
     ),
 )
 
 
-def by_name() -> dict[str, UpstreamConcern]:
-    return {c.name: c for c in CONCERNS}
+def forms_of(concerns: tuple[UpstreamConcern, ...] = CONCERNS) -> dict[str, list[UpstreamConcern]]:
+    """Each concern's forms (most specific first), concerns in stack order."""
+    out: dict[str, list[UpstreamConcern]] = {}
+    for concern in concerns:
+        out.setdefault(concern.name, []).append(concern)
+    return out
+
+
+def form_for(forms: list[UpstreamConcern], diff_text: str) -> UpstreamConcern:
+    """The first of a concern's ``forms`` whose ``needs`` occurs in ``diff_text``.
+
+    Raises:
+        ValueError: none does (the last form of a concern should need nothing).
+    """
+    for form in forms:
+        if form.needs in diff_text:
+            return form
+    raise ValueError(f"no upstream text of {forms[0].name} describes this patch (needs: {[f.needs for f in forms]})")

@@ -53,7 +53,7 @@ def pr_description(
     commit: Commit, index: int, total: int, release: str, base: str, rows, verdict, note, counts, overhead, record
 ) -> str:
     concern = commit.concern
-    how = text.how_paragraphs(commit.patch, {c.name: c.title for c in CONCERNS})
+    how = text.how_of(concern, commit.patch, {c.name: c.title for c in CONCERNS})
     out = [
         f"# [{concern.area}] {concern.title}",
         "",

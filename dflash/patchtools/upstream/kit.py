@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash.patching.series import concerns as series_concerns
 from dflash.patchtools.upstream import bench, runs, text
-from dflash.patchtools.upstream.concerns import CONCERNS, UpstreamConcern
+from dflash.patchtools.upstream.concerns import CONCERNS, UpstreamConcern, form_for, forms_of
 from dflash.patchtools.upstream.documents import cover_note, pr_description
 from dflash.patchtools.upstream.placement import test_classes, test_plan, test_source
 from dflash.patchtools.upstream.stack import (
@@ -71,7 +71,8 @@ def _test_targets(concern: UpstreamConcern) -> list[tuple[str, list[str]]]:
 def _collect(src: Path, version) -> tuple[list[Commit], list[ConcernReport]]:
     variants_of = series_concerns()
     commits, reports, state = [], [], {}
-    for concern in CONCERNS:
+    for forms in forms_of(CONCERNS).values():
+        concern = forms[0]
         variants = variants_of.get(concern.name)
         if concern.kept_out:
             reports.append(ConcernReport(concern.name, KEPT_OUT, concern.kept_out))
@@ -83,6 +84,7 @@ def _collect(src: Path, version) -> tuple[list[Commit], list[ConcernReport]]:
         if patch is None:
             reports.append(ConcernReport(concern.name, outcome, why))
             continue
+        concern = form_for(forms, patch.diff_text)
         status, reason, fix_files, notes = rebase(patch, reader(src, state))
         notes = [why, *notes] if why else notes
         if status != REBASED:
@@ -219,7 +221,7 @@ def make_kit(
     titles = {c.name: c.title for c in CONCERNS}
     messages = []
     for commit in commits:
-        how = text.how_paragraphs(commit.patch, titles)
+        how = text.how_of(commit.concern, commit.patch, titles)
         link_lines = text.links(commit.concern, commit.patch)
         messages.append(
             text.commit_message(

@@ -90,6 +90,11 @@ def how_paragraphs(patch: Patch, concern_titles: dict[str, str]) -> list[str]:
     return cleaned
 
 
+def how_of(concern: UpstreamConcern, patch: Patch, concern_titles: dict[str, str]) -> list[str]:
+    """The commit's *how* paragraphs: the concern form's own, else those of the patch's header."""
+    return list(concern.how) if concern.how else how_paragraphs(patch, concern_titles)
+
+
 def stale_identifiers(concern: UpstreamConcern, known_text: str) -> list[str]:
     """Backticked names in ``concern``'s problem and BC text whose last dotted part is not in ``known_text``
     (the patch's header and diff, the commit's tests and changed files): text that no longer matches the

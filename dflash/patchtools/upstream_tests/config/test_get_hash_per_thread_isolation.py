@@ -21,9 +21,10 @@ def test_get_hash_per_thread_isolation(self):
         config.e_int = 999
 
     for target in (patch_in_thread, assign_in_thread):
-        t = threading.Thread(target=target)
+        t = threading.Thread(target=target, daemon=True)
         t.start()
-        t.join()
+        t.join(60)
+        self.assertFalse(t.is_alive(), "the thread did not finish")
         if target is patch_in_thread:
             # The main thread's hash is unchanged; the patched thread got its own.
             self.assertEqual(config.get_hash(), base_hash)

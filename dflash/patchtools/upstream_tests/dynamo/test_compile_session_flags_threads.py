@@ -4,7 +4,8 @@
 A compile (or an export) in one thread must not make ``torch.compiler.is_compiling()``
 (``is_exporting()``) True in another thread, nor make ``torch.compile`` in another
 thread hand back the uncompiled function. Each test holds the compile or export
-open with events, so the interleaving is fixed.
+open with events, so the interleaving is fixed. The module globals that code
+outside torch assigns still force the answers in every thread.
 """
 
 import threading
@@ -35,7 +36,7 @@ class CompileSessionFlagsThreadTests(torch._dynamo.test_case.TestCase):
             except Exception as e:  # reported by the test, not lost in the thread
                 errors.append(e)
 
-        thread = threading.Thread(target=run)
+        thread = threading.Thread(target=run, daemon=True)
         thread.start()
         try:
             self.assertTrue(entered.wait(TIMEOUT_S), "the other thread never got there")
@@ -43,7 +44,34 @@ class CompileSessionFlagsThreadTests(torch._dynamo.test_case.TestCase):
         finally:
             release.set()
             thread.join(TIMEOUT_S)
+        self.assertFalse(thread.is_alive(), "the other thread did not finish")
         self.assertEqual(errors, [])
+
+    def call_in_thread(self, fn):
+        out = []
+        thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+        thread.start()
+        thread.join(TIMEOUT_S)
+        self.assertFalse(thread.is_alive(), "the other thread did not finish")
+        self.assertEqual(len(out), 1, "the other thread raised")
+        return out[0]
+
+    def test_module_flags_assigned_outside_torch_still_force_the_answers(self):
+        # Code outside torch saves, sets and restores these module globals; they stay a
+        # process-wide force (torch's own sessions set only the calling thread's flag).
+        readers = {
+            "_is_compiling_flag": torch.compiler.is_compiling,
+            "_is_exporting_flag": torch.compiler.is_exporting,
+        }
+        for name, read in readers.items():
+            old = getattr(torch.compiler, name)
+            setattr(torch.compiler, name, True)
+            try:
+                self.assertTrue(read())
+                self.assertTrue(self.call_in_thread(read))
+            finally:
+                setattr(torch.compiler, name, old)
+            self.assertFalse(read())
 
     def test_compile_in_another_thread_is_not_visible(self):
         entered, release = threading.Event(), threading.Event()

@@ -17,10 +17,22 @@ TIMEOUT_S = 60
 
 
 def read_in_thread(fn):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
+    """``fn()`` called in a new thread; its exception is raised here."""
+    out, errors = [], []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as e:  # raised below, not lost in the thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(TIMEOUT_S)
+    if thread.is_alive():
+        raise AssertionError("the thread did not finish")
+    if errors:
+        raise errors[0]
     return out[0]
 
 
@@ -42,7 +54,7 @@ class ConfigThreadTests(torch._dynamo.test_case.TestCase):
                 entered.set()
                 release.wait(TIMEOUT_S)
 
-        thread = threading.Thread(target=hold)
+        thread = threading.Thread(target=hold, daemon=True)
         thread.start()
         try:
             self.assertTrue(entered.wait(TIMEOUT_S))
@@ -50,6 +62,7 @@ class ConfigThreadTests(torch._dynamo.test_case.TestCase):
         finally:
             release.set()
             thread.join(TIMEOUT_S)
+        self.assertFalse(thread.is_alive(), "the patching thread did not finish")
         self.assertEqual(config.recompile_limit, old)
 
     def test_assignment_inside_a_patch_is_undone_by_the_patch(self):
@@ -58,6 +71,16 @@ class ConfigThreadTests(torch._dynamo.test_case.TestCase):
             config.recompile_limit = old + 2
             self.assertEqual(config.recompile_limit, old + 2)
             self.assertEqual(read_in_thread(lambda: config.recompile_limit), old)
+        self.assertEqual(config.recompile_limit, old)
+
+    def test_delete_inside_a_patch_stays_in_its_thread(self):
+        # unittest.mock.patch's undo (delete, then assign the original) inside a config.patch().
+        old = config.recompile_limit
+        with config.patch(recompile_limit=old + 4):
+            del config.recompile_limit
+            self.assertEqual(read_in_thread(lambda: config.recompile_limit), old)
+            config.recompile_limit = old + 4
+            self.assertEqual(config.recompile_limit, old + 4)
         self.assertEqual(config.recompile_limit, old)
 
     def test_one_patch_object_entered_from_two_threads(self):
@@ -75,11 +98,12 @@ class ConfigThreadTests(torch._dynamo.test_case.TestCase):
             except Exception as e:  # reported by the test, not lost in the thread
                 errors.append(e)
 
-        threads = [threading.Thread(target=use) for _ in range(2)]
+        threads = [threading.Thread(target=use, daemon=True) for _ in range(2)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(TIMEOUT_S)
+            self.assertFalse(thread.is_alive(), "a patching thread did not finish")
         self.assertEqual(errors, [])
         self.assertEqual(config.recompile_limit, old)
 

@@ -44,10 +44,14 @@ class TestFxPatcherThreads(TestCase):
             except Exception as e:  # reported by the test, not lost in the thread
                 results[key] = e
 
-        thread = threading.Thread(target=trace)
+        thread = threading.Thread(target=trace, daemon=True)
         thread.start()
         self.assertTrue(net.entered.wait(TIMEOUT_S), "the tracing thread never reached forward()")
         return thread
+
+    def join(self, thread: threading.Thread) -> None:
+        thread.join(TIMEOUT_S)
+        self.assertFalse(thread.is_alive(), "the tracing thread did not finish")
 
     def test_eager_module_call_while_another_thread_traces(self):
         net, eager, results = BlockingNet(), torch.nn.Linear(4, 4), {}
@@ -57,7 +61,7 @@ class TestFxPatcherThreads(TestCase):
             out = eager(x)
         finally:
             net.release.set()
-            thread.join(TIMEOUT_S)
+            self.join(thread)
         self.assertEqual(out, torch.nn.functional.linear(x, eager.weight, eager.bias))
         self.assertEqual(results, {"traced": ["lin"]})
 
@@ -67,9 +71,9 @@ class TestFxPatcherThreads(TestCase):
         second_thread = self.start_trace(second, results, "second")
         # The first trace ends (and reverts its patches) while the second is still inside forward.
         first.release.set()
-        first_thread.join(TIMEOUT_S)
+        self.join(first_thread)
         second.release.set()
-        second_thread.join(TIMEOUT_S)
+        self.join(second_thread)
         self.assertEqual(results, {"first": ["lin"], "second": ["lin"]})
 
 

@@ -41,7 +41,7 @@ def start_trace(module: BlockingModule, errors: list) -> threading.Thread:
         except Exception as e:  # reported by the test, not lost in the thread
             errors.append(e)
 
-    thread = threading.Thread(target=trace)
+    thread = threading.Thread(target=trace, daemon=True)
     thread.start()
     if not module.entered.wait(TIMEOUT_S):
         raise RuntimeError("the tracing thread never reached forward()")
@@ -51,6 +51,8 @@ def start_trace(module: BlockingModule, errors: list) -> threading.Thread:
 def finish_trace(module: BlockingModule, thread: threading.Thread) -> None:
     module.release.set()
     thread.join(TIMEOUT_S)
+    if thread.is_alive():
+        raise AssertionError("the tracing thread did not finish")
 
 
 def sin_plus_one(x):
