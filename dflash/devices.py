@@ -8,13 +8,14 @@ Spec grammar (comma-separated items, each one of)::
     3             a bare index, same type as the item before it ("cuda:0,2" = cuda:0, cuda:2)
     cpu           one CPU "device"
     cpu:0-1       several CPU "devices": threads that all run on the host CPU, so CI can run the
-                  threaded code path without a GPU
+                  threaded code path without a GPU; at most one per CPU core (each holds a replica)
 
 A slot is one thread's device; its ``name`` (``cuda:3``, ``cpu:1``) names the thread in logs.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -87,6 +88,16 @@ def _cuda_slot(index: int, flag: str) -> Slot:
     return Slot(f"cuda:{index}", torch.device("cuda", index))
 
 
+def _cpu_slot(index: int, flag: str) -> Slot:
+    cores = os.cpu_count() or 1
+    if index >= cores:
+        raise DeviceSpecError(
+            f"{flag}: cpu:{index} is past this host's {cores} CPU core(s); CPU slots are threads that each "
+            f"hold a drafter or target replica, one per core at most: use cpu:0-{cores - 1} or fewer"
+        )
+    return Slot(f"cpu:{index}", torch.device("cpu"))
+
+
 def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
     """Parse one device spec (module docstring) into slots, in the order given.
 
@@ -96,7 +107,8 @@ def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
 
     Raises:
         DeviceSpecError: empty spec, an item that is not a device, a descending range, a GPU
-            this host does not have (names it and the GPU count), or a slot listed twice.
+            this host does not have (names it and the GPU count), a CPU slot past the core count,
+            or a slot listed twice.
     """
     items = [item.strip() for item in spec.split(",")]
     if not spec.strip() or not all(items):
@@ -119,7 +131,7 @@ def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
         if last < first:
             raise DeviceSpecError(f"{flag}: {item!r} is a descending range; write {kind}:{last}-{first}")
         for index in range(first, last + 1):
-            slots.append(_cuda_slot(index, flag) if kind == "cuda" else Slot(f"cpu:{index}", torch.device("cpu")))
+            slots.append(_cuda_slot(index, flag) if kind == "cuda" else _cpu_slot(index, flag))
     names = [s.name for s in slots]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

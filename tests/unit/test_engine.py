@@ -114,7 +114,8 @@ def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path):
         _assert_same_weights(replica.model, first)
 
 
-def test_resume_with_a_different_drafter_layout_is_refused(assets, tmp_path):
+def test_resume_with_a_different_drafter_layout_is_refused(assets, tmp_path, monkeypatch):
+    monkeypatch.setattr("dflash.devices.os.cpu_count", lambda: 4)
     Trainer(_config(assets, tmp_path, steps=1)).train()
     with pytest.raises(CheckpointError, match="drafter_devices: 'cpu:0-1' -> 'cpu:0-2'"):
         Trainer(_config(assets, tmp_path, steps=2, drafter_devices="cpu:0-2", resume=True))
