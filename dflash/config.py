@@ -245,6 +245,11 @@ class TrainConfig:
                 "target_devices/drafter_devices: give both --target-devices and --drafter-devices "
                 "(e.g. cuda:0 and cuda:1-3) or neither"
             )
+        if self.target_devices is not None and self.device != "auto":
+            raise ValueError(
+                f"device: --device {self.device} is the single-device path, but --target-devices/--drafter-devices "
+                "name every thread's device; drop --device (or drop the two layout flags to train on one device)"
+            )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.vary_seq_len < 0:

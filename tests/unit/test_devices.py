@@ -23,7 +23,8 @@ def test_bad_device_specs_are_named(spec, message):
         parse_devices(spec, flag="--drafter-devices")
 
 
-def test_device_specs_parse():
+def test_device_specs_parse(monkeypatch):
+    monkeypatch.setattr("dflash.devices.os.cpu_count", lambda: 4)
     assert [s.name for s in parse_devices("cpu:0-2", flag="x")] == ["cpu:0", "cpu:1", "cpu:2"]
     assert [s.name for s in parse_devices("cpu:0,2", flag="x")] == ["cpu:0", "cpu:2"]
     layout = parse_layout("cpu", "cpu:0-1")
@@ -45,3 +46,12 @@ def test_cli_reports_bad_layouts(tmp_path, caplog):
     assert "descending range" in caplog.text
     assert main(base + ["--drafter-devices", "cpu"]) == 2
     assert "give both --target-devices and --drafter-devices" in caplog.text
+    assert main(base + ["--device", "cpu", "--target-devices", "cpu", "--drafter-devices", "cpu"]) == 2
+    assert "--device cpu is the single-device path" in caplog.text and "drop --device" in caplog.text
+
+
+def test_cpu_slots_past_the_core_count_are_refused(monkeypatch):
+    monkeypatch.setattr("dflash.devices.os.cpu_count", lambda: 2)
+    assert len(parse_devices("cpu:0-1", flag="--drafter-devices")) == 2
+    with pytest.raises(DeviceSpecError, match=r"cpu:2 is past this host's 2 CPU core.*use cpu:0-1 or fewer"):
+        parse_devices("cpu:0-999", flag="--drafter-devices")
