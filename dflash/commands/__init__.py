@@ -1,13 +1,18 @@
 """Subcommands of the ``dflash`` console command, one module each.
 
-Each module exposes ``register(subparsers)``, which adds its parser and sets
-``func`` to a callable taking the parsed ``argparse.Namespace`` and returning an
-exit code. Heavy imports (torch, transformers) happen inside ``func`` so that
-``dflash --help`` stays instant.
+Each module exposes ``register(subparsers)``, which adds its parser (with
+``parents=[COMMON]``) and sets ``func`` to a callable taking the parsed
+``argparse.Namespace`` and returning an exit code. Heavy imports (torch,
+transformers) happen inside ``func`` so that ``dflash --help`` stays instant.
 """
 
 import argparse
 import math
+
+# Options every (sub)command takes, so `dflash train -v` works as well as `dflash -v train`.
+# SUPPRESS: a subcommand that is not given -v leaves the value the main parser set.
+COMMON = argparse.ArgumentParser(add_help=False)
+COMMON.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at DEBUG level")
 
 
 def positive(kind):

@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from dflash.commands import positive
+from dflash.commands import COMMON, positive
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "eval",
+        parents=[COMMON],
         help="measure a drafter: acceptance length tau, histogram, speedup",
         description="Greedy (T=0) speculative decoding with a DFlash drafter against its target on held-out "
         "conversations (prompt = the conversation up to its first assistant turn).",

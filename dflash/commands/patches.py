@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from dflash.commands import positive
+from dflash.commands import COMMON, positive
 
 
 def _status(args) -> int:
@@ -214,15 +214,19 @@ def _upstream(args) -> int:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("patches", help="inspect and check the torch thread-safety patch series")
+    parser = subparsers.add_parser(
+        "patches", parents=[COMMON], help="inspect and check the torch thread-safety patch series"
+    )
     commands = parser.add_subparsers(dest="patches_command", required=True, metavar="COMMAND")
 
-    status = commands.add_parser("status", help="torch version, hook state, and each patch's state")
+    status = commands.add_parser("status", parents=[COMMON], help="torch version, hook state, and each patch's state")
     status.add_argument("--json", action="store_true", help="print JSON: torch_version, hook_active, patches")
     status.set_defaults(func=_status)
 
     verify = commands.add_parser(
-        "verify", help="two-thread check of each bug class, with and without the patches, in fresh interpreters"
+        "verify",
+        parents=[COMMON],
+        help="two-thread check of each bug class, with and without the patches, in fresh interpreters",
     )
     verify.add_argument("classes", nargs="*", metavar="CLASS", help="bug classes to check (default: all, A-H)")
     verify.add_argument("--seconds", type=positive(float), default=1.5, help="race duration per check (default 1.5)")
@@ -235,7 +239,9 @@ def register(subparsers) -> None:
     verify.set_defaults(func=_verify)
 
     coverage = commands.add_parser(
-        "coverage", help="per torch release from 2.5 on: verified / fits / unsupported, and whether records match"
+        "coverage",
+        parents=[COMMON],
+        help="per torch release from 2.5 on: verified / fits / unsupported, and whether records match",
     )
     coverage.add_argument(
         "--json",
@@ -248,7 +254,9 @@ def register(subparsers) -> None:
     coverage.set_defaults(func=_coverage)
 
     refresh = commands.add_parser(
-        "refresh", help="regenerate each release's variant of every concern from its source diff (three-way merge)"
+        "refresh",
+        parents=[COMMON],
+        help="regenerate each release's variant of every concern from its source diff (three-way merge)",
     )
     refresh.add_argument(
         "--sources", required=True, metavar="DIR", help="<version>/torch trees (scripts/fetch_torch_sources.py)"
@@ -258,7 +266,9 @@ def register(subparsers) -> None:
     refresh.set_defaults(func=_refresh)
 
     build = commands.add_parser(
-        "build-wheel", help="rebuild a torch wheel with the patch series built in (no startup hook needed)"
+        "build-wheel",
+        parents=[COMMON],
+        help="rebuild a torch wheel with the patch series built in (no startup hook needed)",
     )
     source = build.add_mutually_exclusive_group(required=True)
     source.add_argument("--torch-wheel", metavar="PATH", help="the torch .whl file to rebuild (only read)")
@@ -268,6 +278,7 @@ def register(subparsers) -> None:
 
     upstream = commands.add_parser(
         "upstream",
+        parents=[COMMON],
         help="write a PyTorch stack: one format-patch commit per concern with its tests, PR descriptions, a cover note",
     )
     upstream.add_argument(

@@ -14,6 +14,8 @@ import os
 import types
 import typing
 
+from dflash.commands import COMMON
+
 logger = logging.getLogger(__name__)
 
 
@@ -108,6 +110,7 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "train",
+        parents=[COMMON],
         help="train a DFlash drafter (no flags: the embedded default target)",
         description="Train a DFlash drafter against a frozen target. With no flags, trains the embedded "
         "default target on its chat corpus on this machine's CPU (or GPU with --device cuda).",

@@ -1,0 +1,26 @@
+"""The ``dflash`` command line: options that every subcommand takes."""
+
+import pytest
+from dflash import __version__
+from dflash.cli import build_parser
+
+
+@pytest.mark.parametrize(
+    "argv, verbose",
+    [
+        (["train"], False),
+        (["-v", "train"], True),
+        (["train", "-v"], True),
+        (["eval", "--drafter", "runs/dflash", "--verbose"], True),
+        (["patches", "status", "-v"], True),
+        (["-v", "patches", "status"], True),
+    ],
+)
+def test_verbose_is_taken_before_or_after_the_subcommand(argv, verbose):
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"dflash {__version__}"
