@@ -92,7 +92,8 @@ def test_every_engine_runs_the_lm_head_in_chunks_of_loss_chunk_blocks(assets, tm
             assert sorted(sizes) == [chunk] * ((12 // chunk) * micro_batches), (name, chunk)
 
 
-def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path):
+def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path, monkeypatch):
+    monkeypatch.setattr("dflash.devices.os.cpu_count", lambda: 4)  # three drafter replicas on any host
     config = dict(
         drafter_devices="cpu:0-2", target_devices="cpu:0-1", grad_accum=2, steps=6, save_every=3, batch_size=1
     )
