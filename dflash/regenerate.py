@@ -8,102 +8,289 @@ messages before the first assistant turn, exactly what ``dflash eval`` prompts w
 target's greedy reply. Later turns are not regenerated: their histories would mix human and
 target replies, and generating them costs a forward per token per turn.
 
-Generation uses ``transformers``' batched ``generate`` (left padding, greedy). The result is
-cached as JSONL (OpenAI ``messages``) so a resumed run trains on identical data.
+Generation uses ``transformers``' batched ``generate`` (left padding, greedy). Each process
+regenerates its share of the conversations (every ``world_size``-th one) and appends each batch's
+replies to its :class:`ReplyJournal`, so a stopped regeneration (SIGTERM, preemption) continues
+where it stopped when the same run starts again; the joined result is cached as JSONL (OpenAI
+``messages``) so a resumed run trains on identical data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from dflash.data import char_budget, encode, prompt_messages
+from dflash.data import char_budget, encode, prompt_messages, read_conversations
+from dflash.distributed import barrier
 from dflash.target import Target
 
 logger = logging.getLogger(__name__)
 
 
+def prompt_that_fits(tokenizer, conversation, *, max_prompt_tokens: int) -> list[dict[str, str]] | None:
+    """The messages before the conversation's first assistant turn
+    (:func:`dflash.data.prompt_messages`) when at most ``max_prompt_tokens`` tokens long once
+    rendered with the generation prompt; else None."""
+    messages = prompt_messages(conversation)
+    if messages is None:
+        return None
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # Over the character budget it is surely too long: a huge prompt is never tokenized.
+    if len(text) > char_budget(max_prompt_tokens) or len(encode(tokenizer, text)["input_ids"]) > max_prompt_tokens:
+        return None
+    return messages
+
+
 def response_prompts(tokenizer, conversations, *, max_prompt_tokens: int) -> list[list[dict[str, str]]]:
-    """The messages before each conversation's first assistant turn
-    (:func:`dflash.data.prompt_messages`), kept when at most ``max_prompt_tokens`` tokens long once
-    rendered with the generation prompt."""
-    prompts = []
-    for conversation in conversations:
-        messages = prompt_messages(conversation)
-        if messages is None:
-            continue
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # Over the character budget it is surely too long: a huge prompt is never tokenized.
-        if (
-            len(text) <= char_budget(max_prompt_tokens)
-            and len(encode(tokenizer, text)["input_ids"]) <= max_prompt_tokens
-        ):
-            prompts.append(messages)
-    return prompts
+    """:func:`prompt_that_fits` of each conversation, those that have one, in order."""
+    prompts = (prompt_that_fits(tokenizer, c, max_prompt_tokens=max_prompt_tokens) for c in conversations)
+    return [p for p in prompts if p is not None]
+
+
+class ReplyJournal:
+    """The replies one process has regenerated so far, kept on disk.
+
+    A JSONL file: a header line ``{"key": key}`` (the settings the replies depend on: data,
+    target, lengths), then one line ``{"i": conversation index, "reply": text}`` per conversation
+    (``reply`` null: no prompt that fits). Lines are appended and flushed after every batch, so a
+    process killed mid-run loses at most the batch in flight.
+
+    Args:
+        path (Path): the journal file.
+        key (dict): JSON-serialisable settings; a journal written under another key is discarded.
+    """
+
+    def __init__(self, path: Path, key: dict) -> None:
+        self.path, self.key = path, key
+        self._file = None
+
+    def read(self) -> dict[int, str | None]:
+        """Replies by conversation index; empty if there is no journal or it has another key. A
+        torn last line (the process died while writing it) is ignored."""
+        if not self.path.is_file():
+            return {}
+        replies: dict[int, str | None] = {}
+        with open(self.path, encoding="utf-8") as f:
+            for n, line in enumerate(f):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                if n == 0 and record != {"key": self.key}:
+                    logger.warning("%s was regenerated with other settings; regenerating from scratch", self.path)
+                    return {}
+                if n > 0:
+                    replies[record["i"]] = record["reply"]
+        return replies
+
+    def open(self) -> dict[int, str | None]:
+        """Start appending; returns the replies already there (:meth:`read`), rewritten without
+        a torn line so that appends follow whole lines."""
+        replies = self.read()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"key": self.key}) + "\n")
+            f.writelines(json.dumps({"i": i, "reply": r}, ensure_ascii=False) + "\n" for i, r in replies.items())
+        tmp.replace(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        return replies
+
+    def add(self, replies: dict[int, str | None]) -> None:
+        self._file.writelines(json.dumps({"i": i, "reply": r}, ensure_ascii=False) + "\n" for i, r in replies.items())
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 @torch.no_grad()
-def regenerate_conversations(
+def regenerate_replies(
     target: Target,
     tokenizer,
-    conversations,
+    conversations: Sequence[tuple[int, list[dict[str, str]]]],
+    journal: ReplyJournal,
     *,
     seq_len: int,
     max_new_tokens: int,
     batch_size: int = 64,
     progress: bool = True,
-) -> list[list[dict[str, str]]]:
-    """Replace assistant replies by the target's greedy replies (see the module docstring).
+) -> dict[int, str | None]:
+    """The target's greedy reply to the prompt of each ``(index, conversation)``, continuing
+    ``journal`` (see the module docstring).
 
     Args:
-        seq_len: training row length; prompts longer than ``seq_len - max_new_tokens`` are skipped.
+        seq_len: training row length; prompts longer than ``seq_len - max_new_tokens`` get no reply.
         max_new_tokens: longest generated reply (tokens); generation also stops at EOS.
 
     Returns:
-        Conversations ``history + [{"role": "assistant", "content": reply}]``, empty replies dropped.
+        Replies by conversation index (None: no prompt that fits), those of earlier runs included.
+
+    Raises:
+        KeyboardInterrupt: SIGINT (or SIGTERM where the caller maps it to one); the replies
+            generated so far are in the journal and the stop is logged with its path.
     """
     from tqdm import tqdm
 
-    prompts = response_prompts(tokenizer, conversations, max_prompt_tokens=max(1, seq_len - max_new_tokens))
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths: less padding
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    replies: dict[int, str] = {}
+    replies = journal.open()
     try:
-        for start in tqdm(range(0, len(order), batch_size), desc="regenerate", disable=not progress):
-            chunk = order[start : start + batch_size]
-            batch = tokenizer(
-                [texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False
-            ).to(target.device)
-            out = target.model.generate(
-                **batch,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=pad_id,
-                eos_token_id=tokenizer.eos_token_id,
+        max_prompt_tokens = max(1, seq_len - max_new_tokens)
+        prompts = {
+            i: prompt_that_fits(tokenizer, c, max_prompt_tokens=max_prompt_tokens)
+            for i, c in conversations
+            if i not in replies
+        }
+        if replies:
+            logger.info(
+                "continuing regeneration from %s: %d of %d done", journal.path, len(replies), len(conversations)
             )
-            for i, row in zip(chunk, out[:, batch["input_ids"].shape[1] :]):
-                replies[i] = tokenizer.decode(row, skip_special_tokens=True)
+        no_prompt = {i: None for i, p in prompts.items() if p is None}
+        journal.add(no_prompt)
+        replies.update(no_prompt)
+        texts = {
+            i: tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+            for i, p in prompts.items()
+            if p is not None
+        }
+        order = sorted(texts, key=lambda i: len(texts[i]))  # similar lengths: less padding
+        padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        try:
+            for start in tqdm(range(0, len(order), batch_size), desc="regenerate", disable=not progress):
+                chunk = order[start : start + batch_size]
+                batch = tokenizer(
+                    [texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False
+                ).to(target.device)
+                out = target.model.generate(
+                    **batch,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+                new = {
+                    i: tokenizer.decode(row, skip_special_tokens=True)
+                    for i, row in zip(chunk, out[:, batch["input_ids"].shape[1] :])
+                }
+                journal.add(new)
+                replies.update(new)
+        finally:
+            tokenizer.padding_side = padding_side
+    except KeyboardInterrupt:
+        logger.error(
+            "regeneration stopped: %d of this process's %d replies are kept in %s; start the same run again "
+            "to continue from there",
+            len(replies),
+            len(conversations),
+            journal.path,
+        )
+        raise
     finally:
-        tokenizer.padding_side = padding_side
+        journal.close()
+    return replies
+
+
+def with_replies(conversations, replies: dict[int, str | None]) -> list[list[dict[str, str]]]:
+    """``prompt + [{"role": "assistant", "content": reply}]`` of each conversation with a
+    non-blank reply in ``replies`` (by index), in index order; logs what was skipped and dropped."""
     result = [
-        prompts[i] + [{"role": "assistant", "content": replies[i]}] for i in range(len(prompts)) if replies[i].strip()
+        prompt_messages(conversations[i]) + [{"role": "assistant", "content": replies[i]}]
+        for i in sorted(replies)
+        if replies[i] is not None and replies[i].strip()
     ]
+    no_prompt = sum(r is None for r in replies.values())
     logger.info(
         "regenerated %d assistant replies with the target from %d conversations (%d without a prompt before an "
-        "assistant turn or with a prompt over %d tokens (--seq-len minus --regenerate-max-new-tokens) skipped, "
+        "assistant turn or with a prompt over --seq-len minus --regenerate-max-new-tokens tokens skipped, "
         "%d empty replies dropped)",
         len(result),
         len(conversations),
-        len(conversations) - len(prompts),
-        max(1, seq_len - max_new_tokens),
-        len(prompts) - len(result),
+        no_prompt,
+        len(replies) - no_prompt - len(result),
     )
     return result
+
+
+def regenerated_corpus(
+    target: Target,
+    tokenizer,
+    conversations: Sequence[list[dict[str, str]]],
+    cache: Path,
+    *,
+    key: dict,
+    resume: bool,
+    rank: int,
+    world_size: int,
+    seq_len: int,
+    max_new_tokens: int,
+    progress: bool,
+) -> list[list[dict[str, str]]]:
+    """The corpus with its assistant replies regenerated by the target (module docstring), from
+    ``cache`` when it holds them for ``key`` (or for any key on ``resume``), else generated.
+
+    Every process (``rank`` of ``world_size``) generates the replies of every ``world_size``-th
+    conversation into its journal beside ``cache``; rank 0 then joins them into ``cache`` (with
+    ``key`` in ``<cache>.key.json``) and every process reads it.
+
+    Raises:
+        RuntimeError: rank 0 does not see every process's journal (``--out`` not shared by the hosts).
+        KeyboardInterrupt: SIGINT or SIGTERM while generating (the journal keeps what was done).
+    """
+    key_path = cache.with_name(cache.name + ".key.json")
+    if cache.is_file() and (resume or (key_path.is_file() and json.loads(key_path.read_text()) == key)):
+        logger.info("training on the replies regenerated earlier in %s", cache)
+        return read_conversations(cache, progress=progress)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    journals = [
+        ReplyJournal(cache.with_name(f"{cache.name}.rank{r}-of-{world_size}.partial"), key) for r in range(world_size)
+    ]
+    share = [(i, c) for i, c in enumerate(conversations) if i % world_size == rank]
+    with _sigterm_interrupts():
+        regenerate_replies(
+            target,
+            tokenizer,
+            share,
+            journals[rank],
+            seq_len=seq_len,
+            max_new_tokens=max_new_tokens,
+            progress=progress,
+        )
+    barrier()
+    if rank == 0:
+        replies = {i: r for journal in journals for i, r in journal.read().items()}
+        if len(replies) != len(conversations):
+            raise RuntimeError(
+                f"{cache.parent}: the processes' regenerated replies cover {len(replies)} of {len(conversations)} "
+                "conversations; every host must write to the same --out (a shared filesystem)"
+            )
+        write_conversations(cache, with_replies(conversations, replies))
+        key_path.write_text(json.dumps(key, indent=1) + "\n")
+        for journal in journals:
+            journal.path.unlink()
+    barrier()
+    return read_conversations(cache, progress=progress)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt (as SIGINT does) in the main thread, so a preempted
+    regeneration says what it kept before the process ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def write_conversations(path: Path, conversations) -> None:

@@ -270,25 +270,36 @@ class Trainer:
         return BatchLoader(examples, sampler, seq_len=cfg.seq_len, pad_token_id=pad)
 
     def _regenerated(self, target, conversations):
-        """Target-regenerated conversations, cached in ``out`` (reused on --resume). Rank 0
-        regenerates and writes the cache; the other processes read what it wrote."""
-        from dflash.regenerate import regenerate_conversations, write_conversations
+        """Target-regenerated conversations (:func:`dflash.regenerate.regenerated_corpus`), cached
+        in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
+        import hashlib
 
-        cache = self.out / REGENERATED_NAME
-        if self.process.is_main and not (self.config.resume and cache.is_file()):
-            conversations = regenerate_conversations(
-                target,
-                self.tokenizer,
-                conversations,
-                seq_len=self.config.seq_len,
-                max_new_tokens=self.config.regenerate_max_new_tokens,
-                progress=self.config.progress,
-            )
-            self.out.mkdir(parents=True, exist_ok=True)
-            write_conversations(cache, conversations)
-            return conversations
-        barrier()
-        return read_conversations(cache)
+        from dflash.assets import default_target_dir
+        from dflash.regenerate import regenerated_corpus
+
+        cfg = self.config
+        target_dir = Path(cfg.target) if cfg.target else default_target_dir()
+        key = {
+            "data_sha256": self.data_sha256,
+            "target": str(target_dir),
+            "target_config_sha256": checkpoint.sha256_file(target_dir / "config.json"),
+            "chat_template_sha256": hashlib.sha256(str(self.tokenizer.chat_template).encode()).hexdigest(),
+            "seq_len": cfg.seq_len,
+            "max_new_tokens": cfg.regenerate_max_new_tokens,
+        }
+        return regenerated_corpus(
+            target,
+            self.tokenizer,
+            conversations,
+            self.out / REGENERATED_NAME,
+            key=key,
+            resume=cfg.resume,
+            rank=self.process.rank,
+            world_size=self.process.world_size,
+            seq_len=cfg.seq_len,
+            max_new_tokens=cfg.regenerate_max_new_tokens,
+            progress=cfg.progress and self.process.is_main,
+        )
 
     def _mask_token_id(self, target) -> int:
         """``--mask-token-id``, else the resumed drafter's, else the target tokenizer's choice

@@ -102,7 +102,7 @@ def _resume_hint(out: str, what: str) -> None:
             shlex.quote(out),
         )
     else:
-        logger.error("%s before the first checkpoint; nothing to resume in %s", what, out)
+        logger.error("%s before the first checkpoint: nothing to --resume in %s; start the run again", what, out)
 
 
 def register(subparsers) -> None:

@@ -320,7 +320,7 @@ def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(
         "--no-progress",
     ]
     assert main(args) == 130
-    assert "interrupted before the first checkpoint; nothing to resume" in caplog.text
+    assert "interrupted before the first checkpoint: nothing to --resume" in caplog.text
 
 
 def test_ctrl_c_after_a_checkpoint_says_how_to_resume_once_per_job(tmp_path, caplog, monkeypatch):
