@@ -8,9 +8,9 @@ messages before the first assistant turn, exactly what ``dflash eval`` prompts w
 target's greedy reply. Later turns are not regenerated: their histories would mix human and
 target replies, and generating them costs a forward per token per turn.
 
-Generation uses ``transformers``' batched ``generate`` (left padding, greedy). Each process
-regenerates its share of the conversations (every ``world_size``-th one) and appends each batch's
-replies to its :class:`ReplyJournal`, so a stopped regeneration (SIGTERM, preemption) continues
+Generation uses ``transformers``' batched ``generate`` (left padding, greedy). Every target of
+every process (one thread per target) regenerates its share of the conversations and appends each
+batch's replies to its :class:`ReplyJournal`, so a stopped regeneration (SIGTERM, preemption) continues
 where it stopped when the same run starts again; the joined result is cached as JSONL (OpenAI
 ``messages``) so a resumed run trains on identical data.
 """
@@ -18,6 +18,7 @@ where it stopped when the same run starts again; the joined result is cached as 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import signal
@@ -122,7 +123,8 @@ def regenerate_replies(
     seq_len: int,
     max_new_tokens: int,
     batch_size: int = 64,
-    progress: bool = True,
+    stop: threading.Event | None = None,
+    bar=None,
 ) -> dict[int, str | None]:
     """The target's greedy reply to the prompt of each ``(index, conversation)``, continuing
     ``journal`` (see the module docstring).
@@ -130,16 +132,17 @@ def regenerate_replies(
     Args:
         seq_len: training row length; prompts longer than ``seq_len - max_new_tokens`` get no reply.
         max_new_tokens: longest generated reply (tokens); generation also stops at EOS.
+        batch_size: prompts per ``generate`` call.
+        stop: when set, stop before the next batch (as on KeyboardInterrupt).
+        bar: a tqdm bar advanced by the conversations done (shared by threads), or None.
 
     Returns:
         Replies by conversation index (None: no prompt that fits), those of earlier runs included.
 
     Raises:
-        KeyboardInterrupt: SIGINT (or SIGTERM where the caller maps it to one); the replies
-            generated so far are in the journal and the stop is logged with its path.
+        KeyboardInterrupt: SIGINT (or SIGTERM where the caller maps it to one), or ``stop`` set;
+            the replies generated so far are in the journal and the stop is logged with its path.
     """
-    from tqdm import tqdm
-
     replies = journal.open()
     try:
         max_prompt_tokens = max(1, seq_len - max_new_tokens)
@@ -152,50 +155,61 @@ def regenerate_replies(
             logger.info(
                 "continuing regeneration from %s: %d of %d done", journal.path, len(replies), len(conversations)
             )
+        _advance(bar, len(conversations) - len(prompts))
         no_prompt = {i: None for i, p in prompts.items() if p is None}
         journal.add(no_prompt)
         replies.update(no_prompt)
+        _advance(bar, len(no_prompt))
         texts = {
             i: tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
             for i, p in prompts.items()
             if p is not None
         }
         order = sorted(texts, key=lambda i: len(texts[i]))  # similar lengths: less padding
-        padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        try:
-            for start in tqdm(range(0, len(order), batch_size), desc="regenerate", disable=not progress):
-                chunk = order[start : start + batch_size]
-                batch = tokenizer(
-                    [texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False
-                ).to(target.device)
-                out = target.model.generate(
-                    **batch,
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                )
-                new = {
-                    i: tokenizer.decode(row, skip_special_tokens=True)
-                    for i, row in zip(chunk, out[:, batch["input_ids"].shape[1] :])
-                }
-                journal.add(new)
-                replies.update(new)
-        finally:
-            tokenizer.padding_side = padding_side
+        for start in range(0, len(order), batch_size):
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
+            chunk = order[start : start + batch_size]
+            batch = tokenizer(
+                [texts[i] for i in chunk],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            ).to(target.device)
+            out = target.model.generate(
+                **batch,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            new = {
+                i: tokenizer.decode(row, skip_special_tokens=True)
+                for i, row in zip(chunk, out[:, batch["input_ids"].shape[1] :])
+            }
+            journal.add(new)
+            replies.update(new)
+            _advance(bar, len(new))
     except KeyboardInterrupt:
         logger.error(
-            "regeneration stopped: %d of this process's %d replies are kept in %s; start the same run again "
+            "regeneration stopped: %d of %d replies of %s are kept in %s; start the same run again "
             "to continue from there",
             len(replies),
             len(conversations),
+            target.device,
             journal.path,
         )
         raise
     finally:
         journal.close()
     return replies
+
+
+def _advance(bar, n: int) -> None:
+    if bar is not None and n:
+        bar.update(n)
 
 
 def with_replies(conversations, replies: dict[int, str | None]) -> list[list[dict[str, str]]]:
@@ -220,7 +234,7 @@ def with_replies(conversations, replies: dict[int, str | None]) -> list[list[dic
 
 
 def regenerated_corpus(
-    target: Target,
+    targets: Sequence[Target],
     tokenizer,
     conversations: Sequence[list[dict[str, str]]],
     cache: Path,
@@ -236,29 +250,30 @@ def regenerated_corpus(
     """The corpus with its assistant replies regenerated by the target (module docstring), from
     ``cache`` when it holds them for ``key`` (or for any key on ``resume``), else generated.
 
-    Every process (``rank`` of ``world_size``) generates the replies of every ``world_size``-th
-    conversation into its journal beside ``cache``; rank 0 then joins them into ``cache`` (with
-    ``key`` in ``<cache>.key.json``) and every process reads it.
+    The conversations are shared out over every target of every process: the ``s``-th of this
+    process's ``targets`` (one thread each) generates every ``n``-th conversation from
+    ``rank * len(targets) + s`` (``n = world_size * len(targets)``) into its journal beside
+    ``cache``; rank 0 then joins the journals into ``cache`` (with ``key`` in
+    ``<cache>.key.json``) and every process reads it.
 
     Raises:
-        RuntimeError: rank 0 does not see every process's journal (``--out`` not shared by the hosts).
-        KeyboardInterrupt: SIGINT or SIGTERM while generating (the journal keeps what was done).
+        RuntimeError: rank 0 does not see every journal (``--out`` not shared by the hosts).
+        KeyboardInterrupt: SIGINT or SIGTERM while generating (the journals keep what was done).
     """
     key_path = cache.with_name(cache.name + ".key.json")
     if cache.is_file() and (resume or (key_path.is_file() and json.loads(key_path.read_text()) == key)):
         logger.info("training on the replies regenerated earlier in %s", cache)
         return read_conversations(cache, progress=progress)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    journals = [
-        ReplyJournal(cache.with_name(f"{cache.name}.rank{r}-of-{world_size}.partial"), key) for r in range(world_size)
-    ]
-    share = [(i, c) for i, c in enumerate(conversations) if i % world_size == rank]
+    shards = world_size * len(targets)
+    journals = [ReplyJournal(cache.with_name(f"{cache.name}.shard{k}-of-{shards}.partial"), key) for k in range(shards)]
+    first = rank * len(targets)
     with _sigterm_interrupts():
-        regenerate_replies(
-            target,
+        _generate_in_threads(
+            targets,
             tokenizer,
-            share,
-            journals[rank],
+            [[(i, c) for i, c in enumerate(conversations) if i % shards == first + s] for s in range(len(targets))],
+            journals[first : first + len(targets)],
             seq_len=seq_len,
             max_new_tokens=max_new_tokens,
             progress=progress,
@@ -268,8 +283,8 @@ def regenerated_corpus(
         replies = {i: r for journal in journals for i, r in journal.read().items()}
         if len(replies) != len(conversations):
             raise RuntimeError(
-                f"{cache.parent}: the processes' regenerated replies cover {len(replies)} of {len(conversations)} "
-                "conversations; every host must write to the same --out (a shared filesystem)"
+                f"{cache.parent}: the regenerated replies of all processes cover {len(replies)} of "
+                f"{len(conversations)} conversations; every host must write to the same --out (a shared filesystem)"
             )
         write_conversations(cache, with_replies(conversations, replies))
         key_path.write_text(json.dumps(key, indent=1) + "\n")
@@ -277,6 +292,41 @@ def regenerated_corpus(
             journal.path.unlink()
     barrier()
     return read_conversations(cache, progress=progress)
+
+
+def _generate_in_threads(targets, tokenizer, shares, journals, *, progress: bool, **settings) -> None:
+    """:func:`regenerate_replies` of ``shares[s]`` on ``targets[s]``, one thread each. A stop
+    (KeyboardInterrupt in the calling thread, or an error in one thread) stops every thread
+    before its next batch; the first error is raised."""
+    from tqdm import tqdm
+
+    stop, errors = threading.Event(), []
+
+    def work(target, share, journal, bar):
+        try:
+            # A copy each: a fast tokenizer's call sets padding state on its shared backend.
+            regenerate_replies(target, copy.deepcopy(tokenizer), share, journal, stop=stop, bar=bar, **settings)
+        except BaseException as e:  # KeyboardInterrupt too: the calling thread raises it
+            errors.append(e)
+            stop.set()
+
+    with tqdm(total=sum(map(len, shares)), desc="regenerate", disable=not progress) as bar:
+        threads = [
+            threading.Thread(target=work, args=args, name=f"regenerate-{args[0].device}")
+            for args in zip(targets, shares, journals, [bar] * len(targets))
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                thread.join()
+        except KeyboardInterrupt:
+            stop.set()
+            for thread in threads:
+                thread.join()
+            raise
+    if errors:
+        raise errors[0]
 
 
 @contextlib.contextmanager

@@ -197,10 +197,10 @@ class Trainer:
                 device=device,
             )
         ]
-        self.loader = self._build_loader(targets[0], conversations)
         targets += [
             load_target(target_dir, layer_ids=targets[0].layer_ids, device=s.device) for s in self.layout.targets[1:]
         ]
+        self.loader = self._build_loader(targets, conversations)
         drafter = self._build_drafter(targets[0])
         self.settings = LossSettings.from_config(config, drafter.config.mask_token_id)
         self.dynamo_warnings = DynamoWarnings()
@@ -244,11 +244,11 @@ class Trainer:
         self.data_sha256 = checkpoint.sha256_file(path)
         return read_conversations(path, progress=self.config.progress and self.process.is_main)
 
-    def _build_loader(self, target, conversations) -> BatchLoader:
+    def _build_loader(self, targets, conversations) -> BatchLoader:
         cfg = self.config
         source = Path(cfg.data) if cfg.data else "the embedded chat corpus"
         if cfg.responses == "target" or (cfg.responses == "auto" and not cfg.target and not cfg.data):
-            conversations, source = self._regenerated(target, conversations), self.out / REGENERATED_NAME
+            conversations, source = self._regenerated(targets, conversations), self.out / REGENERATED_NAME
         examples = build_examples(
             self.tokenizer,
             conversations,
@@ -269,7 +269,7 @@ class Trainer:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return BatchLoader(examples, sampler, seq_len=cfg.seq_len, pad_token_id=pad)
 
-    def _regenerated(self, target, conversations):
+    def _regenerated(self, targets, conversations):
         """Target-regenerated conversations (:func:`dflash.regenerate.regenerated_corpus`), cached
         in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
         import hashlib
@@ -288,7 +288,7 @@ class Trainer:
             "max_new_tokens": cfg.regenerate_max_new_tokens,
         }
         return regenerated_corpus(
-            target,
+            targets,
             self.tokenizer,
             conversations,
             self.out / REGENERATED_NAME,

@@ -1,6 +1,7 @@
 """The ``dflash`` command line: options that every subcommand takes."""
 
 import pytest
+
 from dflash import __version__
 from dflash.cli import build_parser
 

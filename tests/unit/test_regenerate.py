@@ -14,7 +14,7 @@ from dflash.target import load_target, load_tokenizer
 KEY = {"data_sha256": "abc", "seq_len": 96}
 # The last one has no prompt before its assistant turn: it gets a null reply.
 INDEXED = list(enumerate(CONVERSATIONS * 2 + [[{"role": "assistant", "content": "hi"}]]))
-SETTINGS = dict(seq_len=96, max_new_tokens=4, progress=False)
+SETTINGS = dict(seq_len=96, max_new_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,8 @@ def test_a_stopped_regeneration_continues_where_it_stopped(target, target_dir, t
         regenerate_replies(target, tokenizer, INDEXED, journal, batch_size=2, **SETTINGS)
     kept = journal.read()
     assert sum(r is not None for r in kept.values()) == 4  # the two whole batches before the stop
-    assert f"regeneration stopped: {len(kept)} of this process's {len(INDEXED)} replies are kept in {journal.path}" in (
-        caplog.text
+    assert (
+        f"regeneration stopped: {len(kept)} of {len(INDEXED)} replies of cpu are kept in {journal.path}" in caplog.text
     )
     calls.clear()
     stop_at = None
@@ -76,7 +76,7 @@ def test_a_stopped_regeneration_continues_where_it_stopped(target, target_dir, t
 def test_processes_share_the_conversations_and_rank_0_joins_them(target, target_dir, tmp_path, monkeypatch):
     conversations = [c for _, c in INDEXED]
     alone = regenerated_corpus(
-        target,
+        [target],
         load_tokenizer(target_dir),
         conversations,
         tmp_path / "alone" / "regenerated.jsonl",
@@ -84,6 +84,7 @@ def test_processes_share_the_conversations_and_rank_0_joins_them(target, target_
         resume=False,
         rank=0,
         world_size=1,
+        progress=False,
         **SETTINGS,
     )
     assert len(alone) == 8
@@ -94,14 +95,15 @@ def test_processes_share_the_conversations_and_rank_0_joins_them(target, target_
 
     def process(rank):
         results[rank] = regenerated_corpus(
-            target,
-            load_tokenizer(target_dir),  # one each: generation sets its padding side
+            [target],
+            load_tokenizer(target_dir),
             conversations,
             cache,
             key=KEY,
             resume=False,
             rank=rank,
             world_size=2,
+            progress=False,
             **SETTINGS,
         )
 
@@ -118,15 +120,33 @@ def test_processes_share_the_conversations_and_rank_0_joins_them(target, target_
 def test_a_cache_is_reused_for_the_same_key_only(target, target_dir, tmp_path, monkeypatch):
     conversations, cache = [c for _, c in INDEXED], tmp_path / "regenerated.jsonl"
     tokenizer = load_tokenizer(target_dir)
-    settings = dict(rank=0, world_size=1, **SETTINGS)
-    first = regenerated_corpus(target, tokenizer, conversations, cache, key=KEY, resume=False, **settings)
+    settings = dict(rank=0, world_size=1, progress=False, **SETTINGS)
+    first = regenerated_corpus([target], tokenizer, conversations, cache, key=KEY, resume=False, **settings)
 
     def refuse(*args, **kwargs):
         raise AssertionError("generated again")
 
     monkeypatch.setattr(target.model, "generate", refuse)
-    assert regenerated_corpus(target, tokenizer, conversations, cache, key=KEY, resume=False, **settings) == first
+    assert regenerated_corpus([target], tokenizer, conversations, cache, key=KEY, resume=False, **settings) == first
     other = {**KEY, "data_sha256": "def"}
-    assert regenerated_corpus(target, tokenizer, conversations, cache, key=other, resume=True, **settings) == first
+    assert regenerated_corpus([target], tokenizer, conversations, cache, key=other, resume=True, **settings) == first
     with pytest.raises(AssertionError, match="generated again"):
-        regenerated_corpus(target, tokenizer, conversations, cache, key=other, resume=False, **settings)
+        regenerated_corpus([target], tokenizer, conversations, cache, key=other, resume=False, **settings)
+
+
+def test_every_target_of_a_process_regenerates_a_share(target, target_dir, tmp_path):
+    conversations = [c for _, c in INDEXED]
+    common = dict(key=KEY, resume=False, rank=0, world_size=1, progress=False, **SETTINGS)
+    tokenizer = load_tokenizer(target_dir)
+    alone = regenerated_corpus([target], tokenizer, conversations, tmp_path / "one" / "r.jsonl", **common)
+    second = load_target(target_dir, num_capture_layers=1, device="cpu")
+    cache = tmp_path / "two" / "r.jsonl"
+    generate, calls = second.model.generate, []
+
+    def recorded(*args, **kwargs):
+        calls.append(threading.current_thread() is not threading.main_thread())
+        return generate(*args, **kwargs)
+
+    second.model.generate = recorded
+    assert regenerated_corpus([target, second], tokenizer, conversations, cache, **common) == alone
+    assert calls and all(calls)  # the second target did its share, in a thread of its own
