@@ -13,6 +13,9 @@ recomputed and rewritten, and recorded in :data:`faults` for ``dflash patches
 status``. A cache that cannot be written is skipped. Writes go to a temp file
 that is fsynced, then renamed over the entry (and the directory fsynced), so a
 crash or a concurrent reader never sees half an entry.
+
+Each torch upgrade or series change adds entries; a write that takes the cache past
+:data:`MAX_BYTES` removes the oldest-written ones (a removed entry in use is one miss, rewritten).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import hashlib
 import marshal
 import os
 import tempfile
+import time
 import types
 import zlib
 from importlib.util import MAGIC_NUMBER
@@ -31,6 +35,9 @@ CACHE_ENV = "DFLASH_PATCH_CACHE"
 _FORMAT = b"dflash-patch-cache-2\n"
 _DIGEST_BYTES = 4
 _TMP_PREFIX = ".tmp-"
+#: Size the cache is pruned back to after a write (the entries of one torch release take ~2-3 MB).
+MAX_BYTES = 256 << 20
+_STALE_TMP_SECONDS = 3600  # a temp file this old was left by a crashed writer
 
 #: Entries found unusable in this process: name -> {"why": str, "rewritten": bool}.
 faults: dict[str, dict] = {}
@@ -133,14 +140,43 @@ def write(name: str, payload: bytes) -> None:
             os.close(fd)
         if name in faults:
             faults[name]["rewritten"] = True
+        _prune(directory, keep=name)
     except OSError:
         pass
     finally:
         if tmp is not None:
+            _unlink(tmp)
+
+
+def _prune(directory: Path, *, keep: str) -> None:
+    """Remove the oldest-written entries (never ``keep``) until the cache is within
+    :data:`MAX_BYTES`, and temp files left by crashed writers. Runs on writes only (misses), so a
+    cache hit costs nothing; an entry another process removes first is skipped."""
+    entries, now = [], time.time()
+    with os.scandir(directory) as it:
+        for entry in it:
             try:
-                os.unlink(tmp)
+                st = entry.stat()
             except OSError:
-                pass
+                continue
+            if entry.name.startswith(_TMP_PREFIX):
+                if now - st.st_mtime > _STALE_TMP_SECONDS:
+                    _unlink(entry.path)
+            elif entry.name != keep:
+                entries.append((st.st_mtime_ns, st.st_size, entry.path))
+    total = sum(size for _, size, _ in entries) + (directory / keep).stat().st_size
+    for _, size, path in sorted(entries):
+        if total <= MAX_BYTES:
+            break
+        _unlink(path)
+        total -= size
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _decode_module(payload: bytes) -> tuple[str, types.CodeType]:

@@ -120,6 +120,21 @@ def test_writes_are_fsynced_before_the_rename(cache_dir, monkeypatch):
     assert not [n for n in os.listdir(cache_dir) if n != "entry"]  # no temp file left
 
 
+def test_a_write_past_the_size_limit_removes_the_oldest_entries(cache_dir, monkeypatch):
+    monkeypatch.setattr(cache, "MAX_BYTES", 3 * 1100)  # three entries of 1000 bytes and a header
+    for age, name in enumerate(["newer", "old", "oldest"]):
+        cache.write(name, b"x" * 1000)
+        os.utime(cache_dir / name, (1e9 - age * 100, 1e9 - age * 100))
+    stale, fresh = cache_dir / ".tmp-crashed", cache_dir / ".tmp-writing"
+    stale.write_bytes(b"half")
+    os.utime(stale, (1e9, 1e9))
+    fresh.write_bytes(b"half")  # another process's write in progress
+    cache.write("new", b"x" * 1000)
+    # Four entries do not fit: the oldest goes, the one just written stays.
+    assert sorted(os.listdir(cache_dir)) == [".tmp-writing", "new", "newer", "old"]
+    assert cache.read("new") == b"x" * 1000
+
+
 def test_describe_names_the_directory_its_state_and_bad_entries(cache_dir, tmp_path, monkeypatch):
     assert cache.describe()["state"] == "absent" and cache.describe()["directory"] == str(cache_dir)
     cache.write("good", b"x")
