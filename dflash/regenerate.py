@@ -194,11 +194,10 @@ def regenerate_replies(
             _advance(bar, len(new))
     except KeyboardInterrupt:
         logger.error(
-            "regeneration stopped: %d of %d replies of %s are kept in %s; start the same run again "
+            "regeneration stopped: %d of this share's %d replies are kept in %s; start the same run again "
             "to continue from there",
             len(replies),
             len(conversations),
-            target.device,
             journal.path,
         )
         raise
@@ -331,16 +330,29 @@ def _generate_in_threads(targets, tokenizer, shares, journals, *, progress: bool
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    """SIGTERM raises KeyboardInterrupt (as SIGINT does) in the main thread, so a preempted
-    regeneration says what it kept before the process ends."""
+    """In the main thread, the first SIGTERM or SIGINT raises KeyboardInterrupt (the threads stop
+    after their batch in flight and say what they kept); the handlers then go back to the
+    defaults, so a second signal ends the process at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def interrupt(signum, frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_DFL)
+        logger.warning(
+            "%s received: stopping the regeneration after the batches in flight (send it again to exit at once)",
+            signal.Signals(signum).name,
+        )
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, interrupt) for s in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def write_conversations(path: Path, conversations) -> None:

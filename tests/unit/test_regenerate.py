@@ -65,7 +65,8 @@ def test_a_stopped_regeneration_continues_where_it_stopped(target, target_dir, t
     kept = journal.read()
     assert sum(r is not None for r in kept.values()) == 4  # the two whole batches before the stop
     assert (
-        f"regeneration stopped: {len(kept)} of {len(INDEXED)} replies of cpu are kept in {journal.path}" in caplog.text
+        f"regeneration stopped: {len(kept)} of this share's {len(INDEXED)} replies are kept in {journal.path}"
+        in caplog.text
     )
     calls.clear()
     stop_at = None
@@ -150,3 +151,22 @@ def test_every_target_of_a_process_regenerates_a_share(target, target_dir, tmp_p
     second.model.generate = recorded
     assert regenerated_corpus([target, second], tokenizer, conversations, cache, **common) == alone
     assert calls and all(calls)  # the second target did its share, in a thread of its own
+
+
+def test_the_first_sigterm_interrupts_regeneration_and_a_second_one_kills(caplog):
+    import os
+    import signal
+    import time
+
+    from dflash.regenerate import _sigterm_interrupts
+
+    before = signal.getsignal(signal.SIGTERM)
+    with _sigterm_interrupts():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+            pytest.fail("SIGTERM did not interrupt")
+        except KeyboardInterrupt:
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second one ends the process
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert "SIGTERM received: stopping the regeneration after the batches in flight" in caplog.text
