@@ -20,8 +20,10 @@ bit-identical without broadcasting weights (as DDP does). Process groups come fr
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -158,6 +160,20 @@ def gather_objects(value) -> list:
     return out
 
 
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def barrier(timeout: timedelta | None = None) -> None:
+    """Wait for every process (no-op without a process group).
+
+    Args:
+        timeout: wait up to this long, on a gloo group of its own made for it (collectively, on
+            the first call with this value): the default group's collective timeout (10 minutes
+            for NCCL) is too short for work that may finish minutes apart on different hosts.
+            A process that dies still ends the wait at once (its sockets close).
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    dist.barrier(group=None if timeout is None else _gloo_group(timeout))
+
+
+@functools.cache
+def _gloo_group(timeout: timedelta):
+    return dist.new_group(backend="gloo", timeout=timeout)

@@ -24,6 +24,7 @@ import logging
 import signal
 import threading
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,6 +34,10 @@ from dflash.distributed import barrier
 from dflash.target import Target
 
 logger = logging.getLogger(__name__)
+
+# Shares of one corpus can finish far apart (hours of generation, unevenly long replies): the
+# processes wait for each other that long before the join, not the default collective timeout.
+_JOIN_WAIT = timedelta(hours=24)
 
 
 def prompt_that_fits(tokenizer, conversation, *, max_prompt_tokens: int) -> list[dict[str, str]] | None:
@@ -277,7 +282,7 @@ def regenerated_corpus(
             max_new_tokens=max_new_tokens,
             progress=progress,
         )
-    barrier()
+    barrier(timeout=_JOIN_WAIT)
     if rank == 0:
         replies = {i: r for journal in journals for i, r in journal.read().items()}
         if len(replies) != len(conversations):
@@ -289,7 +294,7 @@ def regenerated_corpus(
         key_path.write_text(json.dumps(key, indent=1) + "\n")
         for journal in journals:
             journal.path.unlink()
-    barrier()
+    barrier(timeout=_JOIN_WAIT)
     return read_conversations(cache, progress=progress)
 
 

@@ -1,5 +1,6 @@
-"""The threaded engine under torchrun: two CPU processes (gloo) end with identical drafter
-weights, only rank 0 writes checkpoints, and a checkpoint of a 2-process run resumes exactly."""
+"""The threaded engine under torchrun: two CPU processes (gloo) share the regeneration of the
+replies, end with identical drafter weights, only rank 0 writes checkpoints, and a checkpoint of a
+2-process run resumes exactly. A barrier with a timeout outwaits the default group's."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from tiny import make_target, write_chat_data
 
@@ -66,9 +68,17 @@ def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
         seed=7,
         target_devices="cpu",
         drafter_devices="cpu:0-1",
+        responses="target",
+        regenerate_max_new_tokens=4,
     )
     _torchrun(tmp_path, config)
     full = tmp_path / "full"
+    # Each process regenerated half of the 16 conversations; rank 0 joined the halves.
+    assert sorted(p.name for p in full.glob("regenerated_train*")) == [
+        "regenerated_train.jsonl",
+        "regenerated_train.jsonl.key.json",
+    ]
+    assert len((full / "regenerated_train.jsonl").read_text().splitlines()) == 16
     rank0, rank1 = torch.load(full / "rank0.pt"), torch.load(full / "rank1.pt")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
@@ -90,3 +100,32 @@ def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
     assert find_checkpoint(full).name == "step_00000004"
     for name in rank0:
         assert torch.equal(resumed[name], rank0[name]), name
+
+
+def _late_barrier(rank: int, init_file: str, timeout_s: float | None) -> None:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from dflash.distributed import barrier
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=3)
+    )
+    if rank == 1:
+        time.sleep(8)  # finishes its share late
+    barrier(timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("timeout_s", [None, 120])
+def test_a_barrier_with_a_timeout_outwaits_the_default_group(tmp_path, timeout_s):
+    spawn = lambda: torch.multiprocessing.spawn(  # noqa: E731
+        _late_barrier, args=(str(tmp_path / "init"), timeout_s), nprocs=2, join=True
+    )
+    if timeout_s is None:  # the default group's 3 s run out while rank 1 is still busy
+        with pytest.raises(torch.multiprocessing.ProcessRaisedException):
+            spawn()
+    else:
+        spawn()
