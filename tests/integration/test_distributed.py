@@ -121,11 +121,9 @@ def _late_barrier(rank: int, init_file: str, timeout_s: float | None) -> None:
 
 @pytest.mark.parametrize("timeout_s", [None, 120])
 def test_a_barrier_with_a_timeout_outwaits_the_default_group(tmp_path, timeout_s):
-    spawn = lambda: torch.multiprocessing.spawn(  # noqa: E731
-        _late_barrier, args=(str(tmp_path / "init"), timeout_s), nprocs=2, join=True
-    )
+    args = (str(tmp_path / "init"), timeout_s)
     if timeout_s is None:  # the default group's 3 s run out while rank 1 is still busy
         with pytest.raises(torch.multiprocessing.ProcessRaisedException):
-            spawn()
+            torch.multiprocessing.spawn(_late_barrier, args=args, nprocs=2, join=True)
     else:
-        spawn()
+        torch.multiprocessing.spawn(_late_barrier, args=args, nprocs=2, join=True)
