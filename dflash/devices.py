@@ -88,12 +88,19 @@ def _cuda_slot(index: int, flag: str) -> Slot:
     return Slot(f"cuda:{index}", torch.device("cuda", index))
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity: a container's share, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _cpu_slot(index: int, flag: str) -> Slot:
-    cores = os.cpu_count() or 1
+    cores = _usable_cores()
     if index >= cores:
         raise DeviceSpecError(
-            f"{flag}: cpu:{index} is past this host's {cores} CPU core(s); CPU slots are threads that each "
-            f"hold a drafter or target replica, one per core at most: use cpu:0-{cores - 1} or fewer"
+            f"{flag}: cpu:{index} is past the {cores} CPU core(s) this process may use; CPU slots are threads "
+            f"that each hold a drafter or target replica, one per core at most: use cpu:0-{cores - 1} or fewer"
         )
     return Slot(f"cpu:{index}", torch.device("cpu"))
 

@@ -62,6 +62,16 @@ def _saved_config(out: str) -> dict:
     return {k: v for k, v in read_saved_config(out).items() if k not in ("out", "resume")}
 
 
+def _resumed_values(given: dict) -> dict:
+    """The flags of a resumed run: those given now over the saved ones (not the defaults)."""
+    from dflash.config import TrainConfig
+
+    saved = _saved_config(given.get("out", TrainConfig.out))
+    if "device" not in given and given.get("target_devices", saved.get("target_devices")) is not None:
+        saved.pop("device", None)  # the layout names the devices (older runs saved both)
+    return {**saved, **given}
+
+
 @contextlib.contextmanager
 def _out_lock(config):
     """One training per ``--out``: rank 0 holds its lock from before the first write (replies
@@ -130,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
         values["steps"] = None  # --epochs alone means "train by epochs"
     try:
         if values.get("resume"):
-            # Flags not given again come from the run being resumed, not from the defaults.
-            values = {**_saved_config(values.get("out", TrainConfig.out)), **values}
+            values = _resumed_values(values)
         config = TrainConfig.from_dict(values)
         from dflash.preflight import validate_inputs
 

@@ -1,5 +1,7 @@
 """dflash.devices: the device-spec grammar of --target-devices/--drafter-devices and its errors."""
 
+import json
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def test_bad_device_specs_are_named(spec, message):
 
 
 def test_device_specs_parse(monkeypatch):
-    monkeypatch.setattr("dflash.devices.os.cpu_count", lambda: 4)
+    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 4)
     assert [s.name for s in parse_devices("cpu:0-2", flag="x")] == ["cpu:0", "cpu:1", "cpu:2"]
     assert [s.name for s in parse_devices("cpu:0,2", flag="x")] == ["cpu:0", "cpu:2"]
     layout = parse_layout("cpu", "cpu:0-1")
@@ -51,7 +53,20 @@ def test_cli_reports_bad_layouts(tmp_path, caplog):
 
 
 def test_cpu_slots_past_the_core_count_are_refused(monkeypatch):
-    monkeypatch.setattr("dflash.devices.os.cpu_count", lambda: 2)
+    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 2)
     assert len(parse_devices("cpu:0-1", flag="--drafter-devices")) == 2
-    with pytest.raises(DeviceSpecError, match=r"cpu:2 is past this host's 2 CPU core.*use cpu:0-1 or fewer"):
+    with pytest.raises(DeviceSpecError, match=r"cpu:2 is past the 2 CPU core.*use cpu:0-1 or fewer"):
         parse_devices("cpu:0-999", flag="--drafter-devices")
+
+
+def test_a_resumed_layout_run_drops_the_saved_device(tmp_path):
+    from dflash.commands.train import _resumed_values
+
+    saved = {"device": "cuda", "target_devices": "cpu", "drafter_devices": "cpu:0-1", "steps": 9}
+    (tmp_path / "train_config.json").write_text(json.dumps(saved))
+    given = {"resume": True, "out": str(tmp_path)}
+    # Runs saved before --device and the layout flags were exclusive hold both; the layout wins.
+    assert _resumed_values(given) == {**given, "target_devices": "cpu", "drafter_devices": "cpu:0-1", "steps": 9}
+    assert _resumed_values({**given, "device": "cpu"})["device"] == "cpu"  # given again: checked as usual
+    (tmp_path / "train_config.json").write_text(json.dumps({"device": "cuda", "steps": 9}))
+    assert _resumed_values(given)["device"] == "cuda"
