@@ -174,6 +174,16 @@ def barrier(timeout: timedelta | None = None) -> None:
     dist.barrier(group=None if timeout is None else _gloo_group(timeout))
 
 
+def broadcast_from_main(value, timeout: timedelta = timedelta(hours=24)):
+    """Rank 0's ``value`` (picklable) on every process; ``value`` as given without a process group.
+    Sent on the gloo group of :func:`barrier` with ``timeout`` (rank 0 may take long to decide)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_gloo_group(timeout))
+    return box[0]
+
+
 @functools.cache
 def _gloo_group(timeout: timedelta):
     return dist.new_group(backend="gloo", timeout=timeout)

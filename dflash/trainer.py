@@ -272,21 +272,17 @@ class Trainer:
     def _regenerated(self, targets, conversations):
         """Target-regenerated conversations (:func:`dflash.regenerate.regenerated_corpus`), cached
         in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
-        import hashlib
-
         from dflash.assets import default_target_dir
-        from dflash.regenerate import regenerated_corpus
+        from dflash.regenerate import regenerated_corpus, regeneration_key
 
         cfg = self.config
-        target_dir = Path(cfg.target) if cfg.target else default_target_dir()
-        key = {
-            "data_sha256": self.data_sha256,
-            "target": str(target_dir),
-            "target_config_sha256": checkpoint.sha256_file(target_dir / "config.json"),
-            "chat_template_sha256": hashlib.sha256(str(self.tokenizer.chat_template).encode()).hexdigest(),
-            "seq_len": cfg.seq_len,
-            "max_new_tokens": cfg.regenerate_max_new_tokens,
-        }
+        key = regeneration_key(
+            Path(cfg.target) if cfg.target else default_target_dir(),
+            dtype=targets[0].model.dtype,
+            data_sha256=self.data_sha256,
+            seq_len=cfg.seq_len,
+            max_new_tokens=cfg.regenerate_max_new_tokens,
+        )
         return regenerated_corpus(
             targets,
             self.tokenizer,
