@@ -293,14 +293,14 @@ def test_mismatching_module_refuses_the_whole_series_and_says_why(tmp_path):
 def test_uncovered_release_runs_plain_torch_and_warns_once(tmp_path):
     real = _symlinked_torch(tmp_path)
     version = (real / "version.py").read_text()
-    _replace(tmp_path / "torch" / "version.py", re.sub(r"__version__ = '[^']*'", "__version__ = '2.6.0'", version))
+    _replace(tmp_path / "torch" / "version.py", re.sub(r"__version__ = '[^']*'", "__version__ = '2.4.1'", version))
     code = "import torch, torch._dynamo, torch.fx._symbolic_trace as st; print(type(st).__name__)"
     env = {"PYTHONPATH": str(tmp_path), "DFLASH_PATCH_CACHE": str(tmp_path / "cache")}
     for extra in ({}, {ALLOW: "1"}):
         proc = _python(code, env={**env, **extra})
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == ["module"]
-        assert proc.stderr.count("NOT applied to torch 2.6.0") == 1, proc.stderr
+        assert proc.stderr.count("NOT applied to torch 2.4.1") == 1, proc.stderr
         assert "DFLASH_PATCHES=0" in proc.stderr
     silenced = _python(code, env={**env, "DFLASH_PATCHES": "0"})
     assert "NOT applied" not in silenced.stderr

@@ -24,6 +24,7 @@ from dflash.compile_watch import fresh_function, recompile_limit_name
 from dflash.patchtools.verify.catalogue import require_class
 from dflash.patchtools.verify.workloads import (
     COUNTING,
+    IS_EXPORTING,
     compile_new_functions_step,
     compiled_call,
     poll_session_flags_step,
@@ -122,15 +123,12 @@ _FX_FLAG_READER = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", to
 
 def check_flags_clean(tally: Tally) -> None:
     """After a race no thread is tracing, compiling or exporting: every global flag must read False."""
-    leaked = [
-        name
-        for name, value in (
-            (f"torch.fx._symbolic_trace.{_FX_FLAG_READER.__name__}()", _FX_FLAG_READER()),
-            ("torch.compiler.is_compiling()", torch.compiler.is_compiling()),
-            ("torch.compiler.is_exporting()", torch.compiler.is_exporting()),
-        )
-        if value
-    ]
+    readers = {
+        f"torch.fx._symbolic_trace.{_FX_FLAG_READER.__name__}()": _FX_FLAG_READER,
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "torch.compiler.is_exporting()": IS_EXPORTING,
+    }
+    leaked = [name for name, reader in readers.items() if reader is not None and reader()]
     if leaked:
         tally.fail("left set after all threads finished: " + ", ".join(leaked))
     else:

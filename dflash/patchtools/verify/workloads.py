@@ -96,6 +96,11 @@ def warm_compiled_function():
     return warm, x
 
 
+#: ``torch.compiler.is_exporting``, None before torch 2.7 (there export sets only ``is_compiling()``,
+#: which the polls read too).
+IS_EXPORTING: Callable[[], bool] | None = getattr(torch.compiler, "is_exporting", None)
+
+
 def poll_session_flags_step(check_compile_handoff: bool) -> Callable[[], str | None]:
     """Poll the session flags from an eager thread; optionally check torch.compile wraps a function."""
 
@@ -106,7 +111,7 @@ def poll_session_flags_step(check_compile_handoff: bool) -> Callable[[], str | N
         # Most specific symptom first: export also sets is_compiling.
         if check_compile_handoff and torch.compile(plain, backend="eager") is plain:
             return "torch.compile() handed back the uncompiled function (another thread is exporting)"
-        if torch.compiler.is_exporting():
+        if IS_EXPORTING is not None and IS_EXPORTING():
             return "torch.compiler.is_exporting() is True in an eager thread"
         if torch.compiler.is_compiling():
             return "torch.compiler.is_compiling() is True in an eager thread"
