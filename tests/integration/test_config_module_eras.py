@@ -1,6 +1,6 @@
 """Patch 0005 (config-process-defaults) on every release's own config module, from its sources.
 
-``test_config_layers.py`` pins the two config layers on the installed torch only. Here each
+``tests/unit/test_config_layers.py`` pins the two config layers on the installed torch only. Here each
 release tree in ``DFLASH_TORCH_SOURCES`` (``scripts/fetch_torch_sources.py``; skipped without it)
 gives its ``torch/utils/_config_module.py``, with the series' variant for that release applied (or
 plain), loaded as a standalone module and installed on a toy config: a ``config.patch`` entered in
