@@ -69,6 +69,10 @@ class DatasetError(ValueError):
     """A data file that cannot be used, with the file, line and what was expected."""
 
 
+class TemplateRejected(DatasetError):
+    """The target's chat template refuses a conversation (e.g. roles that do not alternate)."""
+
+
 @dataclass(frozen=True)
 class Example:
     """One tokenized conversation.
@@ -275,8 +279,19 @@ def prompt_messages(conversation: Sequence[dict[str, str]]) -> list[dict[str, st
 # ---------------------------------------------------------------------------------------
 
 
-def _render(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+def render_chat(tokenizer, messages, *, add_generation_prompt: bool) -> str:
+    """``messages`` rendered with the target's chat template.
+
+    Raises:
+        TemplateRejected: the template raises on them (jinja's ``raise_exception``, or an error
+            of transformers' own: both name the reason).
+    """
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:  # jinja2.TemplateError and transformers' ValueErrors alike
+        raise TemplateRejected(f"the target's chat template rejects it: {e}") from None
 
 
 def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -291,14 +306,15 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
     Raises:
         DatasetError: the template is not prefix-stable and the content cannot be found.
     """
-    text = _render(tokenizer, conversation, add_generation_prompt=False)
+    text = render_chat(tokenizer, conversation, add_generation_prompt=False)
     spans, cursor = [], 0
     for i, message in enumerate(conversation):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, conversation[:i], add_generation_prompt=True)
-        through = _render(tokenizer, conversation[: i + 1], add_generation_prompt=False)
-        if text.startswith(before) and text.startswith(through) and len(through) > len(before):
+        # An assistant turn that opens the conversation has no prefix to render: found by search.
+        before = render_chat(tokenizer, conversation[:i], add_generation_prompt=True) if i else None
+        through = render_chat(tokenizer, conversation[: i + 1], add_generation_prompt=False) if i else None
+        if i and text.startswith(before) and text.startswith(through) and len(through) > len(before):
             start, end = len(before), len(through)
         else:
             start = text.find(message["content"], cursor)
@@ -386,7 +402,7 @@ def build_examples(
 
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-    examples, too_long, unsupervised, short_cuts = [], 0, 0, 0
+    examples, too_long, unsupervised, short_cuts, rejected = [], 0, 0, 0, []
     bar = tqdm(
         conversations,
         desc=f"tokenizing {Path(source).name}",
@@ -400,6 +416,9 @@ def build_examples(
             continue
         try:
             example = tokenize_conversation(tokenizer, kept, max_chars=char_budget(seq_len) if cut else None)
+        except TemplateRejected as e:
+            rejected.append(f"conversation {index}: {e}")
+            continue
         except DatasetError as e:
             raise DatasetError(f"{source}: conversation {index}: {e}") from None
         if cut and len(example.input_ids) < seq_len:
@@ -434,10 +453,18 @@ def build_examples(
             char_budget(seq_len),
             seq_len,
         )
+    if rejected:
+        logger.warning(
+            "%s: %d conversations skipped: the target's chat template rejects them (first: %s)",
+            source,
+            len(rejected),
+            rejected[0],
+        )
     if not examples:
+        reason = f"; {len(rejected)} rejected by the chat template (first: {rejected[0]})" if rejected else ""
         raise DatasetError(
             f"{source}: no usable conversation (need an assistant turn of at least two "
-            f"tokens within seq_len={seq_len}); raise --seq-len or check the roles"
+            f"tokens within seq_len={seq_len}){reason}; raise --seq-len or check the roles"
         )
     return examples
 

@@ -244,7 +244,8 @@ class HeldOutPrompts:
         context (int): the target's ``max_position_embeddings``.
         max_new_tokens (int): tokens each prompt is continued by.
         too_long (int): conversations skipped for a prompt over ``max_prompt_tokens`` tokens.
-        without_prompt (int): conversations skipped for no user turn before an assistant turn.
+        without_prompt (int): conversations skipped for no user turn before an assistant turn, or
+            a prompt the target's chat template rejects.
     """
 
     source: Path
@@ -286,7 +287,15 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int,
         DatasetError: unreadable file (see :func:`dflash.data.read_conversations`), or no
             usable prompt (the message says why and the fix).
     """
-    from dflash.data import DatasetError, cut_to_budget, encode, prompt_messages, read_conversations
+    from dflash.data import (
+        DatasetError,
+        TemplateRejected,
+        cut_to_budget,
+        encode,
+        prompt_messages,
+        read_conversations,
+        render_chat,
+    )
 
     held_out = HeldOutPrompts(Path(path), [], num_prompts, context, max_new_tokens)
     limit = held_out.max_prompt_tokens
@@ -303,7 +312,11 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int,
         if cut_to_budget(messages, limit)[1]:  # surely over the limit: never rendered whole
             held_out.too_long += 1
             continue
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = render_chat(tokenizer, messages, add_generation_prompt=True)
+        except TemplateRejected:
+            held_out.without_prompt += 1
+            continue
         ids = encode(tokenizer, text)["input_ids"]
         if len(ids) > limit:
             held_out.too_long += 1
@@ -326,7 +339,10 @@ def _why_none(held_out: HeldOutPrompts) -> str:
         )
         wanted.append("shorter conversations")
     if held_out.without_prompt:
-        reasons.append(f"{held_out.without_prompt} conversations have no user turn before an assistant turn")
+        reasons.append(
+            f"{held_out.without_prompt} conversations have no user turn before an assistant turn "
+            "(or one the chat template rejects)"
+        )
         wanted.append("conversations that have a user turn before an assistant turn")
     fix = f"pass --data with {' and '.join(wanted)}"
     return f"{' and '.join(reasons)}; " + (f"lower --max-new-tokens, or {fix}" if held_out.too_long else fix)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import char_budget, encode, prompt_messages, read_conversations
+from dflash.data import TemplateRejected, char_budget, encode, prompt_messages, read_conversations, render_chat
 from dflash.distributed import barrier, broadcast_from_main
 from dflash.target import Target
 
@@ -47,7 +47,10 @@ def prompt_that_fits(tokenizer, conversation, *, max_prompt_tokens: int) -> list
     messages = prompt_messages(conversation)
     if messages is None:
         return None
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    except TemplateRejected:
+        return None
     # Over the character budget it is surely too long: a huge prompt is never tokenized.
     if len(text) > char_budget(max_prompt_tokens) or len(encode(tokenizer, text)["input_ids"]) > max_prompt_tokens:
         return None
@@ -165,11 +168,7 @@ def regenerate_replies(
         journal.add(no_prompt)
         replies.update(no_prompt)
         _advance(bar, len(no_prompt))
-        texts = {
-            i: tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-            for i, p in prompts.items()
-            if p is not None
-        }
+        texts = {i: render_chat(tokenizer, p, add_generation_prompt=True) for i, p in prompts.items() if p is not None}
         # Similar lengths together (less padding), longest first: a batch too big for memory fails at once.
         order = sorted(texts, key=lambda i: -len(texts[i]))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -229,7 +228,8 @@ def with_replies(conversations, replies: dict[int, str | None]) -> list[list[dic
     no_prompt = sum(r is None for r in replies.values())
     logger.info(
         "regenerated %d assistant replies with the target from %d conversations (%d without a prompt before an "
-        "assistant turn or with a prompt over --seq-len minus --regenerate-max-new-tokens tokens skipped, "
+        "assistant turn, with one the chat template rejects, or with one over --seq-len minus "
+        "--regenerate-max-new-tokens tokens skipped, "
         "%d empty replies dropped)",
         len(result),
         len(conversations),

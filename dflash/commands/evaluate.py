@@ -84,7 +84,9 @@ def _print_prompts(prompts, *, embedded_default: bool) -> None:
             f"max_position_embeddings {prompts.context} minus --max-new-tokens {prompts.max_new_tokens})"
         )
     if prompts.without_prompt:
-        skipped.append(f"{prompts.without_prompt} without a user turn before an assistant turn")
+        skipped.append(
+            f"{prompts.without_prompt} without a user turn before an assistant turn (or one the template rejects)"
+        )
     if skipped:
         print(f"  skipped conversations: {'; '.join(skipped)}")
     if len(prompts.prompts) < prompts.requested:

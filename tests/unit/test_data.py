@@ -171,3 +171,35 @@ def test_a_utf8_byte_order_mark_at_the_start_is_accepted(tmp_path):
     middle.write_bytes(plain.read_bytes() + b"\xef\xbb\xbf" + plain.read_bytes())
     with pytest.raises(DatasetError, match=r"middle\.jsonl:3: malformed JSON"):
         read_conversations(middle)
+
+
+# Gemma/Mistral-style: roles must alternate user/assistant from the first message.
+ALTERNATING_ONLY = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_conversations_the_chat_template_rejects_are_skipped_and_named(tmp_path, caplog):
+    strict = make_tokenizer(tmp_path / "strict")
+    strict.chat_template = ALTERNATING_ONLY
+    good = CONVERSATIONS[0]
+    two_users = [{"role": "user", "content": "hi"}, {"role": "user", "content": "hello?"}, good[1]]
+    examples = build_examples(strict, [good, two_users, good], seq_len=64, source="chats.jsonl", progress=False)
+    assert len(examples) == 2
+    assert (
+        "chats.jsonl: 1 conversations skipped: the target's chat template rejects them (first: conversation 2: "
+        "the target's chat template rejects it: Conversation roles must alternate" in caplog.text
+    )
+    with pytest.raises(DatasetError, match=r"1 rejected by the chat template \(first: conversation 1: .*alternate"):
+        build_examples(strict, [two_users], seq_len=64, source="chats.jsonl", progress=False)
+
+
+def test_a_conversation_that_opens_with_an_assistant_turn_is_trained_on(tokenizer):
+    greeting = [{"role": "assistant", "content": "hello there"}, *CONVERSATIONS[0]]
+    example = tokenize_conversation(tokenizer, greeting)
+    supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+    assert "hello there" in supervised and CONVERSATIONS[0][1]["content"] in supervised
+    assert CONVERSATIONS[0][0]["content"] not in supervised
