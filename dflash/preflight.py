@@ -56,7 +56,7 @@ def check_out_dir(out: Path, *, resume: bool) -> None:
         ValueError: ``out`` is a file, or cannot be written; it holds a run and ``resume`` is off.
         CheckpointError: ``resume`` without a checkpoint in ``out``.
     """
-    from dflash.checkpoint import find_checkpoint
+    from dflash.checkpoint import CheckpointError, find_checkpoint
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
@@ -74,6 +74,13 @@ def check_out_dir(out: Path, *, resume: bool) -> None:
         raise ValueError(f"--out {out}: cannot write in {existing} ({e.strerror}); choose a writable --out") from None
     refuse_existing_run(out, resume=resume)
     if resume:
+        journals = sorted(out.glob("*.partial")) if not (out / "checkpoints").is_dir() else []
+        if journals:  # dflash.regenerate's journals of a run stopped before its first checkpoint
+            raise CheckpointError(
+                f"{out} has no checkpoint yet, only the replies regenerated before the run stopped "
+                f"({', '.join(p.name for p in journals)}); start the same run again without --resume: "
+                "it continues the regeneration"
+            )
         find_checkpoint(out, verify=False)  # loading verifies the files
 
 

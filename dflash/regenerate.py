@@ -35,6 +35,19 @@ from dflash.target import Target
 
 logger = logging.getLogger(__name__)
 
+
+class RegenerationStopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT stopped the regeneration; every journal keeps what was done.
+
+    Args:
+        signum (int): the signal.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"regeneration stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 # Shares of one corpus can finish far apart (hours of generation, unevenly long replies): the
 # processes wait for each other that long before the join, not the default collective timeout.
 _JOIN_WAIT = timedelta(hours=24)
@@ -412,7 +425,8 @@ def _generate_in_threads(targets, tokenizer, shares, journals, *, progress: bool
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    """In the main thread, the first SIGTERM or SIGINT raises KeyboardInterrupt (the threads stop
+    """In the main thread, the first SIGTERM or SIGINT raises :class:`RegenerationStopped` (a
+    KeyboardInterrupt: the threads stop
     after their batch in flight and say what they kept); the handlers then go back to the
     defaults, so a second signal ends the process at once."""
     if threading.current_thread() is not threading.main_thread():
@@ -427,7 +441,7 @@ def _sigterm_interrupts():
             "%s received: stopping the regeneration after the batches in flight (send it again to exit at once)",
             signal.Signals(signum).name,
         )
-        raise KeyboardInterrupt
+        raise RegenerationStopped(signum)
 
     previous = {s: signal.signal(s, interrupt) for s in signals}
     try:

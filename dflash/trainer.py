@@ -75,8 +75,9 @@ class _StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, *, save: bool = True) -> None:
         self.signum: int | None = None
+        self.save = save
 
     @contextlib.contextmanager
     def installed(self):
@@ -95,8 +96,9 @@ class _StopRequest:
         for s in self.SIGNALS:
             signal.signal(s, signal.SIG_DFL)
         logger.warning(
-            "%s received: finishing this step, saving a checkpoint, then exiting (send it again to exit at once)",
+            "%s received: finishing this step, %s, then exiting (send it again to exit at once)",
             signal.Signals(signum).name,
+            "saving a checkpoint" if self.save else "saving nothing (--no-save)",
         )
 
     @property
@@ -402,7 +404,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         throughput = _Throughput()
         first_step = self.step + 1
-        stop = _StopRequest()
+        stop = _StopRequest(save=cfg.save)
         try:
             with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
                 while self.step < self.total_steps:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import types
 import typing
 
@@ -147,19 +148,25 @@ def run(args: argparse.Namespace) -> int:
         validate_inputs(config)  # before torch-heavy imports: every argument and input file
         from dflash.trainer import Trainer, TrainingStopped
 
-        with _out_lock(config):
-            trainer = Trainer(config)
-            metrics = trainer.train()
+        try:
+            with _out_lock(config):
+                trainer = Trainer(config)
+                metrics = trainer.train()
+        except TrainingStopped as stopped:
+            if config.save:
+                _resume_hint(config.out, f"{stopped}, checkpoint saved")
+            else:
+                logger.error("%s; nothing was saved (--no-save)", stopped)
+            return 128 + stopped.signum
         trainer.close()  # not after a failure: the other ranks may be inside a collective
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
-    except TrainingStopped as stopped:
-        _resume_hint(values.get("out", TrainConfig.out), f"{stopped}, checkpoint saved")
-        return 128 + stopped.signum
-    except KeyboardInterrupt:
-        _resume_hint(values.get("out", TrainConfig.out), "interrupted")
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", None)  # dflash.regenerate.RegenerationStopped: it said what it kept
+        if signum is None:
+            _resume_hint(values.get("out", TrainConfig.out), "interrupted")
+        return 128 + (signum or signal.SIGINT)
     if not trainer.is_main:  # rank 0 speaks for the job
         return 0
     if not metrics:

@@ -412,3 +412,48 @@ def test_no_save_says_nothing_was_saved(assets, tmp_path, capsys):
     assert main([*argv, "--no-progress", "--no-save"]) == 0
     out = capsys.readouterr().out
     assert "nothing saved (--no-save)" in out and "drafter saved" not in out
+
+
+class _Stops:
+    """A stand-in Trainer whose construction or training raises ``error``."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __call__(self, config):
+        if isinstance(self.error, KeyboardInterrupt):
+            raise self.error  # during construction: regeneration runs there
+        return self
+
+    def train(self):
+        raise self.error
+
+
+def test_a_stopped_regeneration_exits_with_its_signal_and_no_resume_advice(tmp_path, caplog, monkeypatch):
+    import signal
+
+    from dflash.regenerate import RegenerationStopped
+
+    monkeypatch.setattr("dflash.trainer.Trainer", _Stops(RegenerationStopped(signal.SIGTERM)))
+    assert main(["train", "--out", str(tmp_path / "run"), "--no-progress"]) == 128 + signal.SIGTERM
+    assert "nothing to --resume" not in caplog.text  # the regeneration said what it kept
+
+
+def test_a_stop_under_no_save_says_nothing_was_saved(tmp_path, caplog, monkeypatch):
+    import signal
+
+    from dflash.trainer import TrainingStopped
+
+    monkeypatch.setattr("dflash.trainer.Trainer", _Stops(TrainingStopped(signal.SIGTERM, 5)))
+    assert main(["train", "--out", str(tmp_path / "run"), "--no-save", "--no-progress"]) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM after step 5; nothing was saved (--no-save)" in caplog.text
+    assert "checkpoint" not in caplog.text
+
+
+def test_resume_of_a_run_stopped_while_regenerating_says_to_start_it_again(tmp_path, caplog):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "regenerated_train.jsonl.shard0-of-1.partial").write_text('{"key": {}}\n')
+    assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 2
+    assert "no checkpoint yet, only the replies regenerated before the run stopped" in caplog.text
+    assert "start the same run again without --resume" in caplog.text
