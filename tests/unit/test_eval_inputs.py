@@ -86,8 +86,8 @@ def test_no_usable_prompt_is_one_line_naming_why_and_the_fix(tokenizer, tmp_path
     assert str(raised.value) == (
         f"{data}: no usable prompt: 2 prompts are longer than 32 tokens (the target's max_position_embeddings "
         "64 minus --max-new-tokens 32) and 1 conversations have no user turn before an assistant turn (or one "
-        "the chat template rejects); lower --max-new-tokens, or pass --data with shorter conversations and conversations that have a user "
-        "turn before an assistant turn"
+        "the chat template rejects); lower --max-new-tokens, or pass --data with shorter conversations and "
+        "conversations that have a user turn before an assistant turn"
     )
     with pytest.raises(ValueError, match=r"--max-new-tokens 64 leaves no room .* context of 64 tokens.*below 64"):
         load_prompts(tokenizer, data, num_prompts=5, context=64, max_new_tokens=64)
