@@ -25,7 +25,7 @@ def validate_inputs(config: TrainConfig) -> None:
     """Check every argument and input of ``config`` that can be checked without loading a model.
 
     - ``--out``: a directory (or creatable), writable; without ``--resume`` it must not hold a run,
-      with it it must hold a checkpoint;
+      with it it must hold a checkpoint and the flags must be ones it can continue with;
     - ``--data`` (or the embedded corpus): a readable file whose first records parse;
     - ``--target`` (or the embedded target): a directory with ``config.json`` and tokenizer files;
       the layers to tap (``--num-target-layers``/``--target-layer-ids``), ``--mask-token-id`` and
@@ -40,6 +40,8 @@ def validate_inputs(config: TrainConfig) -> None:
     from dflash.data import read_conversations
 
     check_out_dir(Path(config.out), resume=config.resume)
+    if config.resume:
+        check_resume_flags(config)
     read_conversations(
         Path(config.data) if config.data else default_data_dir() / "train.jsonl",
         max_records=HEAD_RECORDS,
@@ -47,6 +49,21 @@ def validate_inputs(config: TrainConfig) -> None:
     )
     check_target_fits(Path(config.target) if config.target else default_target_dir(), config)
     check_devices(config)
+
+
+def check_resume_flags(config: TrainConfig) -> None:
+    """The flags of a resumed run are ones its checkpoints can continue with (compared with the
+    run's ``train_config.json``; the trainer compares again with the checkpoint it loads).
+
+    Raises:
+        CheckpointError: a flag that changes the math differs (names each, old -> new).
+    """
+    from dflash.config import read_saved_config
+    from dflash.trainer import _check_resume_config
+
+    saved = read_saved_config(config.out)
+    if saved:
+        _check_resume_config(saved, config, Path(config.out), warn=False)
 
 
 def check_out_dir(out: Path, *, resume: bool) -> None:

@@ -684,7 +684,7 @@ _RESUMABLE_CHANGES = {
 }
 
 
-def _same_input(saved: str | None, current: str | None) -> bool:
+def _same_input(saved: str | None, current: str | None, *, warn: bool = True) -> bool:
     """Whether a saved --target/--data names the file or directory given now.
 
     Runs saved before input paths were made absolute hold them as typed, relative to where
@@ -696,14 +696,17 @@ def _same_input(saved: str | None, current: str | None) -> bool:
     if absolute_path(saved) == current:
         return True
     if not os.path.exists(saved):
-        logger.warning(
-            "the run was trained on %s, which does not exist here; taking %s as the same input", saved, current
-        )
+        if warn:
+            logger.warning(
+                "the run was trained on %s, which does not exist here; taking %s as the same input", saved, current
+            )
         return True
     return os.path.exists(current) and os.path.samefile(saved, current)
 
 
-def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> None:
+def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path, *, warn: bool = True) -> None:
+    """Raise CheckpointError when a flag that changes the math differs from ``saved``; with
+    ``warn``, log the tolerated differences (a moved input, another length)."""
     # A key the saved run lacks is a field added since; it ran with that field's default.
     saved = {**TrainConfig.defaults(), **saved}
     changed = sorted(
@@ -711,7 +714,7 @@ def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> N
         for k, v in current.to_dict().items()
         if k not in _RESUMABLE_CHANGES and k not in INPUT_PATHS and saved.get(k) != v
     )
-    changed += [k for k in INPUT_PATHS if not _same_input(saved.get(k), getattr(current, k))]
+    changed += [k for k in INPUT_PATHS if not _same_input(saved.get(k), getattr(current, k), warn=warn)]
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(current, k)!r}" for k in changed)
         raise checkpoint.CheckpointError(
@@ -719,7 +722,7 @@ def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path) -> N
             "(train_config.json in --out holds them; flags you do not repeat are taken from it) "
             "or train into a new --out"
         )
-    if (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):
+    if warn and (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):
         logger.warning(
             "%s: resuming with a different length (steps %s -> %s, epochs %s -> %s): the learning-rate "
             "schedule is recomputed for the new length, so the continuation is not the run it would have "

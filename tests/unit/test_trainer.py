@@ -457,3 +457,20 @@ def test_resume_of_a_run_stopped_while_regenerating_says_to_start_it_again(tmp_p
     assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 2
     assert "no checkpoint yet, only the replies regenerated before the run stopped" in caplog.text
     assert "start the same run again without --resume" in caplog.text
+
+
+def test_resume_with_flags_that_change_the_math_is_refused_before_the_target_loads(
+    assets, tmp_path, caplog, monkeypatch
+):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    (run / "train_config.json").write_text(json.dumps(_config(assets, run, lr=3e-3).to_dict()))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    assert main(["train", "--resume", "--out", str(run), "--lr", "1e-3", "--no-progress"]) == 2
+    assert "different config (lr: 0.003 -> 0.001)" in caplog.text
