@@ -403,6 +403,8 @@ def build_examples(
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
     examples, too_long, unsupervised, short_cuts, rejected = [], 0, 0, 0, []
+    if len(conversations) >= _PROGRESS_CONVERSATIONS and not progress:  # minutes of silence otherwise
+        logger.info("%s: tokenizing %d conversations", source, len(conversations))
     bar = tqdm(
         conversations,
         desc=f"tokenizing {Path(source).name}",

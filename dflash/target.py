@@ -32,7 +32,6 @@ class TargetLoadError(ValueError):
 
 #: A target directory needs one of these for its tokenizer (fast: tokenizer.json; slow: the config
 #: naming its vocabulary files).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def read_target_config(path: str | Path) -> dict:
@@ -83,18 +82,32 @@ def context_length(path: str | Path) -> int:
 
 
 def require_tokenizer_files(path: str | Path) -> None:
-    """Check that the target directory holds its tokenizer, before anything loads it.
+    """Check that the target directory holds its tokenizer and chat template, before anything
+    loads it.
 
     Raises:
-        TargetLoadError: neither file of ``TOKENIZER_FILES`` is there.
+        TargetLoadError: no ``tokenizer_config.json`` (its special tokens: eos, pad), no
+            vocabulary (``tokenizer.json``, or ``tokenizer.model``/``vocab.json`` for transformers
+            to convert), or no chat template (a ``chat_template`` key there, ``chat_template.jinja``
+            or ``chat_template.json``): the loss mask and prompts come from it. Names the file.
     """
     path = Path(path)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise TargetLoadError(
-            f"no tokenizer.json/tokenizer_config.json in {path}; the target directory needs the target's "
-            "tokenizer: save it there with tokenizer.save_pretrained(DIR), or copy those files from the "
-            "model's source"
-        )
+    fix = "copy it from the model's source, or save it with tokenizer.save_pretrained(DIR)"
+    config = path / "tokenizer_config.json"
+    if not config.is_file():
+        raise TargetLoadError(f"no tokenizer_config.json in {path} (the target's special tokens: eos, pad); {fix}")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise TargetLoadError(f"no tokenizer.json in {path} (the target's vocabulary); {fix}")
+    if not any((path / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        try:
+            has_template = "chat_template" in json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise TargetLoadError(f"{config}: cannot read ({e}); {fix}") from None
+        if not has_template:
+            raise TargetLoadError(
+                f"no chat template in {path} (no chat_template.jinja, and tokenizer_config.json has no "
+                f"chat_template): the loss mask and prompts are rendered with it; {fix}"
+            )
 
 
 def load_tokenizer(path: str | Path):

@@ -63,6 +63,43 @@ def _saved_config(out: str) -> dict:
     return {k: v for k, v in read_saved_config(out).items() if k not in ("out", "resume")}
 
 
+def _config_from_flags(values: dict):
+    """``TrainConfig.from_dict``, its errors naming flags (``--keep-last``) instead of fields.
+
+    Raises:
+        ValueError: a value the config rejects.
+    """
+    import re
+
+    from dflash.config import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    try:
+        return TrainConfig.from_dict(values)
+    except ValueError as e:
+        message = re.sub(
+            r"^[a-z_]+(?:/[a-z_]+)*",
+            lambda m: "/".join("--" + n.replace("_", "-") if n in fields else n for n in m.group().split("/")),
+            str(e),
+        )
+        raise ValueError(message) from None
+
+
+def _already_done(config) -> bool:
+    """Whether the run to resume already has its ``--steps`` (said once, before anything loads)."""
+    from dflash.checkpoint import find_checkpoint
+
+    step = int(find_checkpoint(config.out, verify=False).name.removeprefix("step_"))
+    if config.steps is None or step < config.steps:
+        return False
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(
+            f"nothing to train: {config.out} is already at step {step} of {config.steps} "
+            "(pass a larger --steps to continue)"
+        )
+    return True
+
+
 def _resumed_values(given: dict) -> dict:
     """The flags of a resumed run: those given now over the saved ones (not the defaults)."""
     from dflash.config import TrainConfig
@@ -142,10 +179,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if values.get("resume"):
             values = _resumed_values(values)
-        config = TrainConfig.from_dict(values)
+        config = _config_from_flags(values)
         from dflash.preflight import validate_inputs
 
         validate_inputs(config)  # before torch-heavy imports: every argument and input file
+        if config.resume and _already_done(config):
+            return 0
         from dflash.trainer import Trainer, TrainingStopped
 
         try:

@@ -80,7 +80,7 @@ def _cases(inputs, tmp_path):
         (dict(grad_clip=float("nan")), ValueError, "grad_clip must be a finite number"),
         (dict(data=str(bad_json)), DatasetError, r"bad\.jsonl:3: malformed JSON"),
         (dict(data=str(tmp_path / "none.jsonl")), DatasetError, "no such data file; pass --data"),
-        (dict(target=str(no_tokenizer)), TargetLoadError, f"no tokenizer.json/tokenizer_config.json in {no_tokenizer}"),
+        (dict(target=str(no_tokenizer)), TargetLoadError, f"no tokenizer_config.json in {no_tokenizer}"),
         (dict(target=str(tmp_path / "none")), TargetLoadError, "no such directory; pass --target"),
         (dict(num_target_layers=3), ValueError, "--num-target-layers 3: .* pass --num-target-layers 2, or .* 0,2,3"),
         (dict(target_layer_ids=[1, 7]), ValueError, r"--target-layer-ids 1,7: each id must be in \[0, 5\)"),
@@ -129,8 +129,20 @@ def test_load_tokenizer_names_missing_tokenizer_files(inputs, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    with pytest.raises(TargetLoadError, match=f"no tokenizer.json/tokenizer_config.json in {bare}; .*save_pretrained"):
+    with pytest.raises(TargetLoadError, match=f"no tokenizer_config.json in {bare} .*eos, pad.*save_pretrained"):
         load_tokenizer(bare)
+    partial = tmp_path / "partial"
+    shutil.copytree(inputs["target"], partial)
+    (partial / "tokenizer.json").unlink()
+    with pytest.raises(TargetLoadError, match=f"no tokenizer.json in {partial} \\(the target's vocabulary\\)"):
+        load_tokenizer(partial)
+    shutil.copy(inputs["target"] / "tokenizer.json", partial)
+    (partial / "chat_template.jinja").unlink()
+    config = json.loads((partial / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (partial / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetLoadError, match=f"no chat template in {partial} .*loss mask and prompts"):
+        load_tokenizer(partial)
 
 
 def test_a_four_layer_target_names_the_flags_and_values_that_work(tmp_path):

@@ -474,3 +474,22 @@ def test_resume_with_flags_that_change_the_math_is_refused_before_the_target_loa
     monkeypatch.setattr("dflash.trainer.load_target", no_target)
     assert main(["train", "--resume", "--out", str(run), "--lr", "1e-3", "--no-progress"]) == 2
     assert "different config (lr: 0.003 -> 0.001)" in caplog.text
+
+
+def test_config_errors_name_flags_not_fields(tmp_path, caplog):
+    assert main(["train", "--keep-last", "0", "--out", str(tmp_path / "a")]) == 2
+    assert "--keep-last must be >= 1, got 0" in caplog.text
+    assert main(["train", "--drafter-devices", "cpu", "--out", str(tmp_path / "b")]) == 2
+    assert "--target-devices/--drafter-devices: give both" in caplog.text
+
+
+def test_resuming_a_finished_run_says_so_before_anything_loads(assets, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000003" / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000003\n")
+    (run / "train_config.json").write_text(json.dumps(_config(assets, run, steps=3).to_dict()))
+    monkeypatch.setattr("dflash.trainer.Trainer", _Stops(AssertionError("the trainer was built")))
+    assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 0
+    assert f"nothing to train: {run} is already at step 3 of 3" in capsys.readouterr().out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000003"]  # nothing written
