@@ -259,10 +259,37 @@ def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
             raise DatasetError(
                 f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(_ROLE_ALIASES)}"
             )
-        if not isinstance(content, str):
-            raise DatasetError(f"{where}: message {i} '{text_key}' must be a string, got {type(content).__name__}")
-        parsed.append({"role": _ROLE_ALIASES[role], "content": content})
+        parsed.append({"role": _ROLE_ALIASES[role], "content": _text(content, f"{where}: message {i} '{text_key}'")})
     return parsed
+
+
+def _text(content, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of content parts with only text parts
+    (``{"type": "text", "text": ...}``), joined.
+
+    Raises:
+        DatasetError: no text (null: e.g. an assistant turn of tool calls only), a part that is not
+            text (an image), or another type.
+    """
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None for part in content
+        ]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+        kinds = sorted({str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in content})
+        raise DatasetError(
+            f"{where}: content parts of types {kinds}; only text parts ({{'type': 'text', 'text': ...}}) can be "
+            "trained on: drop the conversations with other parts"
+        )
+    if content is None:
+        raise DatasetError(
+            f"{where} is null (an assistant turn of tool calls only?); the drafter trains on text turns: drop "
+            "those conversations or put the calls' text in the content"
+        )
+    raise DatasetError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def prompt_messages(conversation: Sequence[dict[str, str]]) -> list[dict[str, str]] | None:

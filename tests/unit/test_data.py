@@ -59,7 +59,18 @@ def test_reads_openai_and_sharegpt_alike(tmp_path):
             b'{"conversations": [{"from": "robot", "value": "x"}]}\n',
             r"bad\.jsonl:1: message 0 has unknown role 'robot'",
         ),
-        (b'{"messages": [{"role": "user", "content": 3}]}\n', r"'content' must be a string, got int"),
+        (
+            b'{"messages": [{"role": "user", "content": 3}]}\n',
+            r"'content' must be a string or a list of text parts, got int",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]}\n',
+            r"bad\.jsonl:1: message 1 'content' is null \(an assistant turn of tool calls only\?\)",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "x"}]}]}\n',
+            r"message 0 'content': content parts of types \['image_url', 'text'\]; only text parts",
+        ),
         (b"[1, 2]\n", r"bad\.jsonl:1: expected a JSON object, got list"),
         (
             b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "\xff\xfe"}\n',
@@ -203,3 +214,10 @@ def test_a_conversation_that_opens_with_an_assistant_turn_is_trained_on(tokenize
     supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
     assert "hello there" in supervised and CONVERSATIONS[0][1]["content"] in supervised
     assert CONVERSATIONS[0][0]["content"] not in supervised
+
+
+def test_openai_text_parts_are_joined(tmp_path):
+    parts = [{"type": "text", "text": "what is "}, {"type": "text", "text": "two plus two?"}]
+    record = {"messages": [{"role": "user", "content": parts}, CONVERSATIONS[0][1]]}
+    path = write_jsonl(tmp_path / "parts.jsonl", [record])
+    assert read_conversations(path, progress=False) == [CONVERSATIONS[0]]
