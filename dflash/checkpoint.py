@@ -230,6 +230,8 @@ def save_checkpoint(
     atomic_write_bytes(root / LATEST_NAME, (name + "\n").encode())
     _prune(root, keep_last)
     logger.info("saved checkpoint %s", final)
+    for path in sorted(final.iterdir()):
+        logger.debug("  %s: %d bytes", path.name, path.stat().st_size)
     return final
 
 

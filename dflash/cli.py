@@ -29,11 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # -v: this package's debug lines only (the libraries' would bury them: file locks, HTTP, ...).
+    logging.getLogger("dflash").setLevel(logging.DEBUG if args.verbose else logging.NOTSET)
     try:
         with log_above_progress_bars():
             return int(args.func(args) or 0)

@@ -447,6 +447,7 @@ def build_examples(
             example = tokenize_conversation(tokenizer, kept, max_chars=char_budget(seq_len) if cut else None)
         except TemplateRejected as e:
             rejected.append(f"conversation {index}: {e}")
+            logger.debug("%s: conversation %d skipped: %s", source, index, e)
             continue
         except DatasetError as e:
             raise DatasetError(f"{source}: conversation {index}: {e}") from None
@@ -459,6 +460,7 @@ def build_examples(
             example = Example(example.input_ids[:seq_len], example.loss_mask[:seq_len])
         if not _has_anchor(example.loss_mask):
             unsupervised += 1
+            logger.debug("%s: conversation %d skipped: no two consecutive assistant tokens", source, index)
             continue
         examples.append(example)
     logger.info(

@@ -320,9 +320,16 @@ def regenerated_corpus(
     """
     key_path = cache.with_name(cache.name + ".key.json")
     todo = broadcast_from_main(_todo(cache, key_path, key, resume, len(conversations)) if rank == 0 else None)
+    logger.debug("regeneration key: %s", json.dumps(key, sort_keys=True))
     if todo is None:
         logger.info("training on the replies regenerated earlier in %s", cache)
         return read_conversations(cache, progress=progress)
+    logger.debug(
+        "%d of %d conversations left to regenerate, in %d shares",
+        len(todo),
+        len(conversations),
+        world_size * len(targets),
+    )
     shards = world_size * len(targets)
     first = rank * len(targets)
     with _sigterm_interrupts():

@@ -160,6 +160,7 @@ def run_lock(out: str | os.PathLike) -> Iterator[Path]:
         RunLockError: see :func:`acquire`.
     """
     fd, path = acquire(out)
+    logger.debug("holding the run lock %s", path)
     try:
         yield path
     finally:

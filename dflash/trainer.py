@@ -173,6 +173,7 @@ class Trainer:
         from dflash.assets import default_target_dir
 
         self.config = config
+        logger.debug("config: %s", json.dumps(config.to_dict(), sort_keys=True))
         self.out = Path(config.out)
         validate_inputs(config)  # before anything slow: arguments, files, devices
         self.process = ProcessInfo.from_env()

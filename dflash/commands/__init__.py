@@ -12,7 +12,13 @@ import math
 # Options every (sub)command takes, so `dflash train -v` works as well as `dflash -v train`.
 # SUPPRESS: a subcommand that is not given -v leaves the value the main parser set.
 COMMON = argparse.ArgumentParser(add_help=False)
-COMMON.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at DEBUG level")
+COMMON.add_argument(
+    "-v",
+    "--verbose",
+    action="store_true",
+    default=argparse.SUPPRESS,
+    help="log dflash's DEBUG lines (config, data skips, regeneration, lock, checkpoint files)",
+)
 
 
 def positive(kind):

@@ -25,3 +25,17 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"dflash {__version__}"
+
+
+def test_verbose_turns_on_dflash_debug_lines(tmp_path):
+    import logging
+
+    from dflash.cli import main
+
+    try:
+        main(["train", "-v", "--resume", "--out", str(tmp_path / "none")])
+        assert logging.getLogger("dflash").getEffectiveLevel() == logging.DEBUG
+        main(["train", "--resume", "--out", str(tmp_path / "none")])
+        assert logging.getLogger("dflash").level == logging.NOTSET
+    finally:
+        logging.getLogger("dflash").setLevel(logging.NOTSET)
