@@ -49,8 +49,13 @@ def _cache_text(cache: dict) -> str:
     if cache["corrupt"]:
         count = len(cache["corrupt"])
         lines.append(
-            f"  {count} {'entry does' if count == 1 else 'entries do'} not verify (corrupt, or written by an "
-            f"older dflash): never used, recomputed when needed; `rm -r {cache['directory']}` clears them"
+            f"  {count} {'entry does' if count == 1 else 'entries do'} not verify (corrupt): never used, "
+            "recomputed and rewritten when needed"
+        )
+    if cache.get("stale"):
+        lines.append(
+            f"  {len(cache['stale'])} entries of another dflash version (harmless: not read by this one, "
+            "removed when the cache passes its size limit)"
         )
     return "\n".join(lines)
 

@@ -201,8 +201,9 @@ def describe() -> dict:
     Returns:
         dict: ``directory`` (str), ``state`` (``ok``, ``absent`` or ``unusable``), ``detail``
         (what that means and the fix, if any), ``entries`` (int), ``corrupt`` (entry names that
-        do not verify now; each is recomputed on its next use) and ``faults`` (entries this
-        process found unusable: name -> ``{"why", "rewritten"}``).
+        do not verify now; each is recomputed on its next use), ``stale`` (entries without this
+        version's header, e.g. another dflash version's: never read, removed by the size limit) and
+        ``faults`` (entries this process found unusable: name -> ``{"why", "rewritten"}``).
     """
     directory = cache_dir()
     report = {
@@ -224,9 +225,18 @@ def describe() -> dict:
             "detail": f"{error!r}; every `import torch` recomputes the patches (~120 ms more). "
             f"Make it a writable directory, or set {CACHE_ENV} to one",
         }
+    report["stale"] = []
     for name in names:
         try:
-            _unframe((directory / name).read_bytes())
-        except (OSError, ValueError):
+            data = (directory / name).read_bytes()
+        except OSError:
+            report["corrupt"].append(name)
+            continue
+        if not data.startswith(_FORMAT):
+            report["stale"].append(name)  # another dflash version's layout: its keys never match ours
+            continue
+        try:
+            _unframe(data)
+        except ValueError:
             report["corrupt"].append(name)
     return {**report, "state": "ok", "entries": len(names), "detail": ""}

@@ -138,9 +138,10 @@ def test_a_write_past_the_size_limit_removes_the_oldest_entries(cache_dir, monke
 def test_describe_names_the_directory_its_state_and_bad_entries(cache_dir, tmp_path, monkeypatch):
     assert cache.describe()["state"] == "absent" and cache.describe()["directory"] == str(cache_dir)
     cache.write("good", b"x")
-    (cache_dir / "bad").write_bytes(b"junk")
+    (cache_dir / "bad").write_bytes(cache._FORMAT + b"\0\0\0\0" + b"rotten payload")  # digest mismatch
+    (cache_dir / "older").write_bytes(b"junk")  # no header: another version's layout, or not an entry
     report = cache.describe()
-    assert (report["state"], report["entries"], report["corrupt"]) == ("ok", 2, ["bad"])
+    assert (report["state"], report["entries"], report["corrupt"], report["stale"]) == ("ok", 3, ["bad"], ["older"])
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     monkeypatch.setenv(cache.CACHE_ENV, str(not_a_dir))
