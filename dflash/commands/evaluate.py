@@ -129,9 +129,15 @@ def _evaluate(args: argparse.Namespace):
     import torch
 
     from dflash.assets import default_target_dir
+    from dflash.checkpoint import CheckpointError
     from dflash.evaluate import evaluate, load_drafter, load_prompts
     from dflash.target import context_length, load_target, load_tokenizer, resolve_device
 
+    if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
+        raise CheckpointError(
+            f"{args.drafter}: no checkpoint here (no such directory); pass a run directory (--out of dflash "
+            "train), a step_N directory or a drafter directory (config.json + model.safetensors)"
+        )
     device = resolve_device(args.device)
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)

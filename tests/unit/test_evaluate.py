@@ -184,3 +184,14 @@ def test_eval_defaults_to_the_target_the_run_was_trained_against(tmp_path):
     (tmp_path / "run" / "train_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="train_config.json: not valid JSON"):
         _trained_target(step_dir)
+
+
+def test_a_missing_drafter_is_named_before_the_held_out_data_is_read(tmp_path, caplog, monkeypatch):
+    from dflash.cli import main
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the held-out data was read")
+
+    monkeypatch.setattr("dflash.evaluate.load_prompts", unread)
+    assert main(["eval", "--drafter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
+    assert "nope: no checkpoint here (no such directory)" in caplog.text
