@@ -14,8 +14,10 @@ dependency.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +43,12 @@ def _run(patched: bool, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.skipif(
+requires_error_on_graph_break = pytest.mark.skipif(
     not hasattr(torch._dynamo, "error_on_graph_break"), reason="torch._dynamo.error_on_graph_break exists from 2.9"
 )
+
+
+@requires_error_on_graph_break
 def test_a_shared_instance_restores_each_threads_own_value(tmp_path):
     plain = _run(False, tmp_path)
     # Plain torch keeps one process-wide value: A's exit puts back the False B saved over its True.
@@ -54,3 +59,16 @@ def test_a_shared_instance_restores_each_threads_own_value(tmp_path):
     assert patched.returncode == 0, (
         f"with the series, a thread's exit restored another's value:\n{patched.stderr[-3000:]}"
     )
+
+
+@requires_error_on_graph_break
+def test_an_instance_still_copies_and_pickles():
+    # The per-thread record (a threading.local) cannot be pickled: a copy starts outside every region.
+    from torch._dynamo.utils import _get_error_on_graph_break
+
+    region = torch._dynamo.error_on_graph_break(True)
+    for copied in (copy.deepcopy(region), pickle.loads(pickle.dumps(region))):
+        assert type(copied) is type(region) and copied.error_on_graph_break is True
+        with copied:
+            assert _get_error_on_graph_break() is True
+        assert _get_error_on_graph_break() is False
