@@ -275,27 +275,31 @@ def _check_g(tally: Tally, seconds: float) -> None:
     x = torch.randn(8)
     expected = sin_plus_one(x)
 
+    def hold_error_on_graph_break() -> None:
+        with torch._dynamo.error_on_graph_break(True):
+            time.sleep(0.002)  # holds the region open while the other thread compiles
+
+    def compile_with_graph_break() -> str | None:
+        # Default error_on_graph_break is False: a graph break must split the graph, not raise.
+        fn = torch.compile(fresh_function(sin_with_graph_break, next(counter)), backend="eager")
+        return None if torch.allclose(fn(x), expected) else "compiled function returned a wrong value"
+
+    compile_with_graph_break()
+    hold_error_on_graph_break()
+    race(tally, seconds / 2, hold_error_on_graph_break, compile_with_graph_break)
+
     # One instance entered from both threads, as a decorated function's is: each thread's exit
     # must put back that thread's own value, not the one the other thread entered with.
     allow_graph_breaks = torch._dynamo.error_on_graph_break(False)
 
-    def hold_error_on_graph_break() -> None:
+    def enter_it_from_a_region() -> None:
         with torch._dynamo.error_on_graph_break(True):
-            time.sleep(0.002)  # holds the region open while the other thread compiles
             allow_graph_breaks(time.sleep)(0.002)
 
-    def compile_once() -> str | None:
-        fn = torch.compile(fresh_function(sin_with_graph_break, next(counter)), backend="eager")
-        return None if torch.allclose(fn(x), expected) else "compiled function returned a wrong value"
+    def compile_in_it_and_after() -> str | None:
+        return allow_graph_breaks(compile_with_graph_break)() or compile_with_graph_break()
 
-    def compile_with_graph_break() -> str | None:
-        # Default error_on_graph_break is False: a graph break must split the graph, not raise,
-        # inside the shared instance and after leaving it.
-        return allow_graph_breaks(compile_once)() or compile_once()
-
-    compile_with_graph_break()
-    hold_error_on_graph_break()
-    race(tally, seconds, hold_error_on_graph_break, compile_with_graph_break)
+    race(tally, seconds / 2, enter_it_from_a_region, compile_in_it_and_after)
 
 
 def _check_h(tally: Tally, seconds: float) -> None:
