@@ -289,7 +289,7 @@ def test_trees_with_per_thread_eval_frame_settings_get_only_the_per_thread_error
     make_kit(tree, tmp_path / "kit", run=False)
     patch, pr = _compile_wrapper_commit(tmp_path / "kit")
     changed = re.findall(r"^diff --git a/(\S+)", patch, flags=re.M)
-    assert changed == ["test/dynamo/test_compile.py", "torch/_dynamo/utils.py"], changed
+    assert changed == ["test/dynamo/test_compile.py", "torch/_dynamo/decorators.py", "torch/_dynamo/utils.py"], changed
     assert re.search(r"\nSubject: \[PATCH (\d)/\1\] \[dynamo\] Make error_on_graph_break thread-local\n", patch)
     assert "_SharedEvalFrameSettings" not in patch and "EvalFrameSettingsThreadTests" not in patch
     assert "+class CompileWrapperThreadTests(" in patch and "time.sleep" not in patch

@@ -270,7 +270,9 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "eval-frame settings kept in C globals (`skip_guard_eval_unsafe`, the isolate-recompiles id). "
             "From several threads these saves and restores interleave: an `error_on_graph_break` region in "
             "one thread changes compiles in another, and a thread can restore a setting while another "
-            "still runs under it, or leave a stale value set."
+            "still runs under it, or leave a stale value set. `ErrorOnGraphBreakDecoratorContextManager` "
+            "keeps the values it saves on entry in the instance, which a decorated function shares with "
+            "every thread that calls it, so one thread's exit can restore another thread's value."
         ),
         tests=(
             TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),
@@ -301,11 +303,15 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "`torch._dynamo.error_on_graph_break(...)` and `compile_wrapper` set and restore the "
             "`error_on_graph_break` flag, a module global of `torch/_dynamo/utils.py`. A region entered in "
             "one thread makes graph breaks raise in other threads' compiles, and overlapping regions in two "
-            "threads restore each other's value."
+            "threads restore each other's value, also through one instance (a function decorated with "
+            "`error_on_graph_break(...)` enters its one instance from every thread that calls it)."
         ),
         how=(
             "The flag moves to a `threading.local`; `_get_error_on_graph_break()` and "
-            "`_set_error_on_graph_break()` keep their signatures and are its only readers and writers.",
+            "`_set_error_on_graph_break()` keep their signatures and are its only readers and writers. "
+            "`ErrorOnGraphBreakDecoratorContextManager` keeps the values it saves on entry per thread too "
+            "(`prev_error_on_graph_break` becomes a view of the calling thread's stack); a copy or pickle "
+            "of an instance starts with empty stacks.",
             "The eval-frame settings that `compile_wrapper` also saves and restores around each call "
             "(`skip_guard_eval_unsafe`, the isolate-recompiles id) are per-thread in C on this tree (set in "
             "one thread, another thread reads its own), so that save and restore is right as it is and this "

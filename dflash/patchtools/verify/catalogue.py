@@ -24,7 +24,8 @@ BUG_CLASSES: dict[str, str] = {
     "F": "a plain torch._dynamo.config assignment on one thread is invisible to worker threads "
     "(a raised recompile_limit is ignored there, which then fall back to eager)",
     "G": "torch._dynamo.error_on_graph_break(True) entered in one thread makes graph breaks "
-    "in another thread's compiles raise",
+    "in another thread's compiles raise; one error_on_graph_break(...) instance entered from two "
+    "threads (a decorated function) leaves a thread with the other thread's value",
     "H": "eager flex_attention (its _set_compilation_env saves and restores the FX tracing flag) "
     "in one thread races with FX traces in another",
 }

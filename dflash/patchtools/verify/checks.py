@@ -284,7 +284,20 @@ def _check_g(tally: Tally, seconds: float) -> None:
 
     compile_with_graph_break()
     hold_error_on_graph_break()
-    race(tally, seconds, hold_error_on_graph_break, compile_with_graph_break)
+    race(tally, seconds / 2, hold_error_on_graph_break, compile_with_graph_break)
+
+    # One instance entered from both threads, as a decorated function's is: each thread's exit
+    # must put back that thread's own value, not the one the other thread entered with.
+    allow_graph_breaks = torch._dynamo.error_on_graph_break(False)
+
+    def enter_it_from_a_region() -> None:
+        with torch._dynamo.error_on_graph_break(True):
+            allow_graph_breaks(time.sleep)(0.002)
+
+    def compile_in_it_and_after() -> str | None:
+        return allow_graph_breaks(compile_with_graph_break)() or compile_with_graph_break()
+
+    race(tally, seconds / 2, enter_it_from_a_region, compile_in_it_and_after)
 
 
 def _check_h(tally: Tally, seconds: float) -> None:

@@ -2,8 +2,9 @@
 """``torch._dynamo.error_on_graph_break`` applies to the calling thread only (#118260).
 
 ``torch._dynamo.error_on_graph_break(True)`` entered in one thread must not make
-graph breaks raise in another thread's compiles. The test holds the region open
-with events, so the interleaving is fixed.
+graph breaks raise in another thread's compiles, and one instance entered from
+two threads (a function decorated with it) must restore each thread's own value.
+The tests hold the regions open with events, so the interleaving is fixed.
 """
 
 import threading
@@ -42,6 +43,45 @@ class CompileWrapperThreadTests(torch._dynamo.test_case.TestCase):
             thread.join(TIMEOUT_S)
         self.assertFalse(thread.is_alive(), "the thread holding the region did not finish")
         self.assertEqual(out, sin_graph_break_plus_one(x))
+
+    def test_shared_error_on_graph_break_restores_each_threads_value(self):
+        # A decorated function enters its one instance from every thread that calls it.
+        from torch._dynamo.utils import _get_error_on_graph_break
+
+        allow_graph_breaks = torch._dynamo.error_on_graph_break(False)
+        a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+        seen = {}
+
+        @allow_graph_breaks
+        def a_region():
+            a_inside.set()
+            b_inside.wait(TIMEOUT_S)
+
+        @allow_graph_breaks
+        def b_region():
+            b_inside.set()
+            a_left.wait(TIMEOUT_S)
+
+        def a():
+            # A enters first and leaves first, while B is still inside.
+            a_region()
+            seen["a"] = _get_error_on_graph_break()
+            a_left.set()
+
+        def b():
+            a_inside.wait(TIMEOUT_S)
+            with torch._dynamo.error_on_graph_break(True):
+                b_region()
+                seen["b"] = _get_error_on_graph_break()
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (a, b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+            self.assertFalse(thread.is_alive(), "a thread entering the shared region did not finish")
+        # Each thread is back to the value it had when it entered: A's default, B's outer region's.
+        self.assertDictEqual(seen, {"a": False, "b": True})
 
 
 if __name__ == "__main__":
