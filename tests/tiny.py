@@ -1,5 +1,6 @@
 """Tiny stand-ins for the tests: a byte-level BPE tokenizer with a ChatML template and a
-mask token, random Qwen3 / Llama targets saved as HF directories, and a JSONL writer.
+mask token, random Qwen3 / Llama targets saved as HF directories, a JSONL writer, a tokenizer
+that records what it rendered, and a run-in-a-thread helper.
 
 Built in a temp dir in well under a second each; no network.
 """
@@ -7,6 +8,7 @@ Built in a temp dir in well under a second each; no network.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -219,3 +221,40 @@ def train_config(**values):
 
     paths = {k: str(values[k]) for k in ("target", "data", "out") if values.get(k) is not None}
     return TrainConfig(**{**TINY_TRAINING, **values, **paths})
+
+
+class RecordingTokenizer:
+    """A tokenizer, recording how many characters each call rendered or tokenized."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.rendered, self.tokenized = tokenizer, [], []
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.rendered.append(sum(len(m["content"]) for m in messages))
+        return self._tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, text, **kwargs):
+        self.tokenized.append(len(text))
+        return self._tokenizer(text, **kwargs)
+
+
+def in_thread(fn, timeout_s: float = 60):
+    """``fn()`` in a new thread; its exception is raised here."""
+    out, errors = [], []
+
+    def run():
+        try:
+            out.append(fn())
+        except Exception as e:  # re-raised below, not lost in the thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "the thread did not finish"
+    if errors:
+        raise errors[0]
+    return out[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from tiny import in_thread
 
 torch = pytest.importorskip("torch")
 
@@ -24,24 +25,6 @@ FLAGS = [
 ]
 
 
-def _read_in_thread(fn):
-    out, errors = [], []
-
-    def run():
-        try:
-            out.append(fn())
-        except Exception as e:  # re-raised below, not lost in the thread
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(TIMEOUT_S)
-    assert not thread.is_alive(), "the thread did not finish"
-    if errors:
-        raise errors[0]
-    return out[0]
-
-
 @pytest.mark.parametrize("name, reader", FLAGS)
 def test_an_old_style_writer_still_forces_the_answer_in_every_thread(name, reader):
     if not hasattr(torch.compiler, reader):
@@ -52,10 +35,10 @@ def test_an_old_style_writer_still_forces_the_answer_in_every_thread(name, reade
     setattr(torch.compiler, name, True)
     try:
         assert read() is True
-        assert _read_in_thread(read) is True
+        assert in_thread(read, TIMEOUT_S) is True
     finally:
         setattr(torch.compiler, name, old)
-    assert read() is False and _read_in_thread(read) is False
+    assert read() is False and in_thread(read, TIMEOUT_S) is False
 
 
 def test_an_export_in_another_thread_still_does_not_leak_into_an_eager_thread():

@@ -16,6 +16,7 @@ from unittest import mock
 
 import pytest
 import torch.utils._config_module as config_module
+from tiny import in_thread
 
 if not hasattr(config_module.ConfigModule, "_swap_patch_value"):
     pytest.skip("the dflash patch series is not applied to this torch", allow_module_level=True)
@@ -48,25 +49,6 @@ def config(tmp_path):
     spec.loader.exec_module(module)
     yield sys.modules[name]
     del sys.modules[name]
-
-
-def in_thread(fn):
-    """``fn()`` in a new thread; its exception is raised here."""
-    out, errors = [], []
-
-    def run():
-        try:
-            out.append(fn())
-        except Exception as e:  # re-raised below, not lost in the thread
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive(), "the thread did not finish"
-    if errors:
-        raise errors[0]
-    return out[0]
 
 
 def test_del_then_get_dict_reports_the_default(config):

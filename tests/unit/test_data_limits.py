@@ -6,7 +6,7 @@ import logging
 import time
 
 import pytest
-from tiny import CONVERSATIONS, make_tokenizer, write_jsonl
+from tiny import CONVERSATIONS, RecordingTokenizer, make_tokenizer, write_jsonl
 
 from dflash import data
 from dflash.data import DatasetError, build_examples, read_conversations, tokenize_conversation
@@ -15,24 +15,6 @@ from dflash.data import DatasetError, build_examples, read_conversations, tokeni
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-class _Recording:
-    """The tokenizer, recording how many characters each call rendered or tokenized."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer, self.rendered, self.tokenized = tokenizer, [], []
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-    def apply_chat_template(self, messages, **kwargs):
-        self.rendered.append(sum(len(m["content"]) for m in messages))
-        return self._tokenizer.apply_chat_template(messages, **kwargs)
-
-    def __call__(self, text, **kwargs):
-        self.tokenized.append(len(text))
-        return self._tokenizer(text, **kwargs)
 
 
 def _chat(reply: str, turns: int = 1):
@@ -70,7 +52,7 @@ def test_a_line_of_exactly_the_limit_is_read(tmp_path):
 
 def test_a_huge_conversation_is_rendered_and_tokenized_only_within_the_budget(tokenizer):
     seq_len = 32
-    recording = _Recording(tokenizer)
+    recording = RecordingTokenizer(tokenizer)
     huge = _chat("the cat sat on the mat " * 100_000, turns=3)  # 7 MB of content
     [example] = build_examples(recording, [huge], seq_len=seq_len, progress=False)
     assert len(example.input_ids) == seq_len
@@ -88,7 +70,7 @@ def test_a_cut_conversation_keeps_the_tokens_and_mask_of_the_full_one(tokenizer)
 
 
 def test_a_cut_conversation_is_dropped_without_tokenizing_it(tokenizer, caplog):
-    recording = _Recording(tokenizer)
+    recording = RecordingTokenizer(tokenizer)
     many_turns = _chat("two plus two is four.", turns=100)  # 200 messages, each at least one token
     huge = _chat("the sea and the sky " * 50_000)
     with caplog.at_level(logging.INFO, logger="dflash.data"):

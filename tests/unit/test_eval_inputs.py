@@ -7,7 +7,7 @@ import logging
 import time
 
 import pytest
-from tiny import CONVERSATIONS, make_target, make_tokenizer, save_random_drafter, write_jsonl
+from tiny import CONVERSATIONS, RecordingTokenizer, make_target, make_tokenizer, save_random_drafter, write_jsonl
 
 from dflash.data import DatasetError, char_budget
 from dflash.evaluate import load_prompts
@@ -24,24 +24,6 @@ NO_PROMPT = [{"role": "assistant", "content": "hello"}, {"role": "user", "conten
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-class _Recording:
-    """The tokenizer, recording how many characters each call rendered or tokenized."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer, self.rendered, self.tokenized = tokenizer, [], []
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-    def apply_chat_template(self, messages, **kwargs):
-        self.rendered.append(sum(len(m["content"]) for m in messages))
-        return self._tokenizer.apply_chat_template(messages, **kwargs)
-
-    def __call__(self, text, **kwargs):
-        self.tokenized.append(len(text))
-        return self._tokenizer(text, **kwargs)
 
 
 def _prompt_tokens(tokenizer, conversation) -> int:
@@ -71,7 +53,7 @@ def test_a_prompt_fits_when_its_length_plus_the_new_tokens_is_within_the_context
 def test_a_huge_prompt_is_skipped_without_rendering_or_tokenizing_it_whole(tokenizer, tmp_path):
     huge = _chat("word " * 2_000_000)  # the issue's 2M-word prompt
     data = write_jsonl(tmp_path / "heldout.jsonl", [{"messages": c} for c in (huge, CONVERSATIONS[0])])
-    recording = _Recording(tokenizer)
+    recording = RecordingTokenizer(tokenizer)
     start = time.perf_counter()
     held_out = load_prompts(recording, data, num_prompts=5, context=2048, max_new_tokens=64)
     assert time.perf_counter() - start < 10
