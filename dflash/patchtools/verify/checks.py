@@ -28,6 +28,7 @@ from dflash.patchtools.verify.workloads import (
     compile_new_functions_step,
     compiled_call,
     poll_session_flags_step,
+    sin_or_cos,
     sin_plus_one,
     sin_with_graph_break,
     symbolic_trace_step,
@@ -177,11 +178,26 @@ def _check_c(tally: Tally, seconds: float) -> None:
 
 
 def _check_d(tally: Tally, seconds: float) -> None:
+    from torch.fx._lazy_graph_module import _get_graph_module_cls
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(2, 4)
+
+    def eager_graph_module_step() -> str | None:
+        # The class every GraphModule made in this thread gets (symbolic_trace's included); probed
+        # directly, as a symbolic_trace here would make the other thread's compiled calls fail (B).
+        if _get_graph_module_cls() is not torch.fx.GraphModule:
+            return "graph modules made here are _LazyGraphModule (another thread's compile turned them on)"
+        return None
+
+    # First: on plain torch the races below can leave the FX tracing flag set, which fails every
+    # later compiled call (B) before it compiles.
+    compile_step = compile_new_functions_step("eager")
+    compile_step()
+    race(tally, seconds / 6, compile_step, eager_graph_module_step)
 
     trace = symbolic_trace_step(traced_net())
     eager = torch.nn.Linear(4, 4)
-    x = torch.randn(2, 4)
     with torch.no_grad():
         expected = eager(x)
 
@@ -200,8 +216,16 @@ def _check_d(tally: Tally, seconds: float) -> None:
         targets = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
         return None if len(targets) == 2 else f"make_fx traced {targets}, expected sin and add"
 
+    def make_fx_cond_step() -> str | None:
+        # torch.cond's branches are traced by re-entering the current make_fx tracer.
+        gm = make_fx(sin_or_cos, tracing_mode="fake")(x)
+        branches = sorted(name for name, _ in gm.named_children())
+        return None if branches == ["false_graph_0", "true_graph_0"] else f"make_fx of torch.cond gave {branches}"
+
     make_fx_step()
-    race(tally, seconds / 2, make_fx_step, make_fx_step)
+    make_fx_cond_step()
+    race(tally, seconds / 6, make_fx_step, make_fx_step)
+    race(tally, seconds / 6, make_fx_step, make_fx_cond_step)
 
 
 def _check_e(tally: Tally, seconds: float) -> None:
