@@ -9,7 +9,8 @@ marker, so the drafter learns to stop). The spans are found by rendering the con
 prefix up to each assistant turn (with and without the generation prompt) and matching it
 against the full rendering, then mapping characters to tokens through the tokenizer's offset
 mapping; templates that rewrite earlier turns (Qwen3 drops old reasoning) fall back to
-locating the turn's content text. ``{% generation %}`` markers are not needed.
+locating the turn's content text (its answer alone when the template drops the reasoning before
+``</think>``). ``{% generation %}`` markers are not needed.
 
 Length policy (``overflow``): ``"truncate"`` keeps the first ``seq_len`` tokens, ``"drop"``
 skips longer conversations. Conversations left with fewer than two supervised tokens (no
@@ -35,6 +36,7 @@ import codecs
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,11 @@ _ROLE_ALIASES = {
     "model": "assistant",
     "tool": "tool",
 }
+# Fields of public chat formats that change what the target sees (tool calls and schemas, reasoning) or
+# what is trained on (OpenAI's per-message weight 0), with the value that changes nothing; messages are
+# rendered from role and text alone.
+_UNRENDERED_RECORD_KEYS = ("tools", "functions")
+_UNRENDERED_MESSAGE_KEYS = {"tool_calls": None, "function_call": None, "reasoning_content": None, "weight": 1}
 OVERFLOW_POLICIES = ("truncate", "drop")
 #: Longest raw JSONL line read (bytes): 4M+ tokens, more than any --seq-len keeps.
 MAX_LINE_BYTES = 16 << 20
@@ -177,19 +184,22 @@ def read_conversations(
     Blank lines are skipped, and so is a UTF-8 byte order mark at the start of the file. Roles
     are normalised (``human`` -> ``user``, ``gpt`` -> ``assistant``, see ``_ROLE_ALIASES``). A
     file over 64 MiB shows a progress bar unless ``progress`` is off. ``max_records``: stop
-    after that many conversations (a quick check of the file's start).
+    after that many conversations (a quick check of the file's start). Records with fields that
+    are not rendered (tool calls and schemas, reasoning, OpenAI's ``weight: 0``) are counted in
+    one warning naming the first.
 
     Raises:
         DatasetError: missing or empty file, a line over ``max_line_bytes`` bytes (found
             without reading the rest of it), bytes that are not UTF-8, a line that is not a
-            JSON object, no ``messages``/``conversations`` list, a message without its role or
-            text key, a non-string content, or an unknown role. The message names the file and
-            the 1-based line number.
+            JSON object (a JSON array file: the message gives the conversion), no
+            ``messages``/``conversations`` list, a message without its role or text key, a
+            non-string content, or an unknown role. The message names the file and the 1-based
+            line number.
     """
     from tqdm import tqdm
 
     path = require_data_file(path)
-    conversations = []
+    conversations, unrendered = [], _UnrenderedFields()
     size = os.path.getsize(path)
     with (
         path.open("rb") as f,
@@ -220,6 +230,8 @@ def read_conversations(
                 ) from None
             if not line.strip():
                 continue
+            if not conversations and line.lstrip().startswith("["):
+                raise DatasetError(f"{where}: a JSON array, not JSONL (one JSON object per line); {_convert(path)}")
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -227,11 +239,56 @@ def read_conversations(
                     f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
                 ) from None
             conversations.append(_parse_record(record, where))
+            unrendered.note(record, where)
             if len(conversations) == max_records:
                 break
     if not conversations:
         raise DatasetError(f"{path}: file is empty; expected one JSON chat record per line")
+    if max_records is None:  # a quick check of the start is followed by the full read, which warns
+        unrendered.warn(path, len(conversations))
     return conversations
+
+
+def _convert(path: Path) -> str:
+    """How to turn the JSON array file ``path`` into JSONL, never writing over it."""
+    lines = path.with_suffix(".jsonl")
+    if lines == path:
+        lines = path.with_name(f"{path.stem}.lines.jsonl")
+    source, lines = shlex.quote(str(path)), shlex.quote(str(lines))
+    return f"convert it with `jq -c '.[]' {source} > {lines}` and pass --data {lines}"
+
+
+class _UnrenderedFields:
+    """The records of a file that carry fields the chat is rendered without, for one warning."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.count, self.first = 0, None
+
+    def note(self, record: dict, where: str) -> None:
+        names = {key for key in _UNRENDERED_RECORD_KEYS if record.get(key)}
+        for message in record.get("messages") or record.get("conversations"):
+            names |= {
+                key for key, inert in _UNRENDERED_MESSAGE_KEYS.items() if message.get(key, inert) not in (inert, [], "")
+            }
+        if names:
+            self.names |= names
+            self.count += 1
+            self.first = self.first or where
+
+    def warn(self, path: Path, total: int) -> None:
+        if self.count:
+            logger.warning(
+                "%s: %d of %d conversations carry fields that are not rendered (%s; first at %s): they are "
+                "rendered and trained on from role and text alone (tool calls and reasoning left out, weight-0 "
+                "turns trained on), unlike what the target sees when serving; drop those conversations, or "
+                "write the fields' text into the content",
+                path,
+                self.count,
+                total,
+                ", ".join(map(repr, sorted(self.names))),
+                self.first,
+            )
 
 
 def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
@@ -344,16 +401,27 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
         if i and text.startswith(before) and text.startswith(through) and len(through) > len(before):
             start, end = len(before), len(through)
         else:
-            start = text.find(message["content"], cursor)
+            start, end = _find_turn(text, message["content"], cursor)
             if start < 0:
                 raise DatasetError(
                     f"assistant turn {i} not found in the rendered chat template; the tokenizer's "
                     "template rewrites message content, so the loss mask cannot be derived"
                 )
-            end = start + len(message["content"])
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _find_turn(text: str, content: str, cursor: int) -> tuple[int, int]:
+    """``(start, end)`` of an assistant turn's content in ``text`` from ``cursor`` on; start -1 if absent.
+
+    Reasoning templates (Qwen3, QwQ, DeepSeek-R1) render an earlier turn without the reasoning that
+    ends at its ``</think>``: such a turn is found, and trained on, by its answer alone."""
+    start = text.find(content, cursor)
+    if start < 0 and "</think>" in content:
+        content = content.rsplit("</think>", 1)[1].strip()
+        start = text.find(content, cursor)
+    return start, start + len(content)
 
 
 def encode(tokenizer, text: str, **kwargs):

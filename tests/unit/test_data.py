@@ -71,7 +71,7 @@ def test_reads_openai_and_sharegpt_alike(tmp_path):
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "x"}]}]}\n',
             r"message 0 'content': content parts of types \['image_url', 'text'\]; only text parts",
         ),
-        (b"[1, 2]\n", r"bad\.jsonl:1: expected a JSON object, got list"),
+        (b"[1, 2]\n", r"bad\.jsonl:1: a JSON array, not JSONL"),
         (
             b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "\xff\xfe"}\n',
             r"bad\.jsonl:2: not valid UTF-8.*re-encode the file as UTF-8",
