@@ -568,6 +568,23 @@ def build_examples(
     return examples
 
 
+def check_token_ids(examples: Sequence[Example], *, vocab_size: int, source: str) -> None:
+    """Every token id of ``examples`` is a row of the target's embedding (``< vocab_size``).
+
+    Raises:
+        DatasetError: an id past it (a tokenizer with tokens the model was never resized for),
+            naming the largest id, how many examples hold such ids, and ``source``.
+    """
+    past = [max(example.input_ids) for example in examples if max(example.input_ids, default=0) >= vocab_size]
+    if past:
+        raise DatasetError(
+            f"{source}: token id {max(past)} is past the target's embedding of {vocab_size} rows "
+            f"(vocab_size in its config.json; {len(past)} of {len(examples)} tokenized conversations hold such "
+            "ids): the tokenizer in the target directory has tokens the model was not resized for; use the "
+            "tokenizer the model was trained with, or resize the model's embeddings"
+        )
+
+
 def _has_anchor(mask: Sequence[int]) -> bool:
     return any(a and b for a, b in zip(mask, mask[1:]))
 
