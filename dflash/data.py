@@ -57,6 +57,18 @@ _ROLE_ALIASES = {
     "model": "assistant",
     "tool": "tool",
 }
+# Leading bytes of the binary files chat corpora ship in, with the command that makes JSONL of them
+# ({path}, {out}: shell-quoted source and suggested output).
+_BINARY_FORMATS = {
+    b"\x1f\x8b": ("gzip-compressed", "gunzip -c {path} > {out}"),
+    b"\x28\xb5\x2f\xfd": ("zstd-compressed", "zstd -dc {path} > {out}"),
+    b"\xfd7zXZ\x00": ("xz-compressed", "xz -dc {path} > {out}"),
+    b"BZh": ("bzip2-compressed", "bzip2 -dc {path} > {out}"),
+    b"PAR1": (
+        "Parquet",
+        "python -c \"import datasets; datasets.Dataset.from_parquet('{path}').to_json('{out}')\"",
+    ),
+}
 # Fields of public chat formats that change what the target sees (tool calls and schemas, reasoning) or
 # what is trained on (OpenAI's per-message weight 0), with the value that changes nothing; messages are
 # rendered from role and text alone.
@@ -216,6 +228,7 @@ def read_conversations(
             bar.update(len(raw))
             if lineno == 1:  # Windows editors start UTF-8 files with a byte order mark
                 raw = raw.removeprefix(codecs.BOM_UTF8)
+                _refuse_binary(path, raw)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 raise DatasetError(
                     f"{where}: line longer than {max_line_bytes:,} bytes; one conversation this long "
@@ -249,12 +262,28 @@ def read_conversations(
     return conversations
 
 
+def _refuse_binary(path: Path, head: bytes) -> None:
+    """Raise DatasetError naming the format and the conversion when ``head`` starts a compressed or
+    Parquet file."""
+    for magic, (name, command) in _BINARY_FORMATS.items():
+        if head.startswith(magic):
+            out = shlex.quote(str(_jsonl_beside(path)))
+            command = command.format(path=shlex.quote(str(path)), out=out)
+            raise DatasetError(
+                f"{path}: a {name} file, not JSONL text; convert it with `{command}` and pass --data {out}"
+            )
+
+
+def _jsonl_beside(path: Path) -> Path:
+    """Where a conversion of ``path`` to JSONL can go: beside it, never over an existing file."""
+    stem = path.name.split(".")[0]
+    out = path.with_name(f"{stem}.jsonl")
+    return out if not out.exists() else path.with_name(f"{stem}.converted.jsonl")
+
+
 def _convert(path: Path) -> str:
-    """How to turn the JSON array file ``path`` into JSONL, never writing over it."""
-    lines = path.with_suffix(".jsonl")
-    if lines == path:
-        lines = path.with_name(f"{path.stem}.lines.jsonl")
-    source, lines = shlex.quote(str(path)), shlex.quote(str(lines))
+    """How to turn the JSON array file ``path`` into JSONL."""
+    source, lines = shlex.quote(str(path)), shlex.quote(str(_jsonl_beside(path)))
     return f"convert it with `jq -c '.[]' {source} > {lines}` and pass --data {lines}"
 
 

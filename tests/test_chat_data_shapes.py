@@ -116,7 +116,9 @@ def test_openai_weight_one_is_the_default_and_not_warned_about(tmp_path, caplog)
 def test_the_conversion_of_a_json_array_never_writes_over_the_file(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text('[{"messages": [{"role": "user", "content": "hi"}]}]\n')
-    with pytest.raises(DatasetError, match=r"chats\.jsonl > \S*chats\.lines\.jsonl` and pass --data \S*chats\.lines"):
+    with pytest.raises(
+        DatasetError, match=r"chats\.jsonl > \S*chats\.converted\.jsonl` and pass --data \S*chats\.conv"
+    ):
         read_conversations(path)
 
 
@@ -126,3 +128,35 @@ def test_a_quick_check_of_the_start_does_not_warn(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="dflash.data"):
         read_conversations(path, max_records=1)
     assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    "compress, match",
+    [
+        (
+            "gzip",
+            r"chats\.jsonl\.gz: a gzip-compressed file, not JSONL text; convert it with `gunzip -c \S+\.gz > ",
+        ),
+        ("bz2", r"a bzip2-compressed file.*`bzip2 -dc "),
+        ("lzma", r"a xz-compressed file.*`xz -dc "),
+    ],
+)
+def test_a_compressed_file_is_named_with_the_command_that_unpacks_it(tmp_path, compress, match):
+    import importlib
+
+    module = importlib.import_module(compress)
+    path = tmp_path / "chats.jsonl.gz"
+    path.write_bytes(module.compress(b'{"messages": [{"role": "user", "content": "hi"}]}\n'))
+    with pytest.raises(DatasetError, match=match) as raised:
+        read_conversations(path)
+    assert str(tmp_path / "chats.jsonl") in str(raised.value)
+    (tmp_path / "chats.jsonl").write_text("")  # an existing file is never written over
+    with pytest.raises(DatasetError, match=r"chats\.converted\.jsonl` and pass --data \S+chats\.converted\.jsonl$"):
+        read_conversations(path)
+
+
+def test_a_parquet_file_is_named_with_the_conversion(tmp_path):
+    path = tmp_path / "train-00000-of-00001.parquet"
+    path.write_bytes(b"PAR1\x15\x04\x15\x10")  # Parquet's leading magic, as the Hub stores datasets
+    with pytest.raises(DatasetError, match=r"a Parquet file, not JSONL text.*Dataset\.from_parquet"):
+        read_conversations(path)
