@@ -414,7 +414,7 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
     A turn starts where the rendering of the prefix with the generation prompt ends and
     stops where the rendering of the prefix including the turn ends (so the end-of-turn
     marker is included). When the template is not prefix-stable, the turn's content is
-    located by text search instead.
+    located by text search instead, from where the prefix ends when that renders as in ``text``.
 
     Raises:
         DatasetError: the template is not prefix-stable and the content cannot be found.
@@ -430,7 +430,10 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
         if i and text.startswith(before) and text.startswith(through) and len(through) > len(before):
             start, end = len(before), len(through)
         else:
-            start, end = _find_turn(text, message["content"], cursor)
+            # Where the prefix still renders as in the full text, the turn starts after it: a search
+            # from the last span would find the answer in a user turn that quotes it.
+            after = len(before) if before is not None and text.startswith(before) else cursor
+            start, end = _find_turn(text, message["content"], max(cursor, after))
             if start < 0:
                 raise DatasetError(
                     f"assistant turn {i} not found in the rendered chat template; the tokenizer's "

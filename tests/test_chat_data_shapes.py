@@ -160,3 +160,21 @@ def test_a_parquet_file_is_named_with_the_conversion(tmp_path):
     path.write_bytes(b"PAR1\x15\x04\x15\x10")  # Parquet's leading magic, as the Hub stores datasets
     with pytest.raises(DatasetError, match=r"a Parquet file, not JSONL text.*Dataset\.from_parquet"):
         read_conversations(path)
+
+
+def test_an_answer_the_user_just_quoted_is_found_in_the_assistant_turn_not_the_user_turn(tokenizer):
+    conversation = [
+        {"role": "user", "content": "just say the cat sat"},
+        {"role": "assistant", "content": "<think>\nok\n</think>\n\nthe cat sat"},
+        {"role": "user", "content": "and then?"},
+        {"role": "assistant", "content": "<think>\nthe dog\n</think>\n\nthe cat sat on the mat"},
+    ]
+    original, tokenizer.chat_template = tokenizer.chat_template, QWEN3_STYLE_THINK
+    try:
+        example = tokenize_conversation(tokenizer, conversation)
+    finally:
+        tokenizer.chat_template = original
+    supervised = [i for i, m in enumerate(example.loss_mask) if m]
+    user_turn = len(tokenizer("<|im_start|>user\njust say the cat sat<|im_end|>\n")["input_ids"])
+    assert min(supervised) > user_turn, "the user's words were marked as the assistant's"
+    assert _supervised(tokenizer, example).startswith("the cat sat<think>")
