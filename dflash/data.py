@@ -414,7 +414,8 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
     A turn starts where the rendering of the prefix with the generation prompt ends and
     stops where the rendering of the prefix including the turn ends (so the end-of-turn
     marker is included). When the template is not prefix-stable, the turn's content is
-    located by text search instead, from where the prefix ends when that renders as in ``text``.
+    located by text search instead, from where the prefix ends when that renders as in ``text``,
+    and followed by the end-of-turn marker that the prefix rendering puts after it.
 
     Raises:
         DatasetError: the template is not prefix-stable and the content cannot be found.
@@ -439,6 +440,7 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
                     f"assistant turn {i} not found in the rendered chat template; the tokenizer's "
                     "template rewrites message content, so the loss mask cannot be derived"
                 )
+            end += len(_end_of_turn(text, start, end, through))
         spans.append((start, end))
         cursor = end
     return text, spans
@@ -454,6 +456,17 @@ def _find_turn(text: str, content: str, cursor: int) -> tuple[int, int]:
         content = content.rsplit("</think>", 1)[1].strip()
         start = text.find(content, cursor)
     return start, start + len(content)
+
+
+def _end_of_turn(text: str, start: int, end: int, through: str | None) -> str:
+    """The end-of-turn marker that follows a turn found at ``text[start:end]``: what ``through`` (the
+    prefix rendered up to this turn) has after the turn's text, when ``text`` has it there too; else
+    "". Qwen3 renders a turn that is last differently (an empty think block), so prefix matching
+    fails for every earlier turn, but its ``<|im_end|>`` is the same: the drafter learns to stop."""
+    found = text[start:end]
+    at = through.rfind(found) if through and found else -1
+    marker = through[at + len(found) :] if at >= 0 else ""
+    return marker if marker and text.startswith(marker, end) else ""
 
 
 def encode(tokenizer, text: str, **kwargs):

@@ -44,9 +44,9 @@ def test_reasoning_dropped_from_earlier_turns_leaves_their_answer_supervised(tok
         example = tokenize_conversation(tokenizer, conversation)
     finally:
         tokenizer.chat_template = original
-    # The first turn is trained on what the target sees of it (the answer), the last in full.
+    # The first turn is trained on what the target sees of it (the answer and its end), the last in full.
     assert _supervised(tokenizer, example) == (
-        "two plus two is four.<think>\nthe dog\n</think>\n\nthe cat sat on the mat<|im_end|>\n"
+        "two plus two is four.<|im_end|>\n<think>\nthe dog\n</think>\n\nthe cat sat on the mat<|im_end|>\n"
     )
 
 
@@ -177,4 +177,30 @@ def test_an_answer_the_user_just_quoted_is_found_in_the_assistant_turn_not_the_u
     supervised = [i for i, m in enumerate(example.loss_mask) if m]
     user_turn = len(tokenizer("<|im_start|>user\njust say the cat sat<|im_end|>\n")["input_ids"])
     assert min(supervised) > user_turn, "the user's words were marked as the assistant's"
-    assert _supervised(tokenizer, example).startswith("the cat sat<think>")
+    assert _supervised(tokenizer, example).startswith("the cat sat<|im_end|>\n<think>")
+
+
+# Qwen3's own rule for the last assistant turn: an (empty) think block even without reasoning, so the
+# rendering of a prefix ending at an earlier turn differs from the full chat at that turn.
+QWEN3_EMPTY_THINK = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_earlier_turns_under_qwen3s_empty_think_block_keep_their_end_marker(tokenizer):
+    conversation = [
+        {"role": "user", "content": "tell me a story"},
+        {"role": "assistant", "content": "the fox sat on the mat"},
+        {"role": "user", "content": "and then?"},
+        {"role": "assistant", "content": "the cat sat"},
+    ]
+    original, tokenizer.chat_template = tokenizer.chat_template, QWEN3_EMPTY_THINK
+    try:
+        example = tokenize_conversation(tokenizer, conversation)
+    finally:
+        tokenizer.chat_template = original
+    assert _supervised(tokenizer, example) == (
+        "the fox sat on the mat<|im_end|>\n<think>\n\n</think>\n\nthe cat sat<|im_end|>\n"
+    )

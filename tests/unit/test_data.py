@@ -102,7 +102,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
 def test_loss_mask_falls_back_to_content_search_for_rewriting_templates(tokenizer):
     # Like Qwen3 (which drops the reasoning of earlier turns), this template renders an
     # assistant turn differently once it is no longer last, so prefix matching fails for the
-    # first turn; its content must still be found and masked (without the end marker).
+    # first turn; its content must still be found and masked, with the end marker after it.
     rewriting = tokenizer.chat_template.replace(
         "{{ m['content'] }}", "{% if loop.last and m['role'] == 'assistant' %}[think]{% endif %}{{ m['content'] }}"
     )
@@ -112,7 +112,9 @@ def test_loss_mask_falls_back_to_content_search_for_rewriting_templates(tokenize
     finally:
         tokenizer.chat_template = original
     supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
-    assert supervised == "the fox sat on the mat and looked at the dog[think]the cat sat on the mat<|im_end|>\n"
+    assert supervised == (
+        "the fox sat on the mat and looked at the dog<|im_end|>\n[think]the cat sat on the mat<|im_end|>\n"
+    )
 
 
 def test_length_policy_truncates_or_drops(tokenizer):
