@@ -9,7 +9,8 @@ marker, so the drafter learns to stop). The spans are found by rendering the con
 prefix up to each assistant turn (with and without the generation prompt) and matching it
 against the full rendering, then mapping characters to tokens through the tokenizer's offset
 mapping; templates that rewrite earlier turns (Qwen3 drops old reasoning) fall back to
-locating the turn's content text. ``{% generation %}`` markers are not needed.
+locating the turn's content text (its answer alone when the template drops the reasoning before
+``</think>``). ``{% generation %}`` markers are not needed.
 
 Length policy (``overflow``): ``"truncate"`` keeps the first ``seq_len`` tokens, ``"drop"``
 skips longer conversations. Conversations left with fewer than two supervised tokens (no
@@ -35,6 +36,7 @@ import codecs
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,23 @@ _ROLE_ALIASES = {
     "model": "assistant",
     "tool": "tool",
 }
+# Leading bytes of the binary files chat corpora ship in, with the command that makes JSONL of them
+# ({path}, {out}: shell-quoted source and suggested output).
+_BINARY_FORMATS = {
+    b"\x1f\x8b": ("gzip-compressed", "gunzip -c {path} > {out}"),
+    b"\x28\xb5\x2f\xfd": ("zstd-compressed", "zstd -dc {path} > {out}"),
+    b"\xfd7zXZ\x00": ("xz-compressed", "xz -dc {path} > {out}"),
+    b"BZh": ("bzip2-compressed", "bzip2 -dc {path} > {out}"),
+    b"PAR1": (
+        "Parquet",
+        "python -c \"import datasets; datasets.Dataset.from_parquet('{path}').to_json('{out}')\"",
+    ),
+}
+# Fields of public chat formats that change what the target sees (tool calls and schemas, reasoning) or
+# what is trained on (OpenAI's per-message weight 0), with the value that changes nothing; messages are
+# rendered from role and text alone.
+_UNRENDERED_RECORD_KEYS = ("tools", "functions")
+_UNRENDERED_MESSAGE_KEYS = {"tool_calls": None, "function_call": None, "reasoning_content": None, "weight": 1}
 OVERFLOW_POLICIES = ("truncate", "drop")
 #: Longest raw JSONL line read (bytes): 4M+ tokens, more than any --seq-len keeps.
 MAX_LINE_BYTES = 16 << 20
@@ -177,19 +196,22 @@ def read_conversations(
     Blank lines are skipped, and so is a UTF-8 byte order mark at the start of the file. Roles
     are normalised (``human`` -> ``user``, ``gpt`` -> ``assistant``, see ``_ROLE_ALIASES``). A
     file over 64 MiB shows a progress bar unless ``progress`` is off. ``max_records``: stop
-    after that many conversations (a quick check of the file's start).
+    after that many conversations (a quick check of the file's start). Records with fields that
+    are not rendered (tool calls and schemas, reasoning, OpenAI's ``weight: 0``) are counted in
+    one warning naming the first.
 
     Raises:
         DatasetError: missing or empty file, a line over ``max_line_bytes`` bytes (found
             without reading the rest of it), bytes that are not UTF-8, a line that is not a
-            JSON object, no ``messages``/``conversations`` list, a message without its role or
-            text key, a non-string content, or an unknown role. The message names the file and
-            the 1-based line number.
+            JSON object (a JSON array file: the message gives the conversion), no
+            ``messages``/``conversations`` list, a message without its role or text key, a
+            non-string content, or an unknown role. The message names the file and the 1-based
+            line number.
     """
     from tqdm import tqdm
 
     path = require_data_file(path)
-    conversations = []
+    conversations, unrendered = [], _UnrenderedFields()
     size = os.path.getsize(path)
     with (
         path.open("rb") as f,
@@ -206,6 +228,7 @@ def read_conversations(
             bar.update(len(raw))
             if lineno == 1:  # Windows editors start UTF-8 files with a byte order mark
                 raw = raw.removeprefix(codecs.BOM_UTF8)
+                _refuse_binary(path, raw)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 raise DatasetError(
                     f"{where}: line longer than {max_line_bytes:,} bytes; one conversation this long "
@@ -220,6 +243,8 @@ def read_conversations(
                 ) from None
             if not line.strip():
                 continue
+            if not conversations and line.lstrip().startswith("["):
+                raise DatasetError(f"{where}: a JSON array, not JSONL (one JSON object per line); {_convert(path)}")
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -227,11 +252,72 @@ def read_conversations(
                     f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
                 ) from None
             conversations.append(_parse_record(record, where))
+            unrendered.note(record, where)
             if len(conversations) == max_records:
                 break
     if not conversations:
         raise DatasetError(f"{path}: file is empty; expected one JSON chat record per line")
+    if max_records is None:  # a quick check of the start is followed by the full read, which warns
+        unrendered.warn(path, len(conversations))
     return conversations
+
+
+def _refuse_binary(path: Path, head: bytes) -> None:
+    """Raise DatasetError naming the format and the conversion when ``head`` starts a compressed or
+    Parquet file."""
+    for magic, (name, command) in _BINARY_FORMATS.items():
+        if head.startswith(magic):
+            out = shlex.quote(str(_jsonl_beside(path)))
+            command = command.format(path=shlex.quote(str(path)), out=out)
+            raise DatasetError(
+                f"{path}: a {name} file, not JSONL text; convert it with `{command}` and pass --data {out}"
+            )
+
+
+def _jsonl_beside(path: Path) -> Path:
+    """Where a conversion of ``path`` to JSONL can go: beside it, never over an existing file."""
+    stem = path.name.split(".")[0]
+    out = path.with_name(f"{stem}.jsonl")
+    return out if not out.exists() else path.with_name(f"{stem}.converted.jsonl")
+
+
+def _convert(path: Path) -> str:
+    """How to turn the JSON array file ``path`` into JSONL."""
+    source, lines = shlex.quote(str(path)), shlex.quote(str(_jsonl_beside(path)))
+    return f"convert it with `jq -c '.[]' {source} > {lines}` and pass --data {lines}"
+
+
+class _UnrenderedFields:
+    """The records of a file that carry fields the chat is rendered without, for one warning."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.count, self.first = 0, None
+
+    def note(self, record: dict, where: str) -> None:
+        names = {key for key in _UNRENDERED_RECORD_KEYS if record.get(key)}
+        for message in record.get("messages") or record.get("conversations"):
+            names |= {
+                key for key, inert in _UNRENDERED_MESSAGE_KEYS.items() if message.get(key, inert) not in (inert, [], "")
+            }
+        if names:
+            self.names |= names
+            self.count += 1
+            self.first = self.first or where
+
+    def warn(self, path: Path, total: int) -> None:
+        if self.count:
+            logger.warning(
+                "%s: %d of %d conversations carry fields that are not rendered (%s; first at %s): they are "
+                "rendered and trained on from role and text alone (tool calls and reasoning left out, weight-0 "
+                "turns trained on), unlike what the target sees when serving; drop those conversations, or "
+                "write the fields' text into the content",
+                path,
+                self.count,
+                total,
+                ", ".join(map(repr, sorted(self.names))),
+                self.first,
+            )
 
 
 def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
@@ -328,7 +414,8 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
     A turn starts where the rendering of the prefix with the generation prompt ends and
     stops where the rendering of the prefix including the turn ends (so the end-of-turn
     marker is included). When the template is not prefix-stable, the turn's content is
-    located by text search instead.
+    located by text search instead, from where the prefix ends when that renders as in ``text``,
+    and followed by the end-of-turn marker that the prefix rendering puts after it.
 
     Raises:
         DatasetError: the template is not prefix-stable and the content cannot be found.
@@ -344,16 +431,42 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
         if i and text.startswith(before) and text.startswith(through) and len(through) > len(before):
             start, end = len(before), len(through)
         else:
-            start = text.find(message["content"], cursor)
+            # Where the prefix still renders as in the full text, the turn starts after it: a search
+            # from the last span would find the answer in a user turn that quotes it.
+            after = len(before) if before is not None and text.startswith(before) else cursor
+            start, end = _find_turn(text, message["content"], max(cursor, after))
             if start < 0:
                 raise DatasetError(
                     f"assistant turn {i} not found in the rendered chat template; the tokenizer's "
                     "template rewrites message content, so the loss mask cannot be derived"
                 )
-            end = start + len(message["content"])
+            end += len(_end_of_turn(text, start, end, through))
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _find_turn(text: str, content: str, cursor: int) -> tuple[int, int]:
+    """``(start, end)`` of an assistant turn's content in ``text`` from ``cursor`` on; start -1 if absent.
+
+    Reasoning templates (Qwen3, QwQ, DeepSeek-R1) render an earlier turn without the reasoning that
+    ends at its ``</think>``: such a turn is found, and trained on, by its answer alone."""
+    start = text.find(content, cursor)
+    if start < 0 and "</think>" in content:
+        content = content.rsplit("</think>", 1)[1].strip()
+        start = text.find(content, cursor)
+    return start, start + len(content)
+
+
+def _end_of_turn(text: str, start: int, end: int, through: str | None) -> str:
+    """The end-of-turn marker that follows a turn found at ``text[start:end]``: what ``through`` (the
+    prefix rendered up to this turn) has after the turn's text, when ``text`` has it there too; else
+    "". Qwen3 renders a turn that is last differently (an empty think block), so prefix matching
+    fails for every earlier turn, but its ``<|im_end|>`` is the same: the drafter learns to stop."""
+    found = text[start:end]
+    at = through.rfind(found) if through and found else -1
+    marker = through[at + len(found) :] if at >= 0 else ""
+    return marker if marker and text.startswith(marker, end) else ""
 
 
 def encode(tokenizer, text: str, **kwargs):
@@ -498,6 +611,23 @@ def build_examples(
             f"tokens within seq_len={seq_len}){reason}; raise --seq-len or check the roles"
         )
     return examples
+
+
+def check_token_ids(examples: Sequence[Example], *, vocab_size: int, source: str) -> None:
+    """Every token id of ``examples`` is a row of the target's embedding (``< vocab_size``).
+
+    Raises:
+        DatasetError: an id past it (a tokenizer with tokens the model was never resized for),
+            naming the largest id, how many examples hold such ids, and ``source``.
+    """
+    past = [max(example.input_ids) for example in examples if max(example.input_ids, default=0) >= vocab_size]
+    if past:
+        raise DatasetError(
+            f"{source}: token id {max(past)} is past the target's embedding of {vocab_size} rows "
+            f"(vocab_size in its config.json; {len(past)} of {len(examples)} tokenized conversations hold such "
+            "ids): the tokenizer in the target directory has tokens the model was not resized for; use the "
+            "tokenizer the model was trained with, or resize the model's embeddings"
+        )
 
 
 def _has_anchor(mask: Sequence[int]) -> bool:

@@ -26,6 +26,7 @@ def validate_inputs(config: TrainConfig) -> None:
 
     - ``--out``: a directory (or creatable), writable; without ``--resume`` it must not hold a run,
       with it it must hold a checkpoint and the flags must be ones it can continue with;
+    - ``--max-anchors`` (new runs): at most ``--seq-len - 1``;
     - ``--data`` (or the embedded corpus): a readable file whose first records parse;
     - ``--target`` (or the embedded target): a directory with ``config.json`` and tokenizer files;
       the layers to tap (``--num-target-layers``/``--target-layer-ids``), ``--mask-token-id`` and
@@ -42,6 +43,8 @@ def validate_inputs(config: TrainConfig) -> None:
     check_out_dir(Path(config.out), resume=config.resume)
     if config.resume:
         check_resume_flags(config)
+    else:  # a resumed run keeps the budget it started with (changing it changes the anchors drawn)
+        check_anchor_budget(config)
     read_conversations(
         Path(config.data) if config.data else default_data_dir() / "train.jsonl",
         max_records=HEAD_RECORDS,
@@ -49,6 +52,22 @@ def validate_inputs(config: TrainConfig) -> None:
     )
     check_target_fits(Path(config.target) if config.target else default_target_dir(), config)
     check_devices(config)
+
+
+def check_anchor_budget(config: TrainConfig) -> None:
+    """``--max-anchors`` fits a row: a row of ``seq_len`` tokens has at most ``seq_len - 1`` anchors
+    (``loss_mask[a]`` and ``loss_mask[a + 1]``, ``docs/dflash.md``), and every block past them is padding
+    that the drafter still computes (queries grow with ``max_anchors * block_size``).
+
+    Raises:
+        ValueError: more anchors than that, naming both flags and the largest value that fits.
+    """
+    if config.max_anchors > config.seq_len - 1:
+        raise ValueError(
+            f"--max-anchors {config.max_anchors} is more than a row of --seq-len {config.seq_len} tokens holds "
+            f"({config.seq_len - 1} anchors at most; the rest would be padding blocks the drafter still computes); "
+            f"pass --max-anchors {config.seq_len - 1} or less"
+        )
 
 
 def check_resume_flags(config: TrainConfig) -> None:

@@ -165,6 +165,8 @@ def regenerate_replies(
             the replies generated so far are in the journal and the stop is logged with its path.
     """
     replies = journal.open()
+    # A continued run is handed only the conversations no journal holds yet; its share is both.
+    share = len(replies.keys() | {i for i, _ in conversations})
     try:
         max_prompt_tokens = max(1, seq_len - max_new_tokens)
         prompts = {
@@ -173,9 +175,7 @@ def regenerate_replies(
             if i not in replies
         }
         if replies:
-            logger.info(
-                "continuing regeneration from %s: %d of %d done", journal.path, len(replies), len(conversations)
-            )
+            logger.info("continuing regeneration from %s: %d of %d done", journal.path, len(replies), share)
         _advance(bar, len(conversations) - len(prompts))
         no_prompt = {i: None for i, p in prompts.items() if p is None}
         journal.add(no_prompt)
@@ -216,7 +216,7 @@ def regenerate_replies(
             "regeneration stopped: %d of this share's %d replies are kept in %s; start the same run again "
             "to continue from there",
             len(replies),
-            len(conversations),
+            share,
             journal.path,
         )
         raise

@@ -33,7 +33,7 @@ import torch
 from dflash import checkpoint
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import INPUT_PATHS, SAVED_CONFIG_NAME, TrainConfig, absolute_path
-from dflash.data import BatchLoader, ShardedSampler, build_examples, read_conversations
+from dflash.data import BatchLoader, ShardedSampler, build_examples, check_token_ids, read_conversations
 from dflash.devices import DeviceLayout, Slot, parse_layout
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.engine import StepEngine, StepStats
@@ -260,6 +260,7 @@ class Trainer:
             source=str(source),
             progress=cfg.progress and self.process.is_main,
         )
+        check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
         # Sharded by process; within a process jobs go round-robin to the drafter replicas.
         sampler = ShardedSampler(
             len(examples),

@@ -71,7 +71,7 @@ def test_reads_openai_and_sharegpt_alike(tmp_path):
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "x"}]}]}\n',
             r"message 0 'content': content parts of types \['image_url', 'text'\]; only text parts",
         ),
-        (b"[1, 2]\n", r"bad\.jsonl:1: expected a JSON object, got list"),
+        (b"[1, 2]\n", r"bad\.jsonl:1: a JSON array, not JSONL"),
         (
             b'{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": "\xff\xfe"}\n',
             r"bad\.jsonl:2: not valid UTF-8.*re-encode the file as UTF-8",
@@ -102,7 +102,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
 def test_loss_mask_falls_back_to_content_search_for_rewriting_templates(tokenizer):
     # Like Qwen3 (which drops the reasoning of earlier turns), this template renders an
     # assistant turn differently once it is no longer last, so prefix matching fails for the
-    # first turn; its content must still be found and masked (without the end marker).
+    # first turn; its content must still be found and masked, with the end marker after it.
     rewriting = tokenizer.chat_template.replace(
         "{{ m['content'] }}", "{% if loop.last and m['role'] == 'assistant' %}[think]{% endif %}{{ m['content'] }}"
     )
@@ -112,7 +112,9 @@ def test_loss_mask_falls_back_to_content_search_for_rewriting_templates(tokenize
     finally:
         tokenizer.chat_template = original
     supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
-    assert supervised == "the fox sat on the mat and looked at the dog[think]the cat sat on the mat<|im_end|>\n"
+    assert supervised == (
+        "the fox sat on the mat and looked at the dog<|im_end|>\n[think]the cat sat on the mat<|im_end|>\n"
+    )
 
 
 def test_length_policy_truncates_or_drops(tokenizer):
