@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 # Role spellings seen in public chat corpora, mapped to the chat-template roles.
 _ROLE_ALIASES = {
     "system": "system",
+    "developer": "system",  # OpenAI's newer name for the system turn
     "user": "user",
     "human": "user",
     "assistant": "assistant",
@@ -56,6 +57,7 @@ _ROLE_ALIASES = {
     "chatgpt": "assistant",
     "model": "assistant",
     "tool": "tool",
+    "observation": "tool",  # LLaMA-Factory's ShareGPT name for a tool result
 }
 # Leading bytes of the binary files chat corpora ship in, with the command that makes JSONL of them
 # ({path}, {out}: shell-quoted source and suggested output).
@@ -74,6 +76,12 @@ _BINARY_FORMATS = {
 # rendered from role and text alone.
 _UNRENDERED_RECORD_KEYS = ("tools", "functions")
 _UNRENDERED_MESSAGE_KEYS = {"tool_calls": None, "function_call": None, "reasoning_content": None, "weight": 1}
+# A tool call is rendered by the target's chat template from an assistant message's tool_calls, which
+# this loader does not pass through; as plain text it would teach the drafter another format.
+_FUNCTION_CALL_ROLE = (
+    " ('function_call' turns are tool calls, which are not rendered: drop those conversations, or write each call "
+    "into an assistant turn's text in the target's own tool-call format)"
+)
 OVERFLOW_POLICIES = ("truncate", "drop")
 #: Longest raw JSONL line read (bytes): 4M+ tokens, more than any --seq-len keeps.
 MAX_LINE_BYTES = 16 << 20
@@ -344,6 +352,7 @@ def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
         if role not in _ROLE_ALIASES:
             raise DatasetError(
                 f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(_ROLE_ALIASES)}"
+                + (_FUNCTION_CALL_ROLE if role == "function_call" else "")
             )
         parsed.append({"role": _ROLE_ALIASES[role], "content": _text(content, f"{where}: message {i} '{text_key}'")})
     return parsed

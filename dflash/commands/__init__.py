@@ -17,7 +17,7 @@ COMMON.add_argument(
     "--verbose",
     action="store_true",
     default=argparse.SUPPRESS,
-    help="log dflash's DEBUG lines (config, data skips, regeneration, lock, checkpoint files)",
+    help="log dflash's DEBUG lines too",
 )
 
 

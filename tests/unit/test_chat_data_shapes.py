@@ -204,3 +204,31 @@ def test_earlier_turns_under_qwen3s_empty_think_block_keep_their_end_marker(toke
     assert _supervised(tokenizer, example) == (
         "the fox sat on the mat<|im_end|>\n<think>\n\n</think>\n\nthe cat sat<|im_end|>\n"
     )
+
+
+def test_developer_and_observation_roles_are_read_as_system_and_tool(tmp_path):
+    path = write_jsonl(
+        tmp_path / "roles.jsonl",
+        [
+            {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+            {
+                "conversations": [
+                    {"from": "human", "value": "weather?"},
+                    {"from": "observation", "value": "sunny"},
+                    {"from": "gpt", "value": "it is sunny"},
+                ]
+            },
+        ],
+    )
+    first, second = read_conversations(path)
+    assert [m["role"] for m in first] == ["system", "user"]
+    assert [m["role"] for m in second] == ["user", "tool", "assistant"]
+
+
+def test_a_function_call_turn_is_refused_with_what_to_do(tmp_path):
+    path = write_jsonl(
+        tmp_path / "calls.jsonl",
+        [{"conversations": [{"from": "human", "value": "weather?"}, {"from": "function_call", "value": "{}"}]}],
+    )
+    with pytest.raises(DatasetError, match=r"calls\.jsonl:1: .*'function_call' turns are tool calls.*drop those"):
+        read_conversations(path)
