@@ -442,7 +442,7 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
         else:
             # Where the prefix still renders as in the full text, the turn starts after it: a search
             # from the last span would find the answer in a user turn that quotes it.
-            after = len(before) if before is not None and text.startswith(before) else cursor
+            after = _prefix_end(tokenizer, conversation[:i], text, before) if i else cursor
             start, end = _find_turn(text, message["content"], max(cursor, after))
             if start < 0:
                 raise DatasetError(
@@ -453,6 +453,16 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _prefix_end(tokenizer, prefix: Sequence[dict[str, str]], text: str, before: str) -> int:
+    """Where the rendering of ``prefix`` ends in ``text``: with the generation prompt when ``text`` has
+    it there, else without it (DeepSeek-R1's prompt opens the reply with ``<think>\\n``, which the
+    rendered turn lacks); 0 when ``text`` rewrites the prefix itself."""
+    if text.startswith(before):
+        return len(before)
+    bare = render_chat(tokenizer, prefix, add_generation_prompt=False)
+    return len(bare) if text.startswith(bare) else 0
 
 
 def _find_turn(text: str, content: str, cursor: int) -> tuple[int, int]:
