@@ -5,10 +5,10 @@ tensors (fake ones included) the autograd engine runs the backward nodes on its 
 carrying the C++ thread-local state (dispatch modes, so ``ProxyTorchDispatchMode`` is active there)
 but not Python ``threading.local`` values. ``torch.cond``'s backward (``CondAutogradOp.backward``)
 calls ``cond`` again, whose proxy-mode rule calls ``reenter_make_fx``, which reads
-``torch.fx.experimental.proxy_tensor._CURRENT_MAKE_FX_TRACER``: a module global on plain torch, a
-per-thread value under the series, ``None`` on the device thread ("Cannot reenter make_fx when
-we're not under a make_fx tracing session"). flex_attention's backward reads it through
-``_maybe_reenter_make_fx`` and silently takes its fallback path there.
+``torch.fx.experimental.proxy_tensor._CURRENT_MAKE_FX_TRACER``. That is why the series leaves it a
+module global: a per-thread value would be ``None`` on the device thread ("Cannot reenter make_fx
+when we're not under a make_fx tracing session"), and flex_attention's backward, which reads it
+through ``_maybe_reenter_make_fx``, would silently take its fallback path there. This guards that.
 
 Needs a CUDA device (skipped otherwise). Integration tier: two fresh interpreters.
 """

@@ -147,19 +147,17 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
     UpstreamConcern(
         name="fx-patcher-thread-isolation",
         area="fx",
-        title="Scope FX tracing's monkeypatches and tracer globals to the tracing thread",
+        title="Scope FX tracing's monkeypatches and lazy-graph-module flags to the tracing thread",
         problem=(
             "`Tracer.trace` (`torch.fx.symbolic_trace`, and `make_fx` inside every AOTAutograd compile) "
             "patches `torch.nn.Module.__call__`/`__getattr__`, `torch.fx.wrap` functions and autowrapped "
             "globals process-wide, and keeps its patcher in the module global `CURRENT_PATCHER`. Another "
             "thread's eager module calls then enter the tracer (\"NameError: module is not installed as a "
             'submodule"), and overlapping traces revert each other\'s patches ("AssertionError: '
-            'CURRENT_PATCHER is None in finally block", wrong graphs, patches left installed). Two more '
-            "module globals of FX tracing are shared the same way: `_CURRENT_MAKE_FX_TRACER`, which a "
-            "higher-order op (`torch.cond`, flex_attention) re-enters to trace its branches, so a "
-            '`make_fx` in one thread traces another thread\'s branches ("Mixing fake modes NYI"); and '
-            "`_use_lazy_graph_module_flag`, set around every dynamo and inductor compile, so a "
-            "`symbolic_trace` in another thread returns a `_LazyGraphModule` that `torch.jit.script` rejects."
+            'CURRENT_PATCHER is None in finally block", wrong graphs, patches left installed). The '
+            "lazy-graph-module flag `_use_lazy_graph_module_flag`, set around every dynamo and inductor "
+            "compile, is shared the same way: a `symbolic_trace` in another thread returns a "
+            "`_LazyGraphModule`, which `torch.jit.script` rejects."
         ),
         tests=(_fx_test("test_fx_patcher_threads"),),
         bc=(
@@ -168,15 +166,19 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "guard on the value it read), so `torch.nn.Module.__call__ is original` becomes False; code "
             "that compares them by identity sees the change. Each eager module call pays one thread-local "
             "read (see Benchmark).",
-            "`CURRENT_PATCHER`, `_CURRENT_MAKE_FX_TRACER`, `_use_lazy_graph_module_flag` and "
-            "`_force_skip_lazy_graph_module_flag` are read through a module `__getattr__` and answer for the "
-            "calling thread; assigning them no longer changes what tracing uses.",
+            "`CURRENT_PATCHER`, `_use_lazy_graph_module_flag` and `_force_skip_lazy_graph_module_flag` are "
+            "read through a module `__getattr__` and answer for the calling thread; assigning them no longer "
+            "changes what tracing uses. Work the autograd engine runs on its device threads reads the lazy "
+            "flags False (graph modules made there generate their code up front).",
         ),
         see_also=(187589,),
         related=(
             "#187589 (open) makes `CURRENT_PATCHER` safe for a single trace at a time and leaves concurrent "
             "symbolic traces unsupported; this commit makes concurrent traces correct. If #187589 lands "
-            "first, this rebases onto it."
+            "first, this rebases onto it. Left out: make_fx's current tracer, which higher-order ops "
+            "re-enter, stays a module global, because AOTAutograd's joint trace runs CUDA backward formulas "
+            "on the autograd engine's device threads, which do not see the tracing thread's Python "
+            "thread-locals."
         ),
     ),
     UpstreamConcern(
@@ -291,8 +293,8 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "A thread whose compiled call needs other eval-frame values than the ones in force (a stance "
             "change, `isolate_recompiles=True`) waits until no other thread is inside a compiled call, "
             "for at most `_GATE_TIMEOUT_S` (2 s); a thread inside a compiled call may be waiting for it, so "
-            "after that it warns (`RuntimeWarning`) and sets them, as before this commit. Threads needing the "
-            "same values never wait.",
+            "after that it sets them for the length of its own call only, as before this commit, and warns "
+            "(`RuntimeWarning`). Threads needing the same values never wait.",
         ),
         see_also=(196637,),
         related=(

@@ -19,8 +19,8 @@ BUG_CLASSES: dict[str, str] = {
     "is_exporting() is True while another thread is inside torch.export",
     "D": "FX's process-wide nn.Module patching: another thread's eager module enters the tracer "
     "(NameError 'module is not installed as a submodule'); concurrent make_fx traces "
-    "(AssertionError 'CURRENT_PATCHER is None in finally block'); a higher-order op traced by another "
-    "thread's make_fx tracer; symbolic_trace during another thread's compile returns a _LazyGraphModule",
+    "(AssertionError 'CURRENT_PATCHER is None in finally block'); symbolic_trace during another "
+    "thread's compile returns a _LazyGraphModule",
     "E": "dynamo config.patch(...) in one thread is visible to, and undone by, another thread",
     "F": "a plain torch._dynamo.config assignment on one thread is invisible to worker threads "
     "(a raised recompile_limit is ignored there, which then fall back to eager)",

@@ -30,12 +30,6 @@ def sin_plus_one(x):
     return torch.sin(x) + 1
 
 
-def sin_or_cos(x):
-    """``torch.cond`` (a higher-order op) of ``sin``/``cos`` on ``x.sum() > 0``; a make_fx trace of it
-    traces both branches by re-entering the current make_fx tracer."""
-    return torch.cond(x.sum() > 0, torch.sin, torch.cos, (x,))
-
-
 def sin_with_graph_break(x):
     """``sin(x) + 1`` with a ``torch._dynamo.graph_break()`` between the two ops."""
     y = torch.sin(x)

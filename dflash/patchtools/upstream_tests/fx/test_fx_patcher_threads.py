@@ -4,10 +4,10 @@
 ``Tracer.trace`` patches ``torch.nn.Module.__call__`` (and ``torch.fx.wrap``
 functions) while it traces. Another thread's eager module calls must not enter
 that tracer, and overlapping traces in two threads must not undo each other's
-patches. The tracer globals are per thread too: a higher-order op re-enters its
-own thread's make_fx tracer, and a compile in one thread (which turns lazy graph
-modules on) does not change what symbolic_trace returns in another. Each test
-holds a trace open with events, so the interleaving is fixed.
+patches. The lazy-graph-module flags are per thread too: a compile in one thread
+(which turns lazy graph modules on) does not change what symbolic_trace returns
+in another. Each test holds a trace open with events, so the interleaving is
+fixed.
 """
 
 import threading
@@ -15,7 +15,6 @@ import threading
 import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 TIMEOUT_S = 60
@@ -80,38 +79,6 @@ class TestFxPatcherThreads(TestCase):
         second.release.set()
         self.join(second_thread)
         self.assertEqual(results, {"first": ["lin"], "second": ["lin"]})
-
-    def test_higher_order_op_reenters_its_own_threads_make_fx(self):
-        b_inside, a_inside, b_done, results = threading.Event(), threading.Event(), threading.Event(), {}
-
-        def traced_by_a(x):
-            a_inside.set()
-            b_done.wait(TIMEOUT_S)
-            return x * 3
-
-        def traced_by_b(x):
-            b_inside.set()
-            a_inside.wait(TIMEOUT_S)
-            try:  # A's make_fx trace began after B's and is still open
-                return torch.cond(x.sum() > 0, torch.sin, torch.cos, (x,))
-            finally:
-                b_done.set()
-
-        def trace(name, fn):
-            try:
-                gm = make_fx(fn, tracing_mode="fake")(torch.randn(3))
-                results[name] = sorted(child for child, _ in gm.named_children())
-            except Exception as e:  # reported by the test, not lost in the thread
-                results[name] = e
-
-        b = threading.Thread(target=trace, args=("b", traced_by_b), daemon=True)
-        b.start()
-        self.assertTrue(b_inside.wait(TIMEOUT_S), "thread B never entered its make_fx trace")
-        a = threading.Thread(target=trace, args=("a", traced_by_a), daemon=True)
-        a.start()
-        self.join(a)
-        self.join(b)
-        self.assertEqual(results, {"a": [], "b": ["false_graph_0", "true_graph_0"]})
 
     def test_symbolic_trace_during_another_threads_compile_is_not_lazy(self):
         inside, release = threading.Event(), threading.Event()
