@@ -145,6 +145,32 @@ def acquire(out: str | os.PathLike) -> tuple[int, Path]:
     return fd, path
 
 
+def training_holder(out: str | os.PathLike) -> Holder | None:
+    """The training that holds the lock of ``out`` now: its holder when a process on this host holds
+    the flock, or when the lock file names another host (which cannot be checked from here); None
+    when there is no lock file or nobody holds it (a run that was killed). Never takes the lock."""
+    import fcntl
+
+    path = Path(out) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        holder = _read_holder(fd)
+        if holder is not None and holder.host != socket.gethostname():
+            return holder
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as error:
+            held = error.errno in (errno.EAGAIN, errno.EACCES)
+            return (holder or Holder(0, "?", "?", "?")) if held else None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def release(fd: int, path: Path) -> None:
     """Remove the lock file, then drop the flock (in that order, see :func:`_open_locked`)."""
     with contextlib.suppress(FileNotFoundError):

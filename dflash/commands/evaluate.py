@@ -141,6 +141,7 @@ def _evaluate(args: argparse.Namespace):
     device = resolve_device(args.device)
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
+    _note_training_in_progress(Path(args.drafter))
     target_dir = Path(args.target) if args.target else _trained_target(Path(args.drafter)) or default_target_dir()
     data = _held_out_data(args.data, Path(args.drafter))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -187,6 +188,21 @@ def _run_config(drafter: Path) -> tuple[Path, dict] | None:
         if (run / SAVED_CONFIG_NAME).is_file():
             return run / SAVED_CONFIG_NAME, read_saved_config(run)
     return None
+
+
+def _note_training_in_progress(drafter: Path) -> None:
+    """Say so when the run that ``drafter`` belongs to is still being trained: its newest checkpoint
+    is evaluated, and a later one may follow."""
+    from dflash.run_lock import training_holder
+
+    found = _run_config(drafter)
+    holder = training_holder(found[0].parent) if found else None
+    if holder is not None:
+        logger.warning(
+            "%s is still being trained (%s): this evaluates the newest checkpoint saved so far",
+            found[0].parent,
+            holder.describe(),
+        )
 
 
 def _trained_target(drafter: Path) -> Path | None:

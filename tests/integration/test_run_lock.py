@@ -5,6 +5,7 @@ Subprocess tests: real processes (no torch import, well under a second each).
 """
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -117,3 +118,27 @@ def test_processes_taking_turns_never_hold_it_at_once(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", COUNT, str(tmp_path), "40"]) for _ in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     assert (tmp_path / "counter").read_text() == "120"
+
+
+def test_eval_says_when_the_run_is_still_training(tmp_path, caplog):
+    from dflash.commands.evaluate import _note_training_in_progress
+    from dflash.config import SAVED_CONFIG_NAME
+    from dflash.run_lock import training_holder
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / SAVED_CONFIG_NAME).write_text("{}")
+    first = _holder(out)
+    try:
+        assert training_holder(out).pid == first.pid
+        with caplog.at_level(logging.WARNING, logger="dflash.commands.evaluate"):
+            _note_training_in_progress(out / "checkpoints" / "step_2")
+        assert f"{out} is still being trained (pid {first.pid} on host" in caplog.text
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # The killed run's lock file is left behind, but nobody holds it: nothing is said.
+    assert (out / LOCK_NAME).exists() and training_holder(out) is None
+    caplog.clear()
+    _note_training_in_progress(out)
+    assert "still being trained" not in caplog.text
