@@ -7,6 +7,7 @@ Built in a temp dir in well under a second each; no network.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -258,3 +259,18 @@ def in_thread(fn, timeout_s: float = 60):
     if errors:
         raise errors[0]
     return out[0]
+
+
+def supervised_text(tokenizer, example) -> str:
+    """The decoded tokens of ``example`` that its loss mask trains on."""
+    return tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+
+
+@contextlib.contextmanager
+def chat_template(tokenizer, template: str):
+    """``tokenizer`` renders with ``template`` inside the block (module-scoped fixtures share the tokenizer)."""
+    original, tokenizer.chat_template = tokenizer.chat_template, template
+    try:
+        yield tokenizer
+    finally:
+        tokenizer.chat_template = original

@@ -141,9 +141,10 @@ def _evaluate(args: argparse.Namespace):
     device = resolve_device(args.device)
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
-    _note_training_in_progress(Path(args.drafter))
-    target_dir = Path(args.target) if args.target else _trained_target(Path(args.drafter)) or default_target_dir()
-    data = _held_out_data(args.data, Path(args.drafter))
+    run = _run_config(Path(args.drafter))
+    _note_training_in_progress(run)
+    target_dir = Path(args.target) if args.target else _trained_target(run) or default_target_dir()
+    data = _held_out_data(args.data, run)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # Tokenizer and prompts first: their errors come before the (slow) target loads.
     context = context_length(target_dir)
@@ -190,12 +191,11 @@ def _run_config(drafter: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def _note_training_in_progress(drafter: Path) -> None:
-    """Say so when the run that ``drafter`` belongs to is still being trained: its newest checkpoint
-    is evaluated, and a later one may follow."""
+def _note_training_in_progress(found: tuple[Path, dict] | None) -> None:
+    """Say so when the run of ``found`` (:func:`_run_config`) is still being trained: its newest
+    checkpoint is evaluated, and a later one may follow."""
     from dflash.run_lock import training_holder
 
-    found = _run_config(drafter)
     holder = training_holder(found[0].parent) if found else None
     if holder is not None:
         logger.warning(
@@ -205,25 +205,23 @@ def _note_training_in_progress(drafter: Path) -> None:
         )
 
 
-def _trained_target(drafter: Path) -> Path | None:
-    """The --target of the run that ``drafter`` belongs to, if recorded (see :func:`_run_config`)."""
-    found = _run_config(drafter)
+def _trained_target(found: tuple[Path, dict] | None) -> Path | None:
+    """The --target of the run of ``found`` (:func:`_run_config`), if recorded."""
     target = found[1].get("target") if found else None
     if target:
         logger.info("target: %s (from %s; pass --target to use another)", target, found[0])
     return Path(target) if target else None
 
 
-def _held_out_data(data: str | None, drafter: Path) -> Path:
-    """``--data``, else the embedded held-out set; logged, with a warning when the run that
-    ``drafter`` belongs to was trained on other data than the embedded set."""
+def _held_out_data(data: str | None, found: tuple[Path, dict] | None) -> Path:
+    """``--data``, else the embedded held-out set; logged, with a warning when the run of ``found``
+    (:func:`_run_config`) was trained on other data than the embedded set."""
     from dflash.assets import default_data_dir
 
     if data:
         logger.info("held-out data: %s", data)
         return Path(data)
     path = default_data_dir() / "heldout.jsonl"
-    found = _run_config(drafter)
     trained_on = found[1].get("data") if found else None
     if trained_on:
         logger.warning(

@@ -121,7 +121,7 @@ def test_processes_taking_turns_never_hold_it_at_once(tmp_path):
 
 
 def test_eval_says_when_the_run_is_still_training(tmp_path, caplog):
-    from dflash.commands.evaluate import _note_training_in_progress
+    from dflash.commands.evaluate import _note_training_in_progress, _run_config
     from dflash.config import SAVED_CONFIG_NAME
     from dflash.run_lock import training_holder
 
@@ -132,7 +132,7 @@ def test_eval_says_when_the_run_is_still_training(tmp_path, caplog):
     try:
         assert training_holder(out).pid == first.pid
         with caplog.at_level(logging.WARNING, logger="dflash.commands.evaluate"):
-            _note_training_in_progress(out / "checkpoints" / "step_2")
+            _note_training_in_progress(_run_config(out / "checkpoints" / "step_2"))
         assert f"{out} is still being trained (pid {first.pid} on host" in caplog.text
     finally:
         first.send_signal(signal.SIGKILL)
@@ -140,5 +140,5 @@ def test_eval_says_when_the_run_is_still_training(tmp_path, caplog):
     # The killed run's lock file is left behind, but nobody holds it: nothing is said.
     assert (out / LOCK_NAME).exists() and training_holder(out) is None
     caplog.clear()
-    _note_training_in_progress(out)
+    _note_training_in_progress(_run_config(out))
     assert "still being trained" not in caplog.text

@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from tiny import make_tokenizer, write_jsonl
+from tiny import chat_template, make_tokenizer, supervised_text, write_jsonl
 
 from dflash.data import DatasetError, read_conversations, tokenize_conversation
 
@@ -28,10 +28,6 @@ def tokenizer(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def _supervised(tokenizer, example) -> str:
-    return tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
-
-
 def test_reasoning_dropped_from_earlier_turns_leaves_their_answer_supervised(tokenizer):
     conversation = [
         {"role": "user", "content": "what is two plus two?"},
@@ -39,13 +35,10 @@ def test_reasoning_dropped_from_earlier_turns_leaves_their_answer_supervised(tok
         {"role": "user", "content": "and then?"},
         {"role": "assistant", "content": "<think>\nthe dog\n</think>\n\nthe cat sat on the mat"},
     ]
-    original, tokenizer.chat_template = tokenizer.chat_template, QWEN3_STYLE_THINK
-    try:
+    with chat_template(tokenizer, QWEN3_STYLE_THINK):
         example = tokenize_conversation(tokenizer, conversation)
-    finally:
-        tokenizer.chat_template = original
     # The first turn is trained on what the target sees of it (the answer and its end), the last in full.
-    assert _supervised(tokenizer, example) == (
+    assert supervised_text(tokenizer, example) == (
         "two plus two is four.<|im_end|>\n<think>\nthe dog\n</think>\n\nthe cat sat on the mat<|im_end|>\n"
     )
 
@@ -169,15 +162,12 @@ def test_an_answer_the_user_just_quoted_is_found_in_the_assistant_turn_not_the_u
         {"role": "user", "content": "and then?"},
         {"role": "assistant", "content": "<think>\nthe dog\n</think>\n\nthe cat sat on the mat"},
     ]
-    original, tokenizer.chat_template = tokenizer.chat_template, QWEN3_STYLE_THINK
-    try:
+    with chat_template(tokenizer, QWEN3_STYLE_THINK):
         example = tokenize_conversation(tokenizer, conversation)
-    finally:
-        tokenizer.chat_template = original
     supervised = [i for i, m in enumerate(example.loss_mask) if m]
     user_turn = len(tokenizer("<|im_start|>user\njust say the cat sat<|im_end|>\n")["input_ids"])
     assert min(supervised) > user_turn, "the user's words were marked as the assistant's"
-    assert _supervised(tokenizer, example).startswith("the cat sat<|im_end|>\n<think>")
+    assert supervised_text(tokenizer, example).startswith("the cat sat<|im_end|>\n<think>")
 
 
 # Qwen3's own rule for the last assistant turn: an (empty) think block even without reasoning, so the
@@ -196,12 +186,9 @@ def test_earlier_turns_under_qwen3s_empty_think_block_keep_their_end_marker(toke
         {"role": "user", "content": "and then?"},
         {"role": "assistant", "content": "the cat sat"},
     ]
-    original, tokenizer.chat_template = tokenizer.chat_template, QWEN3_EMPTY_THINK
-    try:
+    with chat_template(tokenizer, QWEN3_EMPTY_THINK):
         example = tokenize_conversation(tokenizer, conversation)
-    finally:
-        tokenizer.chat_template = original
-    assert _supervised(tokenizer, example) == (
+    assert supervised_text(tokenizer, example) == (
         "the fox sat on the mat<|im_end|>\n<think>\n\n</think>\n\nthe cat sat<|im_end|>\n"
     )
 

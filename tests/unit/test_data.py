@@ -4,7 +4,7 @@ import json
 from itertools import islice
 
 import pytest
-from tiny import CONVERSATIONS, make_tokenizer, write_jsonl
+from tiny import CONVERSATIONS, chat_template, make_tokenizer, supervised_text, write_jsonl
 
 from dflash.data import (
     BatchLoader,
@@ -92,7 +92,7 @@ def test_missing_file_is_a_value_error_naming_the_flag(tmp_path):
 
 def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
     example = tokenize_conversation(tokenizer, CONVERSATIONS[1])
-    supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+    supervised = supervised_text(tokenizer, example)
     assert supervised == ("the fox sat on the mat and looked at the dog<|im_end|>\nthe cat sat on the mat<|im_end|>\n")
     # Round trip: the full token sequence is the rendered template, nothing lost or added.
     rendered = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
@@ -106,12 +106,9 @@ def test_loss_mask_falls_back_to_content_search_for_rewriting_templates(tokenize
     rewriting = tokenizer.chat_template.replace(
         "{{ m['content'] }}", "{% if loop.last and m['role'] == 'assistant' %}[think]{% endif %}{{ m['content'] }}"
     )
-    original, tokenizer.chat_template = tokenizer.chat_template, rewriting
-    try:
+    with chat_template(tokenizer, rewriting):
         example = tokenize_conversation(tokenizer, CONVERSATIONS[1])
-    finally:
-        tokenizer.chat_template = original
-    supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+    supervised = supervised_text(tokenizer, example)
     assert supervised == (
         "the fox sat on the mat and looked at the dog<|im_end|>\n[think]the cat sat on the mat<|im_end|>\n"
     )
@@ -213,7 +210,7 @@ def test_conversations_the_chat_template_rejects_are_skipped_and_named(tmp_path,
 def test_a_conversation_that_opens_with_an_assistant_turn_is_trained_on(tokenizer):
     greeting = [{"role": "assistant", "content": "hello there"}, *CONVERSATIONS[0]]
     example = tokenize_conversation(tokenizer, greeting)
-    supervised = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+    supervised = supervised_text(tokenizer, example)
     assert "hello there" in supervised and CONVERSATIONS[0][1]["content"] in supervised
     assert CONVERSATIONS[0][0]["content"] not in supervised
 

@@ -6,7 +6,7 @@ import logging
 import time
 
 import pytest
-from tiny import CONVERSATIONS, RecordingTokenizer, make_tokenizer, write_jsonl
+from tiny import CONVERSATIONS, RecordingTokenizer, chat_template, make_tokenizer, write_jsonl
 
 from dflash import data
 from dflash.data import DatasetError, build_examples, read_conversations, tokenize_conversation
@@ -86,15 +86,12 @@ def test_a_template_error_names_the_conversation(tokenizer):
     # "42 42" survives and "the sea" does not.
     fine = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "42 42"}]
     broken = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the sea"}]
-    original = tokenizer.chat_template
-    tokenizer.chat_template = original.replace(
+    upper_last = tokenizer.chat_template.replace(
         "{{ m['content'] }}", "{% if loop.last %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}"
     )
-    try:
+    with chat_template(tokenizer, upper_last):
         with pytest.raises(DatasetError, match=r"chats\.jsonl: conversation 2: assistant turn 1 not found"):
             build_examples(tokenizer, [fine, broken], seq_len=64, source="chats.jsonl", progress=False)
-    finally:
-        tokenizer.chat_template = original
 
 
 def test_many_conversations_show_progress(tokenizer, monkeypatch, capsys):

@@ -167,23 +167,26 @@ def test_eval_command_reports_a_missing_drafter(tmp_path, caplog):
 
 
 def test_eval_defaults_to_the_target_the_run_was_trained_against(tmp_path):
-    from dflash.commands.evaluate import _trained_target
+    from dflash.commands.evaluate import _run_config, _trained_target
+
+    def trained_target(drafter):
+        return _trained_target(_run_config(drafter))
 
     step_dir = tmp_path / "run" / "checkpoints" / "step_00000003"
     step_dir.mkdir(parents=True)
-    assert _trained_target(step_dir) is None  # no train_config.json: the embedded default
+    assert trained_target(step_dir) is None  # no train_config.json: the embedded default
     (tmp_path / "run" / "train_config.json").write_text(json.dumps({"target": "/models/my-target"}))
     for drafter in (tmp_path / "run", step_dir.parent, step_dir):
-        assert _trained_target(drafter) == Path("/models/my-target")
+        assert trained_target(drafter) == Path("/models/my-target")
     (tmp_path / "run" / "train_config.json").write_text(json.dumps({"target": None}))
-    assert _trained_target(step_dir) is None
+    assert trained_target(step_dir) is None
     export = tmp_path / "run" / "export"  # not inside checkpoints/: the run's file is not its
     export.mkdir()
     (tmp_path / "run" / "train_config.json").write_text(json.dumps({"target": "/models/my-target"}))
-    assert _trained_target(export) is None
+    assert trained_target(export) is None
     (tmp_path / "run" / "train_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="train_config.json: not valid JSON"):
-        _trained_target(step_dir)
+        trained_target(step_dir)
 
 
 def test_a_missing_drafter_is_named_before_the_held_out_data_is_read(tmp_path, caplog, monkeypatch):

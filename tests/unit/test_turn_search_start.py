@@ -3,7 +3,7 @@ in the full rendering (DeepSeek-R1-style templates open the reply with ``<think>
 reasoning of every assistant turn). Fast, in-process (tiny tokenizer, no model)."""
 
 import pytest
-from tiny import make_tokenizer
+from tiny import make_tokenizer, supervised_text
 
 from dflash.data import tokenize_conversation
 
@@ -25,10 +25,6 @@ def tokenizer(tmp_path_factory):
     return tok
 
 
-def _supervised(tokenizer, example) -> str:
-    return tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
-
-
 def test_an_answer_the_user_quoted_is_supervised_in_the_assistant_turn(tokenizer):
     conversation = [
         {"role": "user", "content": "repeat after me: the cat sat"},
@@ -40,7 +36,7 @@ def test_an_answer_the_user_quoted_is_supervised_in_the_assistant_turn(tokenizer
     # The user's quote is context; the assistant's answer and its end are the supervised tokens.
     supervised_ids = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
     answer_ids = tokenizer("the cat sat<|im_end|>\n", add_special_tokens=False)["input_ids"]
-    assert _supervised(tokenizer, example) == "the cat sat<|im_end|>\n"
+    assert supervised_text(tokenizer, example) == "the cat sat<|im_end|>\n"
     assert example.input_ids[-len(answer_ids) :] == answer_ids
     assert example.loss_mask[-len(answer_ids) :] == [1] * len(answer_ids), (
         f"the assistant's answer is not supervised (supervised: {tokenizer.decode(supervised_ids)!r})"
