@@ -1,5 +1,5 @@
 """Tiny stand-ins for the tests: a byte-level BPE tokenizer with a ChatML template and a
-mask token, random Qwen3 / Llama targets saved as HF directories, a JSONL writer, a tokenizer
+mask token, random Qwen3 / Llama / Qwen3.5 (hybrid) targets saved as HF directories, a JSONL writer, a tokenizer
 that records what it rendered, and a run-in-a-thread helper.
 
 Built in a temp dir in well under a second each; no network.
@@ -76,9 +76,18 @@ def make_tokenizer(directory: Path):
     return fast
 
 
+#: The hybrid (qwen3_5) architectures: Qwen3.5 / Qwen3.6, text-only and as the multimodal
+#: checkpoint Qwen3.6-27B ships (a vision tower around the language model, ``text_config`` nested).
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_multimodal")
+
+
 def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32, seed: int = 0):
-    """Save a random tiny causal LM (``qwen3`` or ``llama``) plus the tiny tokenizer in
-    ``directory`` and return the directory."""
+    """Save a random tiny causal LM plus the tiny tokenizer in ``directory`` and return the directory.
+
+    ``arch``: ``qwen3`` or ``llama`` (dense), or one of :data:`HYBRID_ARCHS`: Qwen3.6's layout
+    (3 Gated DeltaNet layers then 1 gated full-attention layer, repeated; partial rotary with
+    M-RoPE sections), transformers 5 only.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -101,10 +110,36 @@ def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hi
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch in HYBRID_ARCHS:
+        model = _hybrid_model(arch, common, hidden)
     else:
         raise ValueError(arch)
     model.save_pretrained(directory)
     return directory
+
+
+def _hybrid_model(arch: str, common: dict, hidden: int):
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    text = dict(
+        common,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=hidden // 4,
+        linear_value_head_dim=hidden // 4,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+        },
+    )
+    if arch == "qwen3_5":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4)
+    return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
 
 
 def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
