@@ -28,9 +28,9 @@ def validate_inputs(config: TrainConfig) -> None:
       with it it must hold a checkpoint and the flags must be ones it can continue with;
     - ``--max-anchors`` (new runs): at most ``--seq-len - 1``;
     - ``--data`` (or the embedded corpus): a readable file whose first records parse;
-    - ``--target`` (or the embedded target): a directory with ``config.json`` and tokenizer files;
-      the layers to tap (``--num-target-layers``/``--target-layer-ids``), ``--mask-token-id`` and
-      ``--seq-len`` fit its config;
+    - ``--target`` (or the embedded target): a directory with ``config.json``, tokenizer files and
+      whole weight files (:mod:`dflash.weight_files`); the layers to tap (``--num-target-layers``/
+      ``--target-layer-ids``), ``--mask-token-id`` and ``--seq-len`` fit its config;
     - ``--device``, ``--target-devices``/``--drafter-devices``: devices this host has.
 
     Raises:
@@ -140,14 +140,17 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> None:
     Raises:
         TargetLoadError: no such directory, no (readable) ``config.json``, no tokenizer files, or a
             config without ``num_hidden_layers``.
+        WeightFileError: a weight file is missing, truncated or unreadable.
         ValueError: the layers to tap do not fit (names the flags and values that do), the mask
             token is not in the vocabulary, or ``--seq-len`` is past the target's positions.
     """
     from dflash.layer_taps import check_taps
     from dflash.target import TargetLoadError, read_target_config, require_tokenizer_files
+    from dflash.weight_files import check_weight_files
 
     raw = read_target_config(target_dir)
     require_tokenizer_files(target_dir)
+    check_weight_files(target_dir)
     text = raw.get("text_config") or raw  # multimodal configs nest the language model's
     num_layers = text.get("num_hidden_layers")
     if not isinstance(num_layers, int):

@@ -129,9 +129,11 @@ def _evaluate(args: argparse.Namespace):
     import torch
 
     from dflash.assets import default_target_dir
-    from dflash.checkpoint import CheckpointError
+    from dflash.checkpoint import DRAFTER_FILES, CheckpointError, find_checkpoint
+    from dflash.compatibility import check_drafter_fits_target
     from dflash.evaluate import evaluate, load_drafter, load_prompts
     from dflash.target import context_length, load_target, load_tokenizer, resolve_device
+    from dflash.weight_files import check_weight_files
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
         raise CheckpointError(
@@ -144,6 +146,10 @@ def _evaluate(args: argparse.Namespace):
     run = _run_config(Path(args.drafter))
     _note_training_in_progress(run)
     target_dir = Path(args.target) if args.target else _trained_target(run) or default_target_dir()
+    # From the two config.json files and the weight headers, before anything loads (minutes for a large target).
+    step_dir = find_checkpoint(args.drafter, verify=False, files=DRAFTER_FILES)
+    check_drafter_fits_target(step_dir, target_dir, trained_on=run[1].get("target") if run else None)
+    check_weight_files(target_dir)
     data = _held_out_data(args.data, run)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # Tokenizer and prompts first: their errors come before the (slow) target loads.
@@ -154,11 +160,6 @@ def _evaluate(args: argparse.Namespace):
     )
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
     target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
-    if drafter.config.num_target_layers != target.num_layers:
-        raise ValueError(
-            f"--drafter was trained for a {drafter.config.num_target_layers}-layer target, "
-            f"{target_dir} has {target.num_layers} layers; pass the matching --target"
-        )
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
     report = evaluate(
         target,
