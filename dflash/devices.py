@@ -105,22 +105,16 @@ def _cpu_slot(index: int, flag: str) -> Slot:
     return Slot(f"cpu:{index}", torch.device("cpu"))
 
 
-def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
-    """Parse one device spec (module docstring) into slots, in the order given.
-
-    Args:
-        spec: e.g. ``"cuda:0-4"``, ``"cuda:0,cuda:2"``, ``"cpu"``, ``"cpu:0-1"``.
-        flag: the flag name for error messages.
+def _spec_devices(spec: str, *, flag: str) -> list[tuple[str, int]]:
+    """``(type, index)`` of each slot of ``spec`` in the order given, not checked against this host.
 
     Raises:
-        DeviceSpecError: empty spec, an item that is not a device, a descending range, a GPU
-            this host does not have (names it and the GPU count), a CPU slot past the core count,
-            or a slot listed twice.
+        DeviceSpecError: empty spec, an item that is not a device, a descending range.
     """
     items = [item.strip() for item in spec.split(",")]
     if not spec.strip() or not all(items):
         raise DeviceSpecError(f"{flag} {spec!r}: empty device item; write e.g. cuda:0-3, cuda:0,cuda:2 or cpu:0-1")
-    slots, kind = [], None
+    devices, kind = [], None
     for item in items:
         m = _ITEM.match(item)
         if not m:
@@ -137,8 +131,35 @@ def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
             last = int(m["last"] or first)
         if last < first:
             raise DeviceSpecError(f"{flag}: {item!r} is a descending range; write {kind}:{last}-{first}")
-        for index in range(first, last + 1):
-            slots.append(_cuda_slot(index, flag) if kind == "cuda" else _cpu_slot(index, flag))
+        devices += [(kind, index) for index in range(first, last + 1)]
+    return devices
+
+
+def count_slots(spec: str) -> int:
+    """The number of slots (threads) ``spec`` names, on any host (a saved run's layout).
+
+    Raises:
+        DeviceSpecError: see :func:`_spec_devices`.
+    """
+    return len(_spec_devices(spec, flag="device spec"))
+
+
+def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
+    """Parse one device spec (module docstring) into slots, in the order given.
+
+    Args:
+        spec: e.g. ``"cuda:0-4"``, ``"cuda:0,cuda:2"``, ``"cpu"``, ``"cpu:0-1"``.
+        flag: the flag name for error messages.
+
+    Raises:
+        DeviceSpecError: empty spec, an item that is not a device, a descending range, a GPU
+            this host does not have (names it and the GPU count), a CPU slot past the core count,
+            or a slot listed twice.
+    """
+    slots = tuple(
+        _cuda_slot(index, flag) if kind == "cuda" else _cpu_slot(index, flag)
+        for kind, index in _spec_devices(spec, flag=flag)
+    )
     names = [s.name for s in slots]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -146,7 +167,7 @@ def parse_devices(spec: str, *, flag: str) -> tuple[Slot, ...]:
         if all(s.device.type == "cpu" for s in slots):  # several CPU threads are numbered slots
             fix = f"for {len(slots)} CPU threads write {flag} cpu:0-{len(slots) - 1}"
         raise DeviceSpecError(f"{flag} {spec!r}: {', '.join(duplicates)} listed twice (one thread per slot); {fix}")
-    return tuple(slots)
+    return slots
 
 
 def parse_layout(target_devices: str, drafter_devices: str) -> DeviceLayout:

@@ -78,11 +78,11 @@ def check_resume_flags(config: TrainConfig) -> None:
         CheckpointError: a flag that changes the math differs (names each, old -> new).
     """
     from dflash.config import read_saved_config
-    from dflash.trainer import _check_resume_config
+    from dflash.resume import check_resume_config
 
     saved = read_saved_config(config.out)
     if saved:
-        _check_resume_config(saved, config, Path(config.out), warn=False)
+        check_resume_config(saved, config, Path(config.out), warn=False)
 
 
 def check_out_dir(out: Path, *, resume: bool) -> None:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import signal
 import threading
@@ -32,7 +31,7 @@ import torch
 
 from dflash import checkpoint
 from dflash.compile_watch import DynamoWarnings
-from dflash.config import INPUT_PATHS, SAVED_CONFIG_NAME, TrainConfig, absolute_path
+from dflash.config import SAVED_CONFIG_NAME, TrainConfig
 from dflash.data import BatchLoader, ShardedSampler, build_examples, check_token_ids, read_conversations
 from dflash.devices import DeviceLayout, Slot, parse_layout
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
@@ -46,6 +45,7 @@ from dflash.mask_token import resolve_mask_token_id
 from dflash.packing import row_packer
 from dflash.preflight import validate_inputs
 from dflash.progress_logging import log_above_progress_bars
+from dflash.resume import check_process_count, check_resume_config
 from dflash.target import load_target, load_tokenizer, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -619,7 +619,7 @@ class Trainer:
         """
         step_dir = checkpoint.find_checkpoint(self.out)
         state = checkpoint.load_training_state(step_dir)
-        _check_resume_config(state["config"], self.config, step_dir)
+        check_resume_config(state["config"], self.config, step_dir)
         if state.get("data_sha256", self.data_sha256) != self.data_sha256:
             logger.warning(
                 "%s: the data file changed since %s was saved (sha256 %.12s -> %.12s): the resumed run draws its "
@@ -635,12 +635,7 @@ class Trainer:
                 f"{step_dir} holds a training state of an older dflash version; evaluate it with dflash eval, "
                 "or train into a new --out"
             )
-        rngs = engine_state["anchor_rng"]
-        if len(rngs) != self.process.world_size:
-            raise checkpoint.CheckpointError(
-                f"{step_dir} was saved by {len(rngs)} process(es), this run has {self.process.world_size}; "
-                "resume with the same torchrun layout"
-            )
+        check_process_count(len(engine_state["anchor_rng"]), self.process.world_size, step_dir)
         self.engine.load_state_dict(engine_state, checkpoint.resume_weights(step_dir, state))
         checkpoint.set_rng_state(state["rng"])
         self.step = state["step"]
@@ -662,76 +657,4 @@ def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
             "hook): %d drafter threads compiling in this process can crash or fall back to eager; "
             "`dflash patches status` says why",
             drafter_threads,
-        )
-
-
-# Fields that may change between a run and its resumption without changing the math.
-_RESUMABLE_CHANGES = {
-    "out",
-    "resume",
-    "steps",
-    "epochs",
-    "progress",
-    "log_every",
-    "save_every",
-    "keep_last",
-    "device",
-    "compile",
-    "cpu_threads",
-    "peak_tflops",
-    "save",
-    "save_dtype",
-    "target_devices",
-    "prefetch_depth",
-}
-
-
-def _same_input(saved: str | None, current: str | None, *, warn: bool = True) -> bool:
-    """Whether a saved --target/--data names the file or directory given now.
-
-    Runs saved before input paths were made absolute hold them as typed, relative to where
-    that run started. A saved path that does not exist here (another host's mount point) is
-    taken as the same input, with a warning, rather than failing only on some ranks.
-    """
-    if not saved or not current:
-        return saved == current
-    if absolute_path(saved) == current:
-        return True
-    if not os.path.exists(saved):
-        if warn:
-            logger.warning(
-                "the run was trained on %s, which does not exist here; taking %s as the same input", saved, current
-            )
-        return True
-    return os.path.exists(current) and os.path.samefile(saved, current)
-
-
-def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path, *, warn: bool = True) -> None:
-    """Raise CheckpointError when a flag that changes the math differs from ``saved``; with
-    ``warn``, log the tolerated differences (a moved input, another length)."""
-    # A key the saved run lacks is a field added since; it ran with that field's default.
-    saved = {**TrainConfig.defaults(), **saved}
-    changed = sorted(
-        k
-        for k, v in current.to_dict().items()
-        if k not in _RESUMABLE_CHANGES and k not in INPUT_PATHS and saved.get(k) != v
-    )
-    changed += [k for k in INPUT_PATHS if not _same_input(saved.get(k), getattr(current, k), warn=warn)]
-    if changed:
-        details = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(current, k)!r}" for k in changed)
-        raise checkpoint.CheckpointError(
-            f"{step_dir} was trained with a different config ({details}); resume with the same flags "
-            "(train_config.json in --out holds them; flags you do not repeat are taken from it) "
-            "or train into a new --out"
-        )
-    if warn and (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):
-        logger.warning(
-            "%s: resuming with a different length (steps %s -> %s, epochs %s -> %s): the learning-rate "
-            "schedule is recomputed for the new length, so the continuation is not the run it would have "
-            "been",
-            step_dir,
-            saved.get("steps"),
-            current.steps,
-            saved.get("epochs"),
-            current.epochs,
         )

@@ -101,13 +101,11 @@ def _already_done(config) -> bool:
 
 
 def _resumed_values(given: dict) -> dict:
-    """The flags of a resumed run: those given now over the saved ones (not the defaults)."""
+    """The flags of a resumed run (:func:`dflash.resume.resumed_values`)."""
     from dflash.config import TrainConfig
+    from dflash.resume import resumed_values
 
-    saved = _saved_config(given.get("out", TrainConfig.out))
-    if "device" not in given and given.get("target_devices", saved.get("target_devices")) is not None:
-        saved.pop("device", None)  # the layout names the devices (older runs saved both)
-    return {**saved, **given}
+    return resumed_values(_saved_config(given.get("out", TrainConfig.out)), given)
 
 
 @contextlib.contextmanager

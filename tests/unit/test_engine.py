@@ -118,7 +118,7 @@ def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path, monkeypat
 def test_resume_with_a_different_drafter_layout_is_refused(assets, tmp_path, monkeypatch):
     monkeypatch.setattr("dflash.devices._usable_cores", lambda: 4)
     Trainer(_config(assets, tmp_path, steps=1)).train()
-    with pytest.raises(CheckpointError, match="drafter_devices: 'cpu:0-1' -> 'cpu:0-2'"):
+    with pytest.raises(CheckpointError, match="4 rows per process .* the resumed layout on 6 .* use 1 or 2 drafter"):
         Trainer(_config(assets, tmp_path, steps=2, drafter_devices="cpu:0-2", resume=True))
     # Target threads may change between runs: the math does not depend on them.
     resumed = Trainer(_config(assets, tmp_path, steps=2, target_devices="cpu:0-1", resume=True))

@@ -261,32 +261,32 @@ def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets
 
 
 def test_resume_compares_inputs_as_files_not_strings(assets, tmp_path, monkeypatch, caplog):
-    from dflash.trainer import _check_resume_config
+    from dflash.resume import check_resume_config
 
     # A run saved with a relative --data (before paths were saved absolute) resumes from its own directory...
     monkeypatch.chdir(assets["data"].parent)
     saved = {**_config(assets, tmp_path).to_dict(), "data": assets["data"].name}
-    _check_resume_config(saved, _config(assets, tmp_path), tmp_path)
+    check_resume_config(saved, _config(assets, tmp_path), tmp_path)
     # ... and from elsewhere, where the saved path names nothing (as on another host), with a warning.
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.WARNING):
-        _check_resume_config(saved, _config(assets, tmp_path), tmp_path)
+        check_resume_config(saved, _config(assets, tmp_path), tmp_path)
     assert "which does not exist here" in caplog.text
     # Two existing, different files are a different config.
     other = tmp_path / "other.jsonl"
     other.write_text(assets["data"].read_text())
     with pytest.raises(CheckpointError, match="different config \\(data:"):
-        _check_resume_config(_config(assets, tmp_path).to_dict(), _config(assets, tmp_path, data=str(other)), tmp_path)
+        check_resume_config(_config(assets, tmp_path).to_dict(), _config(assets, tmp_path, data=str(other)), tmp_path)
 
 
 def test_resuming_with_another_length_warns_that_the_schedule_changes(assets, tmp_path, caplog):
-    from dflash.trainer import _check_resume_config
+    from dflash.resume import check_resume_config
 
     saved = _config(assets, tmp_path, steps=6).to_dict()
     with caplog.at_level(logging.WARNING):
-        _check_resume_config(saved, _config(assets, tmp_path, steps=6), tmp_path)
+        check_resume_config(saved, _config(assets, tmp_path, steps=6), tmp_path)
         assert "schedule" not in caplog.text
-        _check_resume_config(saved, _config(assets, tmp_path, steps=8), tmp_path)
+        check_resume_config(saved, _config(assets, tmp_path, steps=8), tmp_path)
     assert "steps 6 -> 8" in caplog.text and "learning-rate schedule is recomputed" in caplog.text
 
 
