@@ -3,9 +3,11 @@ assistant-only loss mask, fixed-shape batches and a resumable, rank-sharded samp
 
 Input: one JSON object per line, either OpenAI style ``{"messages": [{"role", "content"}]}``
 or ShareGPT style ``{"conversations": [{"from", "value"}]}`` (roles ``human``/``gpt`` map to
-``user``/``assistant``). Each conversation is rendered once with the target tokenizer's chat
-template; the loss mask marks the tokens of assistant turns (content plus the end-of-turn
-marker, so the drafter learns to stop). The spans are found by rendering the conversation
+``user``/``assistant``), with tool calls, tool results and the tools offered in either's shape
+(:mod:`dflash.tool_calls`). Each conversation is rendered once with the target tokenizer's chat
+template (tools and tool calls passed to it); the loss mask marks the tokens of assistant turns
+(content, tool calls, and the end-of-turn marker, so the drafter learns to stop). A conversation
+whose tool use the template does not render is skipped and counted. The spans are found by rendering the conversation
 prefix up to each assistant turn (with and without the generation prompt) and matching it
 against the full rendering, then mapping characters to tokens through the tokenizer's offset
 mapping; templates that rewrite earlier turns (Qwen3 drops old reasoning) fall back to
@@ -44,6 +46,8 @@ from typing import Any
 
 import torch
 
+from dflash.tool_calls import ToolCallError, function_call_turn, message_tool_calls, record_tools, unrendered
+
 logger = logging.getLogger(__name__)
 
 # Role spellings seen in public chat corpora, mapped to the chat-template roles.
@@ -58,7 +62,10 @@ _ROLE_ALIASES = {
     "model": "assistant",
     "tool": "tool",
     "observation": "tool",  # LLaMA-Factory's ShareGPT name for a tool result
+    "function": "tool",  # OpenAI's deprecated role for a function_call's result
 }
+#: LLaMA-Factory's ShareGPT role of an assistant turn of tool calls (its value: the calls as JSON).
+_FUNCTION_CALL_ROLE = "function_call"
 # Leading bytes of the binary files chat corpora ship in, with the command that makes JSONL of them
 # ({path}, {out}: shell-quoted source and suggested output).
 _BINARY_FORMATS = {
@@ -71,17 +78,10 @@ _BINARY_FORMATS = {
         "python -c \"import datasets; datasets.Dataset.from_parquet('{path}').to_json('{out}')\"",
     ),
 }
-# Fields of public chat formats that change what the target sees (tool calls and schemas, reasoning) or
-# what is trained on (OpenAI's per-message weight 0), with the value that changes nothing; messages are
-# rendered from role and text alone.
-_UNRENDERED_RECORD_KEYS = ("tools", "functions")
-_UNRENDERED_MESSAGE_KEYS = {"tool_calls": None, "function_call": None, "reasoning_content": None, "weight": 1}
-# A tool call is rendered by the target's chat template from an assistant message's tool_calls, which
-# this loader does not pass through; as plain text it would teach the drafter another format.
-_FUNCTION_CALL_ROLE = (
-    " ('function_call' turns are tool calls, which are not rendered: drop those conversations, or write each call "
-    "into an assistant turn's text in the target's own tool-call format)"
-)
+# Fields of public chat formats that change what the target sees (reasoning kept apart from the content) or
+# what is trained on (OpenAI's per-message weight 0), with the value that changes nothing: they are not passed
+# to the template.
+_UNRENDERED_MESSAGE_KEYS = {"reasoning_content": None, "weight": 1}
 OVERFLOW_POLICIES = ("truncate", "drop")
 #: Longest raw JSONL line read (bytes): 4M+ tokens, more than any --seq-len keeps.
 MAX_LINE_BYTES = 16 << 20
@@ -97,7 +97,33 @@ class DatasetError(ValueError):
 
 
 class TemplateRejected(DatasetError):
-    """The target's chat template refuses a conversation (e.g. roles that do not alternate)."""
+    """The target's chat template refuses a conversation (e.g. roles that do not alternate), or
+    leaves out its tool calls or tools."""
+
+
+class Conversation(list):
+    """A conversation: its messages (a list of ``{"role", "content"}`` dicts, assistant turns with
+    ``tool_calls``, tool results with ``tool_call_id``), and the tools it offers.
+
+    A list, so slicing and indexing work as on the messages; a slice or a concatenation keeps
+    ``tools`` (a prefix is rendered with the tools the whole conversation offers).
+
+    Args:
+        messages: the messages.
+        tools (list[dict], optional): ``{"type": "function", "function": schema}`` each, for the
+            chat template's ``tools`` argument; None: no tools.
+    """
+
+    def __init__(self, messages=(), tools: list[dict] | None = None) -> None:
+        super().__init__(messages)
+        self.tools = tools
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return Conversation(item, self.tools) if isinstance(index, slice) else item
+
+    def __add__(self, other):
+        return Conversation([*self, *other], self.tools)
 
 
 @dataclass(frozen=True)
@@ -303,7 +329,7 @@ class _UnrenderedFields:
         self.count, self.first = 0, None
 
     def note(self, record: dict, where: str) -> None:
-        names = {key for key in _UNRENDERED_RECORD_KEYS if record.get(key)}
+        names = set()
         for message in record.get("messages") or record.get("conversations"):
             names |= {
                 key for key, inert in _UNRENDERED_MESSAGE_KEYS.items() if message.get(key, inert) not in (inert, [], "")
@@ -317,7 +343,7 @@ class _UnrenderedFields:
         if self.count:
             logger.warning(
                 "%s: %d of %d conversations carry fields that are not rendered (%s; first at %s): they are "
-                "rendered and trained on from role and text alone (tool calls and reasoning left out, weight-0 "
+                "rendered and trained on without them (reasoning kept apart from the content left out, weight-0 "
                 "turns trained on), unlike what the target sees when serving; drop those conversations, or "
                 "write the fields' text into the content",
                 path,
@@ -328,7 +354,7 @@ class _UnrenderedFields:
             )
 
 
-def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
+def _parse_record(record: Any, where: str) -> Conversation:
     if not isinstance(record, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -342,19 +368,42 @@ def _parse_record(record: Any, where: str) -> list[dict[str, str]]:
         )
     if not isinstance(messages, list) or not messages:
         raise DatasetError(f"{where}: expected a non-empty list of messages")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or role_key not in message or text_key not in message:
-            raise DatasetError(
-                f"{where}: message {i} must be an object with keys '{role_key}' and '{text_key}', got {message!r:.80}"
-            )
-        role, content = message[role_key], message[text_key]
-        if role not in _ROLE_ALIASES:
-            raise DatasetError(
-                f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(_ROLE_ALIASES)}"
-                + (_FUNCTION_CALL_ROLE if role == "function_call" else "")
-            )
-        parsed.append({"role": _ROLE_ALIASES[role], "content": _text(content, f"{where}: message {i} '{text_key}'")})
+    try:
+        tools = record_tools(record, where)
+        parsed = [
+            _parse_message(message, role_key, text_key, f"{where}: message {i}") for i, message in enumerate(messages)
+        ]
+    except ToolCallError as e:
+        raise DatasetError(str(e)) from None
+    return Conversation(parsed, tools)
+
+
+def _parse_message(message: Any, role_key: str, text_key: str, where: str) -> dict:
+    """One message as the chat template takes it (module docstring; tool calls: :mod:`dflash.tool_calls`).
+
+    Raises:
+        DatasetError: no role, no text (unless the turn calls tools), an unknown role.
+        ToolCallError: a tool call that cannot be read.
+    """
+    calls = message_tool_calls(message, where) if isinstance(message, dict) and role_key == "role" else None
+    if not isinstance(message, dict) or role_key not in message or (text_key not in message and not calls):
+        raise DatasetError(f"{where} must be an object with keys '{role_key}' and '{text_key}', got {message!r:.80}")
+    role = message[role_key]
+    if role == _FUNCTION_CALL_ROLE and role_key == "from":
+        return {"role": "assistant", "content": "", "tool_calls": function_call_turn(message[text_key], where)}
+    if role not in _ROLE_ALIASES:
+        raise DatasetError(f"{where} has unknown role {role!r}; expected one of {sorted(_ROLE_ALIASES)}")
+    parsed = {"role": _ROLE_ALIASES[role]}
+    if calls:
+        if parsed["role"] != "assistant":
+            raise DatasetError(f"{where}: a {role!r} turn with tool calls; only assistant turns call tools")
+        content = message.get(text_key)
+        parsed["content"] = "" if content is None else _text(content, f"{where} '{text_key}'")
+        parsed["tool_calls"] = calls
+        return parsed
+    parsed["content"] = _text(message[text_key], f"{where} '{text_key}'")
+    if parsed["role"] == "tool":  # templates that pair results with their calls read these
+        parsed |= {key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)}
     return parsed
 
 
@@ -381,18 +430,18 @@ def _text(content, where: str) -> str:
         )
     if content is None:
         raise DatasetError(
-            f"{where} is null (an assistant turn of tool calls only?); the drafter trains on text turns: drop "
-            "those conversations or put the calls' text in the content"
+            f"{where} is null; give the turn its text, or, for an assistant turn that calls tools, its "
+            "'tool_calls' (OpenAI's shape)"
         )
     raise DatasetError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
 
 
-def prompt_messages(conversation: Sequence[dict[str, str]]) -> list[dict[str, str]] | None:
-    """The messages before the first assistant turn (an evaluation prompt); None if the
-    conversation has no assistant turn or nothing before it."""
+def prompt_messages(conversation: Conversation) -> Conversation | None:
+    """The messages before the first assistant turn, with the tools offered (an evaluation prompt);
+    None if the conversation has no assistant turn or nothing before it."""
     for i, message in enumerate(conversation):
         if message["role"] == "assistant":
-            return list(conversation[:i]) or None
+            return conversation[:i] or None
     return None
 
 
@@ -402,7 +451,8 @@ def prompt_messages(conversation: Sequence[dict[str, str]]) -> list[dict[str, st
 
 
 def render_chat(tokenizer, messages, *, add_generation_prompt: bool) -> str:
-    """``messages`` rendered with the target's chat template.
+    """``messages`` rendered with the target's chat template, with the tools they offer
+    (:class:`Conversation`) as its ``tools``.
 
     Raises:
         TemplateRejected: the template raises on them (jinja's ``raise_exception``, or an error
@@ -410,7 +460,10 @@ def render_chat(tokenizer, messages, *, add_generation_prompt: bool) -> str:
     """
     try:
         return tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages),
+            tools=getattr(messages, "tools", None),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except Exception as e:  # jinja2.TemplateError and transformers' ValueErrors alike
         raise TemplateRejected(f"the target's chat template rejects it: {e}") from None
@@ -449,9 +502,13 @@ def assistant_char_spans(tokenizer, conversation: Sequence[dict[str, str]]) -> t
                     f"assistant turn {i} not found in the rendered chat template; the tokenizer's "
                     "template rewrites message content, so the loss mask cannot be derived"
                 )
-            end += len(_end_of_turn(text, start, end, through))
+            turn = through[len(before) :] if through and through.startswith(before) else through
+            end += len(_end_of_turn(text, start, end, turn))
         spans.append((start, end))
         cursor = end
+    reason = unrendered(conversation, getattr(conversation, "tools", None), text, spans)
+    if reason:
+        raise TemplateRejected(f"the target's chat template {reason}")
     return text, spans
 
 
@@ -477,14 +534,18 @@ def _find_turn(text: str, content: str, cursor: int) -> tuple[int, int]:
     return start, start + len(content)
 
 
-def _end_of_turn(text: str, start: int, end: int, through: str | None) -> str:
-    """The end-of-turn marker that follows a turn found at ``text[start:end]``: what ``through`` (the
-    prefix rendered up to this turn) has after the turn's text, when ``text`` has it there too; else
-    "". Qwen3 renders a turn that is last differently (an empty think block), so prefix matching
-    fails for every earlier turn, but its ``<|im_end|>`` is the same: the drafter learns to stop."""
+def _end_of_turn(text: str, start: int, end: int, turn: str | None) -> str:
+    """The end-of-turn marker that follows a turn found at ``text[start:end]``: what ``turn`` (the turn
+    as the prefix rendered up to it renders it) has after the turn's text, when ``text`` has it there
+    too; else "". Qwen3 renders a turn that is last differently (an empty think block), so prefix
+    matching fails for every earlier turn, but its ``<|im_end|>`` is the same: the drafter learns to
+    stop. A turn with no text (tool calls alone) gets the longest tail of ``turn`` that ``text`` has
+    at ``end``: its calls and the marker (Qwen3: ``<tool_call>...</tool_call><|im_end|>``)."""
     found = text[start:end]
-    at = through.rfind(found) if through and found else -1
-    marker = through[at + len(found) :] if at >= 0 else ""
+    if not found:
+        return next((turn[k:] for k in range(len(turn or "")) if text.startswith(turn[k:], end)), "")
+    at = turn.rfind(found) if turn else -1
+    marker = turn[at + len(found) :] if at >= 0 else ""
     return marker if marker and text.startswith(marker, end) else ""
 
 
@@ -501,17 +562,23 @@ def char_budget(max_tokens: int) -> int:
     return max_tokens * MAX_CHARS_PER_TOKEN
 
 
-def cut_to_budget(conversation: Sequence[dict[str, str]], max_tokens: int) -> tuple[list[dict[str, str]], bool]:
-    """``(messages, cut)``: the conversation's first :func:`char_budget` characters of content and
-    first ``max_tokens`` messages; ``cut`` says whether anything was left out (then the whole
-    conversation is over ``max_tokens`` tokens)."""
-    budget, kept = char_budget(max_tokens), []
+def cut_to_budget(conversation: Conversation, max_tokens: int) -> tuple[Conversation, bool]:
+    """``(messages, cut)``: the conversation's first :func:`char_budget` characters of content (the
+    tools' schemas and tool calls counted as their JSON text) and first ``max_tokens`` messages;
+    ``cut`` says whether anything was left out (then the whole conversation is over ``max_tokens``
+    tokens). A message of tool calls is kept whole or not at all; no message is kept when the
+    tools alone are over the budget."""
+    tools = getattr(conversation, "tools", None)
+    budget, kept = char_budget(max_tokens) - (len(json.dumps(tools)) if tools else 0), []
     for message in conversation[:max_tokens]:
-        if len(message["content"]) >= budget:
-            return kept + [{**message, "content": message["content"][:budget]}], True
-        budget -= len(message["content"])
+        size = len(message["content"]) + (len(json.dumps(message["tool_calls"])) if "tool_calls" in message else 0)
+        if size >= budget:
+            if "tool_calls" not in message and budget > 0:
+                kept.append({**message, "content": message["content"][:budget]})
+            return Conversation(kept, tools), True
+        budget -= size
         kept.append(message)
-    return kept, len(conversation) > max_tokens
+    return Conversation(kept, tools), len(conversation) > max_tokens
 
 
 def tokenize_conversation(
@@ -572,7 +639,7 @@ def build_examples(
     )
     for index, conversation in enumerate(bar, start=1):
         kept, cut = cut_to_budget(conversation, seq_len)
-        if cut and overflow == "drop":
+        if cut and (overflow == "drop" or not kept):  # nothing kept: the tools alone are over seq_len
             too_long += 1
             continue
         try:
@@ -618,7 +685,8 @@ def build_examples(
         )
     if rejected:
         logger.warning(
-            "%s: %d conversations skipped: the target's chat template rejects them (first: %s)",
+            "%s: %d conversations skipped: the target's chat template rejects them or leaves out their tool use "
+            "(first: %s)",
             source,
             len(rejected),
             rejected[0],

@@ -459,9 +459,12 @@ def _sigterm_interrupts():
 
 
 def write_conversations(path: Path, conversations) -> None:
-    """Write conversations as OpenAI ``messages`` JSONL (via a temp file, then rename)."""
+    """Write conversations as OpenAI ``messages`` JSONL, with the ``tools`` they offer (via a temp
+    file, then rename)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for conversation in conversations:
-            f.write(json.dumps({"messages": conversation}, ensure_ascii=False) + "\n")
+            tools = getattr(conversation, "tools", None)
+            record = {"messages": conversation, **({"tools": tools} if tools else {})}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     tmp.replace(path)

@@ -69,7 +69,7 @@ def test_fields_the_chat_is_rendered_without_are_named_in_a_warning(tmp_path, ca
         {
             "messages": [
                 {"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [call], "reasoning_content": "hm"},
                 {"role": "tool", "content": "21 C"},
                 {"role": "assistant", "content": "It is 21 C."},
             ],
@@ -84,7 +84,8 @@ def test_fields_the_chat_is_rendered_without_are_named_in_a_warning(tmp_path, ca
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "1 of 2 conversations" in warnings[0]
-    assert "'tool_calls'" in warnings[0] and "'tools'" in warnings[0]
+    # Tool calls and tools are rendered: only the reasoning is named.
+    assert "carry fields that are not rendered ('reasoning_content'; first at" in warnings[0]
     assert "tools.jsonl:1" in warnings[0]  # the first one, to look at
 
 
@@ -116,7 +117,7 @@ def test_the_conversion_of_a_json_array_never_writes_over_the_file(tmp_path):
 
 
 def test_a_quick_check_of_the_start_does_not_warn(tmp_path, caplog):
-    record = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "weight": 0}]}
     path = write_jsonl(tmp_path / "t.jsonl", [record])
     with caplog.at_level(logging.WARNING, logger="dflash.data"):
         read_conversations(path, max_records=1)
@@ -212,10 +213,12 @@ def test_developer_and_observation_roles_are_read_as_system_and_tool(tmp_path):
     assert [m["role"] for m in second] == ["user", "tool", "assistant"]
 
 
-def test_a_function_call_turn_is_refused_with_what_to_do(tmp_path):
+def test_a_function_call_turn_without_a_call_is_refused_naming_it(tmp_path):
     path = write_jsonl(
         tmp_path / "calls.jsonl",
         [{"conversations": [{"from": "human", "value": "weather?"}, {"from": "function_call", "value": "{}"}]}],
     )
-    with pytest.raises(DatasetError, match=r"calls\.jsonl:1: .*'function_call' turns are tool calls.*drop those"):
+    with pytest.raises(
+        DatasetError, match=r"calls\.jsonl:1: message 1 call 0: expected an object with a function name"
+    ):
         read_conversations(path)

@@ -65,7 +65,8 @@ def test_reads_openai_and_sharegpt_alike(tmp_path):
         ),
         (
             b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]}\n',
-            r"bad\.jsonl:1: message 1 'content' is null \(an assistant turn of tool calls only\?\)",
+            r"bad\.jsonl:1: message 1 'content' is null; give the turn its text, or, for an assistant turn that "
+            r"calls tools, its 'tool_calls'",
         ),
         (
             b'{"messages": [{"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "x"}]}]}\n',
@@ -200,7 +201,8 @@ def test_conversations_the_chat_template_rejects_are_skipped_and_named(tmp_path,
     examples = build_examples(strict, [good, two_users, good], seq_len=64, source="chats.jsonl", progress=False)
     assert len(examples) == 2
     assert (
-        "chats.jsonl: 1 conversations skipped: the target's chat template rejects them (first: conversation 2: "
+        "chats.jsonl: 1 conversations skipped: the target's chat template rejects them or leaves out their tool "
+        "use (first: conversation 2: "
         "the target's chat template rejects it: Conversation roles must alternate" in caplog.text
     )
     with pytest.raises(DatasetError, match=r"1 rejected by the chat template \(first: conversation 1: .*alternate"):
