@@ -610,10 +610,150 @@ def tokenize_conversation(
     return Example(input_ids=list(encoded["input_ids"]), loss_mask=mask)
 
 
+@dataclass
+class Tokenized:
+    """Examples of a run of conversations, and the counts of what was left out (one log line).
+
+    Args:
+        examples (list[Example]): the usable conversations' examples, in order.
+        conversations (int): conversations tokenized.
+        too_long (int): longer than ``seq_len`` (truncated or dropped).
+        unsupervised (int): skipped without two consecutive assistant tokens.
+        short_cuts (int): cut for their characters but under ``seq_len`` tokens.
+        rejected (int): skipped because the chat template rejects them or leaves out their tool use.
+        first_rejected (str): the first of those, and why ("" if none).
+    """
+
+    examples: list[Example]
+    conversations: int = 0
+    too_long: int = 0
+    unsupervised: int = 0
+    short_cuts: int = 0
+    rejected: int = 0
+    first_rejected: str = ""
+
+    @classmethod
+    def joined(cls, parts: Sequence[Tokenized]) -> Tokenized:
+        """The parts of consecutive runs of conversations, in order, as one."""
+        counts = ("conversations", "too_long", "unsupervised", "short_cuts", "rejected")
+        return cls(
+            [example for part in parts for example in part.examples],
+            **{name: sum(getattr(part, name) for part in parts) for name in counts},
+            first_rejected=next((part.first_rejected for part in parts if part.first_rejected), ""),
+        )
+
+
+def tokenize_conversations(
+    tokenizer, conversations, *, seq_len: int, overflow: str, source: str, first: int = 1, bar=None
+) -> Tokenized:
+    """Tokenize conversations and apply the length policy (module docstring); ``first`` is the
+    1-based index in ``source`` of the first (for messages), ``bar`` a progress bar to advance.
+
+    Raises:
+        DatasetError: a conversation's loss mask cannot be derived (names its index in ``source``).
+    """
+    done = Tokenized([], conversations=len(conversations))
+    for index, conversation in enumerate(conversations, start=first):
+        if bar is not None:
+            bar.update(1)
+        kept, cut = cut_to_budget(conversation, seq_len)
+        if cut and (overflow == "drop" or not kept):  # nothing kept: the tools alone are over seq_len
+            done.too_long += 1
+            continue
+        try:
+            example = tokenize_conversation(tokenizer, kept, max_chars=char_budget(seq_len) if cut else None)
+        except TemplateRejected as e:
+            done.rejected += 1
+            done.first_rejected = done.first_rejected or f"conversation {index}: {e}"
+            logger.debug("%s: conversation %d skipped: %s", source, index, e)
+            continue
+        except DatasetError as e:
+            raise DatasetError(f"{source}: conversation {index}: {e}") from None
+        if cut and len(example.input_ids) < seq_len:
+            done.short_cuts += 1
+        if cut or len(example.input_ids) > seq_len:
+            done.too_long += 1
+            if overflow == "drop":
+                continue
+            example = Example(example.input_ids[:seq_len], example.loss_mask[:seq_len])
+        if not _has_anchor(example.loss_mask):
+            done.unsupervised += 1
+            logger.debug("%s: conversation %d skipped: no two consecutive assistant tokens", source, index)
+            continue
+        done.examples.append(example)
+    return done
+
+
+def usable_examples(tokenized: Tokenized, *, seq_len: int, overflow: str, source: str) -> list[Example]:
+    """``tokenized.examples``, after logging what was left out (one line, and a warning each for
+    conversations cut short or skipped by the chat template).
+
+    Raises:
+        DatasetError: no usable conversation is left (names ``source``).
+    """
+    logger.info(
+        "%s: %d conversations, %d longer than seq_len=%d (%s), %d skipped without two "
+        "consecutive assistant tokens, %d kept",
+        source,
+        tokenized.conversations,
+        tokenized.too_long,
+        seq_len,
+        "truncated" if overflow == "truncate" else "dropped",
+        tokenized.unsupervised,
+        len(tokenized.examples),
+    )
+    if tokenized.short_cuts:
+        logger.warning(
+            "%s: %d conversations averaged over %d characters per token in their first %d characters, "
+            "so they were kept shorter than seq_len=%d (runs of one repeated character?)",
+            source,
+            tokenized.short_cuts,
+            MAX_CHARS_PER_TOKEN,
+            char_budget(seq_len),
+            seq_len,
+        )
+    if tokenized.rejected:
+        logger.warning(
+            "%s: %d conversations skipped: the target's chat template rejects them or leaves out their tool use "
+            "(first: %s)",
+            source,
+            tokenized.rejected,
+            tokenized.first_rejected,
+        )
+    if not tokenized.examples:
+        reason = (
+            f"; {tokenized.rejected} rejected by the chat template (first: {tokenized.first_rejected})"
+            if tokenized.rejected
+            else ""
+        )
+        raise DatasetError(
+            f"{source}: no usable conversation (need an assistant turn of at least two "
+            f"tokens within seq_len={seq_len}){reason}; raise --seq-len or check the roles"
+        )
+    return tokenized.examples
+
+
+def tokenizing_bar(total: int, *, source: str, progress: bool, initial: int = 0):
+    """The progress bar of tokenizing ``total`` conversations of ``source`` (shown from 5000 on
+    unless ``progress`` is off; without it a line says the work started)."""
+    from tqdm import tqdm
+
+    if total >= _PROGRESS_CONVERSATIONS and not progress:  # minutes of silence otherwise
+        logger.info("%s: tokenizing %d conversations", source, total - initial)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=f"tokenizing {Path(source).name}",
+        unit="conv",
+        disable=not progress or total < _PROGRESS_CONVERSATIONS,
+    )
+
+
 def build_examples(
     tokenizer, conversations, *, seq_len: int, overflow: str = "truncate", source: str = "data", progress: bool = True
 ) -> list[Example]:
-    """Tokenize conversations and apply the length policy (module docstring).
+    """Tokenize conversations and apply the length policy (module docstring), in this process
+    (:mod:`dflash.token_cache` caches and parallelises it for training runs).
 
     At most ``seq_len * MAX_CHARS_PER_TOKEN`` characters of each conversation are rendered and
     tokenized, so a huge conversation costs no more than one of that size. From 5000
@@ -624,80 +764,18 @@ def build_examples(
         DatasetError: no usable conversation is left (names ``source``), or a conversation's
             loss mask cannot be derived (names its 1-based index in ``source``).
     """
-    from tqdm import tqdm
+    check_overflow(overflow)
+    with tokenizing_bar(len(conversations), source=source, progress=progress) as bar:
+        tokenized = tokenize_conversations(
+            tokenizer, conversations, seq_len=seq_len, overflow=overflow, source=source, bar=bar
+        )
+    return usable_examples(tokenized, seq_len=seq_len, overflow=overflow, source=source)
 
+
+def check_overflow(overflow: str) -> None:
+    """Raises ValueError for an ``overflow`` policy that is not one of :data:`OVERFLOW_POLICIES`."""
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-    examples, too_long, unsupervised, short_cuts, rejected = [], 0, 0, 0, []
-    if len(conversations) >= _PROGRESS_CONVERSATIONS and not progress:  # minutes of silence otherwise
-        logger.info("%s: tokenizing %d conversations", source, len(conversations))
-    bar = tqdm(
-        conversations,
-        desc=f"tokenizing {Path(source).name}",
-        unit="conv",
-        disable=not progress or len(conversations) < _PROGRESS_CONVERSATIONS,
-    )
-    for index, conversation in enumerate(bar, start=1):
-        kept, cut = cut_to_budget(conversation, seq_len)
-        if cut and (overflow == "drop" or not kept):  # nothing kept: the tools alone are over seq_len
-            too_long += 1
-            continue
-        try:
-            example = tokenize_conversation(tokenizer, kept, max_chars=char_budget(seq_len) if cut else None)
-        except TemplateRejected as e:
-            rejected.append(f"conversation {index}: {e}")
-            logger.debug("%s: conversation %d skipped: %s", source, index, e)
-            continue
-        except DatasetError as e:
-            raise DatasetError(f"{source}: conversation {index}: {e}") from None
-        if cut and len(example.input_ids) < seq_len:
-            short_cuts += 1
-        if cut or len(example.input_ids) > seq_len:
-            too_long += 1
-            if overflow == "drop":
-                continue
-            example = Example(example.input_ids[:seq_len], example.loss_mask[:seq_len])
-        if not _has_anchor(example.loss_mask):
-            unsupervised += 1
-            logger.debug("%s: conversation %d skipped: no two consecutive assistant tokens", source, index)
-            continue
-        examples.append(example)
-    logger.info(
-        "%s: %d conversations, %d longer than seq_len=%d (%s), %d skipped without two "
-        "consecutive assistant tokens, %d kept",
-        source,
-        len(conversations),
-        too_long,
-        seq_len,
-        "truncated" if overflow == "truncate" else "dropped",
-        unsupervised,
-        len(examples),
-    )
-    if short_cuts:
-        logger.warning(
-            "%s: %d conversations averaged over %d characters per token in their first %d characters, "
-            "so they were kept shorter than seq_len=%d (runs of one repeated character?)",
-            source,
-            short_cuts,
-            MAX_CHARS_PER_TOKEN,
-            char_budget(seq_len),
-            seq_len,
-        )
-    if rejected:
-        logger.warning(
-            "%s: %d conversations skipped: the target's chat template rejects them or leaves out their tool use "
-            "(first: %s)",
-            source,
-            len(rejected),
-            rejected[0],
-        )
-    if not examples:
-        reason = f"; {len(rejected)} rejected by the chat template (first: {rejected[0]})" if rejected else ""
-        raise DatasetError(
-            f"{source}: no usable conversation (need an assistant turn of at least two "
-            f"tokens within seq_len={seq_len}){reason}; raise --seq-len or check the roles"
-        )
-    return examples
 
 
 def check_token_ids(examples: Sequence[Example], *, vocab_size: int, source: str) -> None:

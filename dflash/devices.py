@@ -88,7 +88,7 @@ def _cuda_slot(index: int, flag: str) -> Slot:
     return Slot(f"cuda:{index}", torch.device("cuda", index))
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     """Cores this process may run on (its affinity: a container's share, not the host's count)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -96,7 +96,7 @@ def _usable_cores() -> int:
 
 
 def _cpu_slot(index: int, flag: str) -> Slot:
-    cores = _usable_cores()
+    cores = usable_cores()
     if index >= cores:
         raise DeviceSpecError(
             f"{flag}: cpu:{index} is past the {cores} CPU core(s) this process may use; CPU slots are threads "

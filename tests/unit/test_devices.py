@@ -26,7 +26,7 @@ def test_bad_device_specs_are_named(spec, message):
 
 
 def test_device_specs_parse(monkeypatch):
-    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 4)
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 4)
     assert [s.name for s in parse_devices("cpu:0-2", flag="x")] == ["cpu:0", "cpu:1", "cpu:2"]
     assert [s.name for s in parse_devices("cpu:0,2", flag="x")] == ["cpu:0", "cpu:2"]
     layout = parse_layout("cpu", "cpu:0-1")
@@ -53,7 +53,7 @@ def test_cli_reports_bad_layouts(tmp_path, caplog):
 
 
 def test_cpu_slots_past_the_core_count_are_refused(monkeypatch):
-    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 2)
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 2)
     assert len(parse_devices("cpu:0-1", flag="--drafter-devices")) == 2
     with pytest.raises(DeviceSpecError, match=r"cpu:2 is past the 2 CPU core.*use cpu:0-1 or fewer"):
         parse_devices("cpu:0-999", flag="--drafter-devices")

@@ -57,7 +57,7 @@ def _stop_after_3(assets, out, **layout):
 def test_a_resume_under_another_layout_continues_exactly(assets, tmp_path, caplog, monkeypatch, first, then, flags):
     from dflash.cli import main
 
-    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 2)  # two drafter threads on any host
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 2)  # two drafter threads on any host
     _trainer(assets, tmp_path / "reference", **first).train()
     _stop_after_3(assets, tmp_path / "run", **first)
     with caplog.at_level(logging.INFO, logger="dflash.resume"):
@@ -73,7 +73,7 @@ def test_a_resume_under_another_layout_continues_exactly(assets, tmp_path, caplo
 
 
 def test_a_layout_that_cannot_keep_a_step_is_refused_with_the_fix(assets, tmp_path, monkeypatch):
-    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 4)
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 4)
     _stop_after_3(assets, tmp_path, **THREADED)
     saved = json.loads((tmp_path / "train_config.json").read_text())
     given = {"resume": True, "out": str(tmp_path), "drafter_devices": "cpu:0-2"}

@@ -93,7 +93,7 @@ def test_every_engine_runs_the_lm_head_in_chunks_of_loss_chunk_blocks(assets, tm
 
 
 def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path, monkeypatch):
-    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 4)  # three drafter replicas on any host
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 4)  # three drafter replicas on any host
     config = dict(
         drafter_devices="cpu:0-2", target_devices="cpu:0-1", grad_accum=2, steps=6, save_every=3, batch_size=1
     )
@@ -116,7 +116,7 @@ def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path, monkeypat
 
 
 def test_resume_with_a_different_drafter_layout_is_refused(assets, tmp_path, monkeypatch):
-    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 4)
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 4)
     Trainer(_config(assets, tmp_path, steps=1)).train()
     with pytest.raises(CheckpointError, match="4 rows per process .* the resumed layout on 6 .* use 1 or 2 drafter"):
         Trainer(_config(assets, tmp_path, steps=2, drafter_devices="cpu:0-2", resume=True))

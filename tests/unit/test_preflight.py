@@ -158,7 +158,7 @@ def test_a_four_layer_target_names_the_flags_and_values_that_work(tmp_path):
 
 
 def test_repeated_cpu_slots_suggest_numbered_ones(monkeypatch):
-    monkeypatch.setattr("dflash.devices._usable_cores", lambda: 4)
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 4)
     with pytest.raises(DeviceSpecError, match=r"cpu:0 listed twice.*write --drafter-devices cpu:0-2"):
         parse_devices("cpu,cpu,cpu", flag="--drafter-devices")
     assert [s.name for s in parse_devices("cpu:0-2", flag="--drafter-devices")] == ["cpu:0", "cpu:1", "cpu:2"]
