@@ -55,6 +55,8 @@ class TrainConfig:
     """Output directory: checkpoints/, tensorboard logs, train_config.json."""
     resume: bool = False
     """Continue exactly from the latest checkpoint in --out (same data order, RNG and schedule)."""
+    allow_nonempty_out: bool = False
+    """Train into an --out that already holds files that are not a run's (the run's files go beside them)."""
 
     # ---- drafter --------------------------------------------------------------------------
     block_size: int = 8
@@ -111,9 +113,9 @@ class TrainConfig:
 
     # ---- schedule -------------------------------------------------------------------------
     steps: int | None = 300
-    """Optimizer steps (set it empty and use --epochs to train by epochs instead)."""
+    """Optimizer steps (or --epochs instead: give one of the two)."""
     epochs: float | None = None
-    """Epochs over the data; used when --steps is empty."""
+    """Epochs over the data, instead of --steps (--epochs alone trains by epochs)."""
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.1
@@ -171,6 +173,8 @@ class TrainConfig:
                 f"target {self.target!r}: no such directory, and Hub ids are not downloaded; fetch the model first "
                 f"(huggingface-cli download {self.target} --local-dir DIR) and pass --target DIR"
             )
+        if not self.out.strip():
+            raise ValueError("out must name a directory, got an empty one (it would be the working directory)")
         for name in INPUT_PATHS:
             if getattr(self, name):
                 setattr(self, name, absolute_path(getattr(self, name)))
@@ -198,8 +202,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft slot), got {self.block_size}")
-        if self.steps is None and self.epochs is None:
-            raise ValueError("steps: give --steps or --epochs")
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError(
+                "steps/epochs: give --steps or --epochs"
+                + (
+                    f", not both (--steps {self.steps} would decide the length, --epochs {self.epochs} be ignored)"
+                    if self.steps
+                    else ""
+                )
+            )
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.epochs is not None and self.epochs <= 0:

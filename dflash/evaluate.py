@@ -79,6 +79,9 @@ class EvalReport:
         target_decode_ms_per_token, speculative_decode_ms_per_token (float): mean over prompts of
             the decoding time per output token.
         num_prompts, num_tokens, block_size (int): speculative output tokens over all prompts.
+        intervals (dict[str, tuple[float, float]]): for a sample of the held-out prompts, the 95%
+            interval of each of tau_per_step, tau_per_prompt, speedup and decode_speedup
+            (:func:`bootstrap_intervals`); empty for the whole set.
     """
 
     tau_per_step: float
@@ -93,6 +96,7 @@ class EvalReport:
     num_prompts: int
     num_tokens: int
     block_size: int
+    intervals: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {k: (dict(sorted(v.items())) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -238,43 +242,55 @@ class HeldOutPrompts:
 
     Args:
         source (Path): the JSONL file.
-        prompts (list[torch.Tensor]): int64 ``[1, P]`` each, ``P <= max_prompt_tokens``.
-        requested (int): prompts asked for (``--num-prompts``); more than were usable when
-            the file ran out.
+        prompts (list[torch.Tensor]): int64 ``[1, P]`` each, ``P <= max_prompt_tokens``, in file order.
+        requested (int, optional): prompts asked for (``--num-prompts``); None: every usable one.
         context (int): the target's ``max_position_embeddings``.
         max_new_tokens (int): tokens each prompt is continued by.
         too_long (int): conversations skipped for a prompt over ``max_prompt_tokens`` tokens.
         without_prompt (int): conversations skipped for no user turn before an assistant turn, or
             a prompt the target's chat template rejects.
+        usable (int): usable prompts in the file; ``prompts`` is a random sample of them when fewer.
+        messages (list): the messages of each prompt (:func:`dflash.data.prompt_messages`), as ``prompts``.
     """
 
     source: Path
     prompts: list[torch.Tensor]
-    requested: int
+    requested: int | None
     context: int
     max_new_tokens: int
     too_long: int = 0
     without_prompt: int = 0
+    usable: int = 0
+    messages: list = field(default_factory=list)
 
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt whose generation stays within the target's context."""
         return self.context - self.max_new_tokens
 
+    @property
+    def sampled(self) -> bool:
+        """Whether the prompts are a sample of the usable ones (not all of them)."""
+        return len(self.prompts) < self.usable
+
     def to_dict(self) -> dict:
         return {
             "source": str(self.source),
             "requested": self.requested,
             "used": len(self.prompts),
+            "usable": self.usable,
             "max_prompt_tokens": self.max_prompt_tokens,
             "skipped_too_long": self.too_long,
             "skipped_without_prompt": self.without_prompt,
         }
 
 
-def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int, max_new_tokens: int) -> HeldOutPrompts:
-    """The first ``num_prompts`` usable prompts of held-out conversations: the messages before
-    the first assistant turn, rendered with the chat template and its generation prompt.
+def load_prompts(
+    tokenizer, path: str | Path, *, num_prompts: int | None, context: int, max_new_tokens: int, seed: int = 0
+) -> HeldOutPrompts:
+    """The usable prompts of held-out conversations, all of them or a random sample of
+    ``num_prompts`` (drawn with ``seed``, kept in file order): the messages before the first
+    assistant turn, rendered with the chat template and its generation prompt.
 
     A prompt is usable when its rendered length plus ``max_new_tokens`` fits the target's
     ``context`` (positions past ``max_position_embeddings`` make tau and speedup meaningless).
@@ -287,6 +303,8 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int,
         DatasetError: unreadable file (see :func:`dflash.data.read_conversations`), or no
             usable prompt (the message says why and the fix).
     """
+    import random
+
     from dflash.data import (
         DatasetError,
         TemplateRejected,
@@ -322,10 +340,14 @@ def load_prompts(tokenizer, path: str | Path, *, num_prompts: int, context: int,
             held_out.too_long += 1
             continue
         held_out.prompts.append(torch.tensor([ids]))
-        if len(held_out.prompts) == num_prompts:
-            break
+        held_out.messages.append(messages)
     if not held_out.prompts:
         raise DatasetError(f"{path}: no usable prompt: {_why_none(held_out)}")
+    held_out.usable = len(held_out.prompts)
+    if num_prompts is not None and num_prompts < held_out.usable:
+        keep = sorted(random.Random(seed).sample(range(held_out.usable), num_prompts))
+        held_out.prompts = [held_out.prompts[i] for i in keep]
+        held_out.messages = [held_out.messages[i] for i in keep]
     return held_out
 
 
@@ -356,13 +378,15 @@ def evaluate(
     max_new_tokens: int,
     eos_ids: set[int],
     progress: bool = False,
+    sample: bool = False,
 ) -> EvalReport:
     """Run target-only greedy and speculative decoding on every prompt and compare.
 
     The first prompt is run once untimed by both methods as a warm-up. Each speculative output
     is checked against the greedy one. A mismatch is an error in float32 (verification must be
     exact there) and a warning in bf16, where the batched verify forward and one-token decoding
-    round differently and can break argmax ties.
+    round differently and can break argmax ties. ``sample``: the prompts are a random sample of
+    the held-out set, and the report gets the 95% interval of each figure.
     """
     from tqdm import tqdm
 
@@ -390,7 +414,10 @@ def evaluate(
             len(prompts),
             target.dtype,
         )
-    return summarize(plains, specs, block_size=drafter.config.block_size)
+    report = summarize(plains, specs, block_size=drafter.config.block_size)
+    if sample:
+        report.intervals = bootstrap_intervals(plains, specs)
+    return report
 
 
 def summarize(plains: list[Generation], specs: list[Generation], *, block_size: int) -> EvalReport:
@@ -421,6 +448,57 @@ def summarize(plains: list[Generation], specs: list[Generation], *, block_size: 
         num_tokens=sum(len(s.tokens) for s in specs),
         block_size=block_size,
     )
+
+
+#: Resamples of the prompts behind a sample's 95% intervals.
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_intervals(
+    plains: list[Generation], specs: list[Generation], *, level: float = 0.95, seed: int = 0
+) -> dict[str, tuple[float, float]]:
+    """Percentile-bootstrap intervals (Efron & Tibshirani, "An Introduction to the Bootstrap",
+    1993, ch. 13) of the figures of :func:`summarize`, resampling prompts (the unit a sample of
+    the held-out set draws) :data:`BOOTSTRAP_RESAMPLES` times with ``seed``.
+
+    Returns:
+        dict: ``tau_per_step``, ``tau_per_prompt``, ``speedup``, ``decode_speedup`` -> (low, high).
+    """
+    import random
+
+    # Per prompt, the sums each figure is a ratio or mean of, so a resample costs O(prompts).
+    columns = {
+        "emitted": [sum(s.accept_lengths) for s in specs],
+        "steps": [len(s.accept_lengths) for s in specs],
+        "plain_s": [p.seconds for p in plains],
+        "plain_n": [len(p.tokens) for p in plains],
+        "spec_s": [s.seconds for s in specs],
+        "spec_n": [len(s.tokens) for s in specs],
+        "plain_decode": [p.decode_ms_per_token for p in plains],
+        "spec_decode": [s.decode_ms_per_token for s in specs],
+    }
+    per_prompt = [_mean(s.full_accept_lengths) if s.full_accept_lengths else None for s in specs]
+
+    def figures(pick: list[int]) -> dict[str, float]:
+        total = {name: sum(column[j] for j in pick) for name, column in columns.items()}
+        return {
+            "tau_per_step": total["emitted"] / total["steps"] if total["steps"] else float("nan"),
+            "tau_per_prompt": _mean([per_prompt[j] for j in pick if per_prompt[j] is not None]),
+            "speedup": (total["plain_s"] / total["plain_n"]) / (total["spec_s"] / total["spec_n"]),
+            "decode_speedup": total["plain_decode"] / total["spec_decode"] if total["spec_decode"] else float("nan"),
+        }
+
+    rng = random.Random(seed)
+    resamples = [figures([rng.randrange(len(specs)) for _ in specs]) for _ in range(BOOTSTRAP_RESAMPLES)]
+    return {name: _quantiles([r[name] for r in resamples], level) for name in resamples[0]}
+
+
+def _quantiles(values: list[float], level: float) -> tuple[float, float]:
+    kept = sorted(v for v in values if v == v)  # NaN: a resample with nothing to average
+    if not kept:
+        return float("nan"), float("nan")
+    at = lambda q: kept[min(len(kept) - 1, int(q * len(kept)))]
+    return at((1 - level) / 2), at((1 + level) / 2)
 
 
 def _mean(values) -> float:

@@ -40,7 +40,7 @@ def validate_inputs(config: TrainConfig) -> None:
     from dflash.assets import default_data_dir, default_target_dir
     from dflash.data import read_conversations
 
-    check_out_dir(Path(config.out), resume=config.resume)
+    check_out_dir(Path(config.out), resume=config.resume, allow_nonempty=config.allow_nonempty_out)
     if config.resume:
         check_resume_flags(config)
     else:  # a resumed run keeps the budget it started with (changing it changes the anchors drawn)
@@ -85,14 +85,17 @@ def check_resume_flags(config: TrainConfig) -> None:
         check_resume_config(saved, config, Path(config.out), warn=False)
 
 
-def check_out_dir(out: Path, *, resume: bool) -> None:
-    """``--out`` can be written, and holds a run exactly when ``resume`` is given.
+def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> None:
+    """``--out`` can be written, holds a run exactly when ``resume`` is given, and may hold a run
+    (:func:`dflash.run_dir.check_out_location`).
 
     Raises:
-        ValueError: ``out`` is a file, or cannot be written; it holds a run and ``resume`` is off.
+        ValueError: ``out`` is a file, or cannot be written; it holds a run and ``resume`` is off; it is
+            inside another run, or holds other files without ``allow_nonempty``.
         CheckpointError: ``resume`` without a checkpoint in ``out``.
     """
     from dflash.checkpoint import CheckpointError, find_checkpoint
+    from dflash.run_dir import check_out_location
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
@@ -109,6 +112,7 @@ def check_out_dir(out: Path, *, resume: bool) -> None:
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write in {existing} ({e.strerror}); choose a writable --out") from None
     refuse_existing_run(out, resume=resume)
+    check_out_location(out, allow_nonempty=allow_nonempty)
     if resume:
         journals = sorted(out.glob("*.partial")) if not (out / "checkpoints").is_dir() else []
         if journals:  # dflash.regenerate's journals of a run stopped before its first checkpoint
@@ -171,14 +175,16 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> None:
 
 
 def check_devices(config: TrainConfig) -> None:
-    """``--device``, or ``--target-devices``/``--drafter-devices``, name devices this host has.
+    """``--device``, or ``--target-devices``/``--drafter-devices``, name devices this host has, and
+    ``--cpu-threads`` fits its cores.
 
     Raises:
         ValueError, DeviceSpecError: the message names the device, what this host has, and the fix.
     """
-    if config.drafter_devices is not None:
-        from dflash.devices import parse_layout
+    from dflash.devices import check_cpu_threads, parse_layout
 
+    check_cpu_threads(config.cpu_threads)
+    if config.drafter_devices is not None:
         parse_layout(config.target_devices, config.drafter_devices)
     else:
         from dflash.target import resolve_device

@@ -37,6 +37,7 @@ RESUMABLE_CHANGES = frozenset(
     {
         "out",
         "resume",
+        "allow_nonempty_out",
         "steps",
         "epochs",
         "progress",
@@ -75,13 +76,16 @@ def rows_per_step(values: dict) -> int:
 def resumed_values(saved: dict, given: dict) -> dict:
     """The flags of a resumed run: those ``given`` now over the ``saved`` ones (not the defaults).
 
-    A layout given now replaces the saved one: ``--device`` alone means the single-device path
+    A length given now replaces the saved one (``--steps`` a saved ``--epochs``), and a layout
+    given now replaces the saved one: ``--device`` alone means the single-device path
     (the saved ``--target-devices``/``--drafter-devices`` are dropped), a layout flag drops the
     saved ``--device``. When ``--grad-accum`` is not given it is set to keep the rows of a step
     under the new drafter replica count, where that count divides them (else the saved value
     stays, and :func:`check_resume_config` says why the run cannot continue).
     """
     merged = {**saved, **given}
+    if "steps" in given and "epochs" not in given:  # a length given now replaces the saved one
+        merged.pop("epochs", None)
     if saved and "device" in given and not {"target_devices", "drafter_devices"} & given.keys():
         merged.pop("target_devices", None)
         merged.pop("drafter_devices", None)

@@ -259,6 +259,16 @@ def train_config(**values):
     return TrainConfig(**{**TINY_TRAINING, **values, **paths})
 
 
+def training_inputs(root: Path) -> dict:
+    """``{"target", "data"}``: a 5-layer tiny target and the tiny chats (16 conversations), under ``root``."""
+    return {"target": make_target(root / "target", num_layers=5), "data": write_chat_data(root / "chats.jsonl")}
+
+
+def inputs_config(inputs: dict, out, **values):
+    """:func:`train_config` of :func:`training_inputs` into ``out`` (2 tapped layers)."""
+    return train_config(target=inputs["target"], data=inputs["data"], out=out, num_target_layers=2, **values)
+
+
 class RecordingTokenizer:
     """A tokenizer, recording how many characters each call rendered or tokenized."""
 

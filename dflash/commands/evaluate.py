@@ -43,7 +43,14 @@ def register(subparsers) -> None:
         help="JSONL chat file of held-out conversations (default: the embedded held-out set, chit-chat); prompts "
         "that do not fit the target's context with --max-new-tokens are skipped",
     )
-    parser.add_argument("--num-prompts", type=positive(int), default=20, help="prompts to decode (default: 20)")
+    parser.add_argument(
+        "--num-prompts",
+        type=positive(int),
+        default=None,
+        help="decode a random sample of this many of the held-out set's usable prompts, and give each figure's 95%% "
+        "interval (default: all of them)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --num-prompts sample (default: 0)")
     parser.add_argument(
         "--max-new-tokens", type=positive(int), default=64, help="tokens to generate per prompt (default: 64)"
     )
@@ -74,9 +81,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_prompts(prompts, *, embedded_default: bool) -> None:
-    """Which held-out file was evaluated, and which of its conversations were not (and why)."""
+    """Which held-out file was evaluated, on which of its prompts, and which of its conversations
+    were not (and why)."""
     default = " (the embedded default held-out set: chit-chat; pass --data for your own)" if embedded_default else ""
-    print(f"held-out prompts: {len(prompts.prompts)} from {prompts.source}{default}")
+    which = (
+        f"a random sample of {len(prompts.prompts)} of its {prompts.usable} usable prompts (--num-prompts, --seed)"
+        if prompts.sampled
+        else f"all {len(prompts.prompts)} usable prompts"
+    )
+    print(f"held-out prompts: {which} from {prompts.source}{default}")
     skipped = []
     if prompts.too_long:
         skipped.append(
@@ -89,11 +102,19 @@ def _print_prompts(prompts, *, embedded_default: bool) -> None:
         )
     if skipped:
         print(f"  skipped conversations: {'; '.join(skipped)}")
-    if len(prompts.prompts) < prompts.requested:
+    if prompts.requested is not None and len(prompts.prompts) < prompts.requested:
         print(
             f"  fewer than --num-prompts {prompts.requested}: the file has no more usable conversations, "
             "so the figures below rest on fewer prompts"
         )
+
+
+def _interval(report, name: str, unit: str = "") -> str:
+    """`` [low, high] 95%`` of a sampled figure ("" for the whole held-out set)."""
+    if name not in report.intervals:
+        return ""
+    low, high = report.intervals[name]
+    return f" [{low:.3f}{unit}, {high:.3f}{unit}] 95%" if not unit else f" [{low:.2f}{unit}, {high:.2f}{unit}] 95%"
 
 
 def _print_report(report) -> None:
@@ -102,10 +123,15 @@ def _print_report(report) -> None:
         f"acceptance length tau (block size {report.block_size}, {report.num_prompts} prompts, "
         f"{report.num_tokens} tokens, {total} steps):"
     )
-    print(f"  {report.tau_per_step:.3f} per step   (mean over all steps; last step cut at EOS/token budget)")
+    if report.intervals:
+        print("  (a sample: each figure with its 95% interval over samples of these prompts, percentile bootstrap)")
     print(
-        f"  {report.tau_per_prompt:.3f} per prompt (z-lab's published convention: mean of per-prompt means; "
-        "last step counted in full)"
+        f"  {report.tau_per_step:.3f}{_interval(report, 'tau_per_step')} per step   (mean over all steps; last step "
+        "cut at EOS/token budget)"
+    )
+    print(
+        f"  {report.tau_per_prompt:.3f}{_interval(report, 'tau_per_prompt')} per prompt (z-lab's published "
+        "convention: mean of per-prompt means; last step counted in full)"
     )
     print("accepted+1 per step (last step cut):")
     for length in range(1, report.block_size + 1):
@@ -114,11 +140,13 @@ def _print_report(report) -> None:
         print(f"  {length:3d}: {count:6d} {100 * share:5.1f}% {'#' * round(40 * share)}")
     print("speedup over target-only greedy decoding:")
     print(
-        f"  {report.speedup:.2f}x with prefill    (target-only {report.target_ms_per_token:.2f} ms/token, "
-        f"speculative {report.speculative_ms_per_token:.2f} ms/token; all tokens / all time)"
+        f"  {report.speedup:.2f}x{_interval(report, 'speedup', 'x')} with prefill    (target-only "
+        f"{report.target_ms_per_token:.2f} ms/token, speculative {report.speculative_ms_per_token:.2f} ms/token; all "
+        "tokens / all time)"
     )
     print(
-        f"  {report.decode_speedup:.2f}x without prefill (target-only {report.target_decode_ms_per_token:.2f} "
+        f"  {report.decode_speedup:.2f}x{_interval(report, 'decode_speedup', 'x')} without prefill (target-only "
+        f"{report.target_decode_ms_per_token:.2f} "
         f"ms/token, speculative {report.speculative_decode_ms_per_token:.2f} ms/token; z-lab's convention: "
         "per-prompt decoding time per output token, averaged)"
     )
@@ -131,6 +159,7 @@ def _evaluate(args: argparse.Namespace):
     from dflash.assets import default_target_dir
     from dflash.checkpoint import DRAFTER_FILES, CheckpointError, find_checkpoint
     from dflash.compatibility import check_drafter_fits_target
+    from dflash.devices import check_cpu_threads
     from dflash.evaluate import evaluate, load_drafter, load_prompts
     from dflash.target import context_length, load_target, load_tokenizer, resolve_device
     from dflash.weight_files import check_weight_files
@@ -141,10 +170,12 @@ def _evaluate(args: argparse.Namespace):
             "train), a step_N directory or a drafter directory (config.json + model.safetensors)"
         )
     device = resolve_device(args.device)
+    check_cpu_threads(args.cpu_threads)
     if args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)
     run = _run_config(Path(args.drafter))
     _note_training_in_progress(run)
+    _refuse_a_run_without_checkpoint(run)
     target_dir = Path(args.target) if args.target else _trained_target(run) or default_target_dir()
     # From the two config.json files and the weight headers, before anything loads (minutes for a large target).
     step_dir = find_checkpoint(args.drafter, verify=False, files=DRAFTER_FILES)
@@ -156,8 +187,14 @@ def _evaluate(args: argparse.Namespace):
     context = context_length(target_dir)
     tokenizer = load_tokenizer(target_dir)
     prompts = load_prompts(
-        tokenizer, data, num_prompts=args.num_prompts, context=context, max_new_tokens=args.max_new_tokens
+        tokenizer,
+        data,
+        num_prompts=args.num_prompts,
+        context=context,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
     )
+    _warn_of_training_prompts(prompts, run)
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
     target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
@@ -168,6 +205,7 @@ def _evaluate(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         eos_ids={e for e in eos_ids if e is not None},
         progress=True,
+        sample=prompts.sampled,
     )
     return prompts, report
 
@@ -204,6 +242,57 @@ def _note_training_in_progress(found: tuple[Path, dict] | None) -> None:
             found[0].parent,
             holder.describe(),
         )
+
+
+def _refuse_a_run_without_checkpoint(found: tuple[Path, dict] | None) -> None:
+    """A run directory (or its checkpoints/) with no complete checkpoint yet: say that, not "not a run".
+
+    Raises:
+        CheckpointError: the run has saved no checkpoint yet, with when it will.
+    """
+    from dflash.checkpoint import CheckpointError
+    from dflash.run_dir import CHECKPOINTS_DIR
+
+    if found is None:
+        return
+    run = found[0].parent
+    if any(p.is_dir() and "." not in p.name for p in (run / CHECKPOINTS_DIR).glob("step_*")):
+        return
+    every = found[1].get("save_every")
+    when = f"every {every} steps (--save-every) and at its end" if every else "at its end"
+    raise CheckpointError(
+        f"{run}: no checkpoint saved yet (the run saves one {when}); evaluate it once it has, or pass --drafter with "
+        "another run's directory"
+    )
+
+
+def _warn_of_training_prompts(prompts, found: tuple[Path, dict] | None) -> None:
+    """Warn when held-out prompts are prompts of the run's training data (tau on them measures what
+    the drafter memorised of those replies)."""
+    from dflash.assets import default_data_dir
+    from dflash.data import DatasetError, prompt_messages, read_conversations
+
+    if found is None:
+        return
+    trained_on = Path(found[1].get("data") or default_data_dir() / "train.jsonl")
+    try:
+        seen = {_prompt_key(p) for c in read_conversations(trained_on, progress=False) if (p := prompt_messages(c))}
+    except DatasetError as e:  # moved or edited since: nothing to compare with
+        logger.debug("training data %s not compared with the held-out prompts: %s", trained_on, e)
+        return
+    overlap = sum(_prompt_key(messages) in seen for messages in prompts.messages)
+    if overlap:
+        logger.warning(
+            "%d of the %d held-out prompts are also prompts of the training data %s: on those, tau measures how well "
+            "the drafter remembers replies it was trained on; pass --data with conversations it was not trained on",
+            overlap,
+            len(prompts.messages),
+            trained_on,
+        )
+
+
+def _prompt_key(messages) -> str:
+    return json.dumps([[m["role"], m["content"]] for m in messages])
 
 
 def _trained_target(found: tuple[Path, dict] | None) -> Path | None:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 from safetensors.torch import load_file
-from tiny import make_target, record_losses, train_config, write_chat_data
+from tiny import record_losses, train_config, training_inputs
 
 from dflash.checkpoint import CheckpointError
 from dflash.resume import check_process_count, check_resume_config, resumed_values
@@ -24,8 +24,7 @@ LOCAL = dict(device="cpu", grad_accum=2)
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("elastic")
-    return {"target": make_target(root / "target", num_layers=5), "data": write_chat_data(root / "chats.jsonl")}
+    return training_inputs(tmp_path_factory.mktemp("elastic"))
 
 
 def _trainer(assets, out, **layout):

@@ -44,6 +44,7 @@ def test_a_prompt_fits_when_its_length_plus_the_new_tokens_is_within_the_context
         "source": str(data),
         "requested": 5,
         "used": 1,
+        "usable": 1,
         "max_prompt_tokens": length - 1,
         "skipped_too_long": 1,
         "skipped_without_prompt": 1,
@@ -105,9 +106,10 @@ def test_eval_says_it_evaluates_the_embedded_set_and_not_the_training_data(run, 
 
     assert main(["eval", "--drafter", str(run), *EVAL, "--num-prompts", "2", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert "held-out prompts: 2 from " in out and "heldout.jsonl (the embedded default held-out set" in out
+    assert "held-out prompts: a random sample of 2 of its 149 usable prompts (--num-prompts, --seed) from " in out
+    assert "heldout.jsonl (the embedded default held-out set" in out
     assert "the drafter was trained on /data/my-support-chats.jsonl" in caplog.text
-    assert "skipped" not in out and "fewer than" not in out
+    assert "fewer than" not in out
 
 
 def test_eval_reports_skipped_prompts_and_fewer_than_asked(run, tmp_path, capsys, caplog):
@@ -122,7 +124,7 @@ def test_eval_reports_skipped_prompts_and_fewer_than_asked(run, tmp_path, capsys
         assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"held-out data: {data}" in caplog.text
-    assert f"held-out prompts: 1 from {data}\n" in out
+    assert f"held-out prompts: all 1 usable prompts from {data}\n" in out
     assert "skipped conversations: 1 longer than 504 tokens (the target's max_position_embeddings 512 minus " in out
     assert "--max-new-tokens 8); 1 without a user turn before an assistant turn" in out
     assert "fewer than --num-prompts 5: the file has no more usable conversations" in out
@@ -132,6 +134,7 @@ def test_eval_reports_skipped_prompts_and_fewer_than_asked(run, tmp_path, capsys
         "source": str(data),
         "requested": 5,
         "used": 1,
+        "usable": 1,
         "max_prompt_tokens": 504,
         "skipped_too_long": 1,
         "skipped_without_prompt": 1,

@@ -11,7 +11,7 @@ import shutil
 import signal
 
 import pytest
-from tiny import CONVERSATIONS, make_target, train_config, write_chat_data, write_jsonl
+from tiny import CONVERSATIONS, inputs_config, training_inputs, write_jsonl
 
 import dflash.token_cache
 import dflash.trainer
@@ -24,12 +24,10 @@ from dflash.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("token-cache")
-    return {"target": make_target(root / "target", num_layers=5), "data": write_chat_data(root / "chats.jsonl")}
+    return training_inputs(tmp_path_factory.mktemp("token-cache"))
 
 
-def _config(assets, out, **values):
-    return train_config(target=assets["target"], data=assets["data"], out=out, num_target_layers=2, **values)
+_config = inputs_config
 
 
 def _examples(trainer):

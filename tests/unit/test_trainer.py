@@ -49,9 +49,9 @@ def test_resume_continues_exactly(assets, tmp_path):
 
 
 def test_resume_with_a_different_config_is_refused(assets, tmp_path):
-    Trainer(_config(assets, tmp_path, steps=1)).train()
+    Trainer(_config(assets, tmp_path / "run", steps=1)).train()
     with pytest.raises(CheckpointError, match=r"different config \(lr: 0\.01 -> 0\.02\).*same flags"):
-        Trainer(_config(assets, tmp_path, steps=2, lr=2e-2, resume=True))
+        Trainer(_config(assets, tmp_path / "run", steps=2, lr=2e-2, resume=True))
     with pytest.raises(CheckpointError, match="no checkpoint here"):
         Trainer(_config(assets, tmp_path / "empty", resume=True))
 
@@ -107,7 +107,7 @@ def test_config_errors_name_the_field():
         TrainConfig(block_size=6)
     with pytest.raises(ValueError, match="compile must be"):
         TrainConfig(compile="maybe")
-    with pytest.raises(ValueError, match="steps: give --steps or --epochs"):
+    with pytest.raises(ValueError, match="steps/epochs: give --steps or --epochs"):
         TrainConfig(steps=None)
 
 
@@ -119,7 +119,7 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
         "--data",
         str(assets["data"]),
         "--out",
-        str(tmp_path),
+        str(tmp_path / "run"),
         "--steps",
         "2",
         "--block-size",
@@ -138,7 +138,7 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     ]
     assert main(argv) == 0
     assert "trained 2 steps" in capsys.readouterr().out
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
     assert main(argv[:4] + [str(bad)] + argv[5:] + ["--out", str(tmp_path / "b")]) == 2
@@ -381,11 +381,11 @@ def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets,
 
 
 def test_metrics_log_of_a_resumed_run_continues_from_its_checkpoint(assets, tmp_path):
-    crashed = record_losses(Trainer(_config(assets, tmp_path, save_every=2)), crash_after=3)
+    crashed = record_losses(Trainer(_config(assets, tmp_path / "run", save_every=2)), crash_after=3)
     with pytest.raises(KeyboardInterrupt):
         crashed.train()  # steps 1-3 logged, the checkpoint holds step 2
-    Trainer(_config(assets, tmp_path, save_every=2, resume=True)).train()
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    Trainer(_config(assets, tmp_path / "run", save_every=2, resume=True)).train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 7))
     # A new run into a directory left without a checkpoint starts a new log.
     (tmp_path / "other").mkdir()

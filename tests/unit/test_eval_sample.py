@@ -1,0 +1,95 @@
+"""``dflash eval`` reports on the whole held-out set by default; ``--num-prompts N`` is a random sample,
+said so, with each figure's 95% interval; prompts that are also the training data's are warned about;
+a run with no checkpoint yet is called that. The CLI tests decode a few tokens on a tiny target."""
+
+import json
+import logging
+
+import pytest
+from tiny import CONVERSATIONS, make_target, save_random_drafter, write_chat_data, write_jsonl
+
+from dflash.evaluate import Generation, bootstrap_intervals, summarize
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run directory (random drafter) whose train_config.json names its training data."""
+    root = tmp_path_factory.mktemp("eval-sample")
+    target = make_target(root / "target", num_layers=5)
+    save_random_drafter(target, root / "run")
+    data = write_chat_data(root / "train.jsonl")
+    (root / "run" / "train_config.json").write_text(json.dumps({"target": str(target), "data": str(data)}))
+    return root / "run", data
+
+
+EVAL = ["--device", "cpu", "--cpu-threads", "1", "--max-new-tokens", "4"]
+
+
+def _eval(run_dir, data, *flags):
+    from dflash.cli import main
+
+    assert main(["eval", "--drafter", str(run_dir), "--data", str(data), *EVAL, *flags]) == 0
+
+
+def test_the_whole_held_out_set_is_the_default(run, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "heldout.jsonl", [{"messages": c} for c in CONVERSATIONS[:3]])
+    _eval(run[0], data)
+    out = capsys.readouterr().out
+    assert f"held-out prompts: all 3 usable prompts from {data}\n" in out and "95%" not in out
+    _eval(run[0], data, "--json")
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_prompts"] == 3 and report["intervals"] == {} and report["prompts"]["usable"] == 3
+
+
+def test_a_sample_is_said_to_be_one_with_each_figures_interval(run, tmp_path, capsys):
+    many = [
+        [{"role": "user", "content": f"tell me a story {i}"}, {"role": "assistant", "content": "ok"}] for i in range(8)
+    ]
+    data = write_jsonl(tmp_path / "heldout.jsonl", [{"messages": c} for c in many])
+    _eval(run[0], data, "--num-prompts", "3", "--seed", "1")
+    out = capsys.readouterr().out
+    assert f"held-out prompts: a random sample of 3 of its 8 usable prompts (--num-prompts, --seed) from {data}" in out
+    assert "(a sample: each figure with its 95% interval" in out and out.count("] 95%") == 4
+    _eval(run[0], data, "--num-prompts", "3", "--seed", "1", "--json")
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["intervals"]) == {"tau_per_step", "tau_per_prompt", "speedup", "decode_speedup"}
+    assert all(low <= high for low, high in report["intervals"].values())
+
+
+def test_bootstrap_intervals_resample_prompts():
+    def prompt(lengths, seconds=1.0):
+        tokens = list(range(sum(lengths) + 1))
+        spec = Generation(tokens, lengths, lengths, seconds=seconds, prefill_seconds=0.1)
+        return Generation(tokens, seconds=2 * seconds, prefill_seconds=0.1), spec
+
+    alike = [prompt([4, 4])] * 10
+    intervals = bootstrap_intervals(*map(list, zip(*alike)))
+    assert intervals["tau_per_step"] == (4.0, 4.0) and intervals["speedup"] == (2.0, 2.0)
+    mixed = [prompt([1, 1, 1]) for _ in range(10)] + [prompt([8, 8]) for _ in range(10)]
+    plains, specs = map(list, zip(*mixed))
+    low, high = bootstrap_intervals(plains, specs)["tau_per_step"]
+    assert 1 < low < summarize(plains, specs, block_size=8).tau_per_step < high < 8
+
+
+def test_prompts_of_the_training_data_are_warned_about(run, caplog):
+    with caplog.at_level(logging.WARNING, logger="dflash.commands.evaluate"):
+        _eval(run[0], run[1])
+    assert (
+        f"16 of the 16 held-out prompts are also prompts of the training data {run[1]}: on those, tau measures how "
+        "well the drafter remembers replies it was trained on"
+    ) in caplog.text
+
+
+def test_a_run_with_no_checkpoint_yet_is_called_that(run, tmp_path, caplog):
+    from dflash.cli import main
+
+    young = tmp_path / "young"
+    young.mkdir()
+    (young / "train_config.json").write_text(json.dumps({"save_every": 100}))
+    assert main(["eval", "--drafter", str(young), *EVAL]) == 2
+    assert (
+        f"{young}: no checkpoint saved yet (the run saves one every 100 steps (--save-every) and at its end); "
+        "evaluate it once it has"
+    ) in caplog.text
+    assert main(["eval", "--drafter", str(young / "checkpoints"), *EVAL]) == 2  # not there yet either
+    assert "no such directory" in caplog.text
