@@ -24,8 +24,9 @@ HEAD_RECORDS = 64
 def validate_inputs(config: TrainConfig) -> None:
     """Check every argument and input of ``config`` that can be checked without loading a model.
 
-    - ``--out``: a directory (or creatable), writable; without ``--resume`` it must not hold a run,
-      with it it must hold a checkpoint and the flags must be ones it can continue with;
+    - ``--out``: a directory (or creatable), writable, not inside another run and holding only a run's
+      files (:mod:`dflash.run_dir`); without ``--resume`` it must not hold a run, with it it must hold a
+      checkpoint and the flags must be ones it can continue with (:mod:`dflash.resume`);
     - ``--max-anchors`` (new runs): at most ``--seq-len - 1``;
     - ``--data`` (or the embedded corpus): a readable file whose first records parse;
     - ``--target`` (or the embedded target): a directory with ``config.json``, tokenizer files and

@@ -21,7 +21,7 @@ from dflash.trainer import Trainer
 config = TrainConfig(**json.loads(sys.argv[1]))
 trainer = Trainer(config)
 trainer.train()
-torch.save(trainer.drafter.state_dict(), f"{config.out}/rank{trainer.process.rank}.pt")
+torch.save(trainer.drafter.state_dict(), f"{config.out}-rank{trainer.process.rank}.pt")  # beside the run
 trainer.close()
 """
 
@@ -79,7 +79,7 @@ def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
         "regenerated_train.jsonl.key.json",
     ]
     assert len((full / "regenerated_train.jsonl").read_text().splitlines()) == 16
-    rank0, rank1 = torch.load(full / "rank0.pt"), torch.load(full / "rank1.pt")
+    rank0, rank1 = torch.load(tmp_path / "full-rank0.pt"), torch.load(tmp_path / "full-rank1.pt")
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
@@ -96,7 +96,7 @@ def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
     shutil.rmtree(full / "checkpoints" / "step_00000004")
     (full / "checkpoints" / "latest").write_text("step_00000002\n")
     _torchrun(tmp_path, {**config, "resume": True})
-    resumed = torch.load(full / "rank1.pt")
+    resumed = torch.load(tmp_path / "full-rank1.pt")
     assert find_checkpoint(full).name == "step_00000004"
     for name in rank0:
         assert torch.equal(resumed[name], rank0[name]), name
