@@ -34,3 +34,17 @@ def test_lm_head_loss_smoke_on_cpu():
     assert done.returncode == 0, done.stderr[-3000:]
     difference = float(done.stdout.split("gradient relative difference ")[1].split()[0])
     assert difference < 1e-5 and "fused / checkpointed time:" in done.stdout
+
+
+def test_tokenize_cache_smoke_on_cpu():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "tokenize_cache.py"), "--chats", "300"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line[:34].strip(): line[34:].split() for line in done.stdout.splitlines()[2:]}
+    assert set(rows) == {"before (1 process, no cache)", "after (workers, cache in --out)", "after / before"}
+    first, resume = (float(value.rstrip("x")) for value in rows["after / before"])
+    assert first > 0 and 0 < resume < 1  # the resume reads the cache instead of tokenizing
