@@ -144,9 +144,9 @@ def produce_target_states(target: Target, batch: Batch) -> TargetBatch:
     plain causal forward (SDPA's fast path).
     """
     # Read on the host before the copy: the same on a device tensor would sync.
-    num_tokens, packed = batch.num_tokens, bool(batch.document_ids.max() > 0)
+    num_tokens, packed, host_documents = batch.num_tokens, bool(batch.document_ids.max() > 0), batch.document_ids
     batch = batch.to(target.device)
-    states = target.capture(batch.input_ids, batch.position_ids, batch.document_ids if packed else None)
+    states = target.capture(batch.input_ids, batch.position_ids, host_documents if packed else None)
     return TargetBatch(batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, states, num_tokens)
 
 
