@@ -130,6 +130,10 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto (cuda if visible)."""
     compile: str = "auto"
     """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
+    slow_linear_attention: bool = False
+    """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
+    flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).
+    Without this flag such a run is refused: install the kernels with `pip install -e '.[fla]'`."""
     cpu_threads: int | None = None
     """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other
     jobs: oversubscribed OpenMP threads run many times slower."""

@@ -678,6 +678,7 @@ _RESUMABLE_CHANGES = {
     "device",
     "compile",
     "cpu_threads",
+    "slow_linear_attention",
     "peak_tflops",
     "save",
     "save_dtype",
