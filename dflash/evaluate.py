@@ -25,6 +25,7 @@ Both methods run on the same prompts after a warm-up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import state_rollback
 from dflash.target import Target
 
 logger = logging.getLogger(__name__)
@@ -98,13 +100,6 @@ class EvalReport:
         return {k: (dict(sorted(v.items())) if isinstance(v, dict) else v) for k, v in vars(self).items()}
 
 
-def _crop(cache, keep: int) -> None:
-    # DynamicCache.crop(-n) drops the last n tokens in transformers 4.x and 5.x alike.
-    remove = cache.get_seq_length() - keep
-    if remove > 0:
-        cache.crop(-remove)
-
-
 def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     tokens = tokens[:max_new_tokens]
     for i, token in enumerate(tokens):
@@ -125,11 +120,9 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
     Args:
         prompt_ids: int64 ``[1, P]``.
     """
-    from transformers import DynamicCache
-
     _sync(target.device)
     start = time.perf_counter()
-    cache = DynamicCache()
+    cache = state_rollback.new_cache(target)
     out = target.decoder_forward(prompt_ids.to(target.device), past_key_values=cache)
     tokens, prefill_seconds = [], None
     while True:
@@ -150,20 +143,29 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
 
 @torch.no_grad()
 def speculative_generate(
-    target: Target, drafter, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_ids: set[int]
+    target: Target,
+    drafter,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    rollback_strategy: str = "mixers",
 ) -> Generation:
     """Greedy speculative decoding; output identical to :func:`greedy_generate`.
+
+    A hybrid target's linear-attention states are rolled back to the last kept token after each
+    rejection (:mod:`dflash.state_rollback`); attention layers' KV is cropped.
 
     Args:
         drafter: a ``DFlashDraftModel`` (``draft_block``), same device as the target, tapping
             ``target.layer_ids``.
         prompt_ids: int64 ``[1, P]``.
+        rollback_strategy (str): how a hybrid target's states advance past a rejection, one of
+            :data:`dflash.state_rollback.STRATEGIES`.
 
     Raises:
         ValueError: the drafter taps other layers than ``target.layer_ids``.
     """
-    from transformers import DynamicCache
-
     if list(drafter.config.target_layer_ids) != target.layer_ids:
         raise ValueError(
             f"drafter taps target layers {drafter.config.target_layer_ids}, the target "
@@ -173,8 +175,9 @@ def speculative_generate(
     device = target.device
     _sync(device)
     start = time.perf_counter()
-    cache = DynamicCache()
+    cache = state_rollback.new_cache(target)
     out = target.decoder_forward(prompt_ids.to(device), past_key_values=cache)
+    rollback = state_rollback.StateRollback.for_target(target, cache, rollback_strategy)
     context = target.select(out.hidden_states)  # [1, P, K*H]: states of every verified token
     last = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1], no target state yet
     tokens, accept_lengths, full_accept_lengths = [int(last)], [], []  # int() waits for the device
@@ -184,7 +187,9 @@ def speculative_generate(
         block = torch.cat([last[:, None], masks], dim=1)  # [1, Bs]
         draft = drafter.draft_block(context, target.embed_tokens(block), target.lm_head)  # [1, Bs-1]
         verified = context.shape[1]
-        out = target.decoder_forward(torch.cat([last[:, None], draft], dim=1), past_key_values=cache)
+        block = torch.cat([last[:, None], draft], dim=1)
+        with rollback.verifying() if rollback else contextlib.nullcontext():
+            out = target.decoder_forward(block, past_key_values=cache)
         greedy = target.lm_head(out.last_hidden_state).argmax(-1)[0]  # [Bs]: next token after each slot
         matches = (draft[0] == greedy[:-1]).int()
         accepted = int(matches.cumprod(0).sum())
@@ -196,7 +201,10 @@ def speculative_generate(
         full_accept_lengths.append(accepted + 1)
         # Keep target states/cache for the block's first token and the accepted drafts only.
         context = torch.cat([context, target.select(out.hidden_states)[:, : accepted + 1]], dim=1)
-        _crop(cache, verified + accepted + 1)
+        if rollback:
+            rollback.keep(block[:, : accepted + 1], verified)
+        else:
+            state_rollback.crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
     _sync(device)
     return Generation(
