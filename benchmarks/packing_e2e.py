@@ -2,8 +2,10 @@
 
     python benchmarks/packing_e2e.py --shape qwen3-8b                      # one GPU, colocated
     python benchmarks/packing_e2e.py --shape qwen3-8b --layout split       # target cuda:0, drafter cuda:1
-    python benchmarks/packing_e2e.py --shape qwen3-32b --seq-len 4096      # the 27B-class shape
+    python benchmarks/packing_e2e.py --shape qwen3.6-27b --batch-size 2   # the user's hybrid target
+    python benchmarks/packing_e2e.py --shape qwen3-32b --seq-len 4096      # a dense 27B-class shape
     python benchmarks/packing_e2e.py --tiny                                # CPU smoke test, about a minute
+    python benchmarks/packing_e2e.py --tiny --shape tiny-qwen3.6           # the same with a hybrid target
 
 One run trains the same drafter on the same conversations twice through the real CLI, ``python -m
 dflash train ... --pack`` and ``... --no-pack``, each in a fresh interpreter, and prints one table:
@@ -15,11 +17,13 @@ trainer's own: the last line of its log that starts with ``steady state over``, 
 The target is a random-weight model of a named public shape (:data:`SHAPES`), written as a HF
 directory: its ``config.json``, the embedded default target's tokenizer and chat template, and a
 weight file holding only the final norm; ``from_pretrained`` initialises every missing weight
-randomly (``initializer_range``), so a 16 GB (8B) or 65 GB (32B) random checkpoint never touches the
-disk; the price is the CPU time of that initialisation in each run (``normal_`` over every weight,
-tens of seconds for 8B, minutes for 32B; run one mode per command with ``--modes`` when a command's
-time is short). The drafter is the published DFlash geometry: 5 layers sized like the target, 5 tapped layers,
-block size 16.
+randomly (``initializer_range``), so a 16 GB (8B), 55 GB (Qwen3.6-27B) or 65 GB (32B) random
+checkpoint never touches the disk (the hybrid Qwen3.6-27B directory is the multimodal checkpoint
+form, its vision tower's config included, never loaded); the price is the CPU time of that
+initialisation in each run (``normal_`` over every weight, tens of seconds for 8B, minutes for 32B;
+run one mode per command with ``--modes`` when a command's time is short). The drafter has the
+published DFlash geometry for the target (5 layers, 5 tapped layers, block size 16; the trainer's
+defaults for the target's family).
 
 Data (``--data``): ``synthetic`` writes chats whose lengths vary like real chat corpora (token
 counts log-normal, median ``--median-tokens``, sigma ``--sigma``, 1 to 6 exchanges, replies three
@@ -45,10 +49,19 @@ import tempfile
 import time
 from pathlib import Path
 
-#: Random-weight target shapes, from the public configs (Qwen3-8B, Qwen3-32B: the issue's 27B-class
-#: shape, 64 layers x 5120) plus a tiny one for the CPU smoke test.
+#: Random-weight target shapes, from the public configs (Qwen3-8B, Qwen3-32B: a dense 64 x 5120;
+#: Qwen3.6-27B: the hybrid the project exists for, as its multimodal checkpoint ships) plus tiny
+#: ones for the CPU smoke test. ``arch`` picks the config class; the rest are its fields.
+_QWEN36_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 1e7,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
 SHAPES = {
     "qwen3-8b": dict(
+        arch="qwen3",
         num_hidden_layers=36,
         hidden_size=4096,
         num_attention_heads=32,
@@ -59,6 +72,7 @@ SHAPES = {
         rope_theta=1e6,
     ),
     "qwen3-32b": dict(
+        arch="qwen3",
         num_hidden_layers=64,
         hidden_size=5120,
         num_attention_heads=64,
@@ -68,7 +82,24 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1e6,
     ),
+    "qwen3.6-27b": dict(
+        arch="qwen3_5",
+        num_hidden_layers=64,  # 16 x (3 Gated DeltaNet + 1 gated attention)
+        hidden_size=5120,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        intermediate_size=17408,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        rope_parameters=_QWEN36_ROPE,
+    ),
     "tiny": dict(
+        arch="qwen3",
         num_hidden_layers=8,  # 5 distinct tapped layers need >= 8
         hidden_size=64,
         num_attention_heads=4,
@@ -78,7 +109,30 @@ SHAPES = {
         vocab_size=4096,  # the embedded tokenizer's
         rope_theta=1e6,
     ),
+    "tiny-qwen3.6": dict(
+        arch="qwen3_5",
+        num_hidden_layers=8,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        vocab_size=4096,
+        rope_parameters={**_QWEN36_ROPE, "mrope_section": [1, 1, 0]},
+    ),
 }
+
+#: Qwen3.6-27B's vision tower (its checkpoint's vision_config): written into the hybrid configs so the
+#: target directory is the multimodal checkpoint form; the trainer loads the language model only.
+_QWEN36_VISION = dict(
+    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120, patch_size=16
+)
+
 
 #: The trainer's final summary line (agreed with the trainer; fields after the TFLOP/s are parsed
 #: one by one, so a line without MFU, row fill, target share or peak memory still parses):
@@ -120,33 +174,58 @@ def parse_summary(log: str) -> dict:
 
 
 def write_target(directory: Path, shape: str) -> Path:
-    """A HF directory of a random-weight Qwen3 of ``shape`` (module docstring)."""
+    """A HF directory of a random-weight target of ``shape`` (module docstring): its config, the
+    embedded tokenizer and a weight file holding only the final norm."""
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3Config
 
     from dflash.assets import default_target_dir
 
-    fields = dict(SHAPES[shape])
-    theta = fields.pop("rope_theta")
-    config = Qwen3Config(
-        **fields,
-        max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        tie_word_embeddings=False,
-        architectures=["Qwen3ForCausalLM"],
-        dtype="bfloat16",
-    )
+    config, norm_key = _target_config(shape)
     directory.mkdir(parents=True, exist_ok=True)
     source = default_target_dir()
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
     for name in tokenizer_files:
         shutil.copy(source / name, directory / name)
-    config.pad_token_id, config.eos_token_id = 0, 2  # the embedded tokenizer's
     config.save_pretrained(directory)
-    norm = torch.ones(config.hidden_size, dtype=torch.bfloat16)
-    save_file({"model.norm.weight": norm}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    norm = torch.ones(SHAPES[shape]["hidden_size"], dtype=torch.bfloat16)
+    save_file({norm_key: norm}, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def _target_config(shape: str):
+    """The transformers config of ``shape`` and the checkpoint key of its final norm."""
+    fields = dict(SHAPES[shape])
+    arch = fields.pop("arch")
+    tokens = dict(pad_token_id=0, eos_token_id=2)  # the embedded tokenizer's
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        theta = fields.pop("rope_theta")
+        config = Qwen3Config(
+            **fields,
+            **tokens,
+            max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
+            tie_word_embeddings=False,
+            architectures=["Qwen3ForCausalLM"],
+            dtype="bfloat16",
+        )
+        return config, "model.norm.weight"
+    from transformers import Qwen3_5Config
+
+    vision = dict(_QWEN36_VISION, out_hidden_size=fields["hidden_size"])
+    if shape.startswith("tiny"):
+        vision.update(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4)
+    text = dict(fields, **tokens, max_position_embeddings=262144, tie_word_embeddings=False)
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        dtype="bfloat16",
+    )
+    return config, "model.language_model.norm.weight"
 
 
 def write_synthetic_chats(path: Path, *, count: int, median_tokens: int, sigma: float, seed: int) -> Path:
@@ -284,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.shape, args.device, args.compile, args.cpu_threads = "tiny", "cpu", "off", args.cpu_threads or 1
+        args.shape = args.shape if args.shape.startswith("tiny") else "tiny"
+        args.device, args.compile, args.cpu_threads = "cpu", "off", args.cpu_threads or 1
         args.seq_len, args.batch_size, args.max_anchors, args.block_size = 256, 2, 16, 8
         args.draft_layers, args.steps, args.conversations, args.median_tokens = 1, 6, 300, 60
     modes = args.modes.split(",")

@@ -1,0 +1,128 @@
+"""Hybrid (Qwen3.6) targets on CUDA with flash-linear-attention: its varlen kernels equal the exact
+reference on segments, and a packed row's later conversations differ from each run alone no more
+than packing already differs on a dense Qwen3 target of the same width (bf16 rounding of the two
+attention kernels). Needs a GPU and flash-linear-attention; skipped otherwise (run on the device
+host: ``pytest tests/integration/test_hybrid_cuda.py -s`` prints the measured differences)."""
+
+import pytest
+import torch
+
+from dflash import document_separation
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not document_separation.fla_available(),
+    reason="needs CUDA and flash-linear-attention",
+)
+
+WIDTH = dict(hidden_size=5120, intermediate_size=17408, vocab_size=248320, max_position_embeddings=262144)
+LAYERS = 4  # one round of Qwen3.6's 3 Gated DeltaNet + 1 gated attention layers
+#: Documents of the two packed rows (tokens), the second row reversed: every size is a later document somewhere.
+SIZES = [700, 300, 513, 64, 400, 70]
+
+
+def _segments():
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(SIZES)] + [torch.full((1, 1), -1).view(-1)])
+    return document_separation.Segments.of(ids[None], torch.device("cuda"))
+
+
+def test_fla_kernels_equal_the_reference_on_segments():
+    torch.manual_seed(0)
+    segments = _segments()
+    tokens = int(segments.cu_seqlens_cpu[-1])
+    x = torch.randn(1, tokens, 256, device="cuda", dtype=torch.bfloat16)
+    weight, bias = torch.randn(256, 4, device="cuda", dtype=torch.bfloat16), None
+    conv = [
+        k.conv(x, weight, bias, "silu", segments).float()
+        for k in (document_separation.FLA_KERNELS, document_separation.REFERENCE_KERNELS)
+    ]
+    print(f"conv: fla vs reference max abs {(conv[0] - conv[1]).abs().max().item():.3e}")
+    torch.testing.assert_close(conv[0], conv[1], rtol=2e-2, atol=2e-2)
+
+    q, k = (torch.randn(1, tokens, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, tokens, 4, 64, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(1, tokens, 4, device="cuda").mul(0.5)
+    beta = torch.rand(1, tokens, 4, device="cuda", dtype=torch.bfloat16)
+    out = [
+        kernels.delta_rule(q, k, v, g, beta, segments).float()
+        for kernels in (document_separation.FLA_KERNELS, document_separation.REFERENCE_KERNELS)
+    ]
+    print(f"delta rule: fla vs reference max abs {(out[0] - out[1]).abs().max().item():.3e}")
+    torch.testing.assert_close(out[0], out[1], rtol=3e-2, atol=3e-2)
+
+
+def _target(hybrid: bool):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.target import Target
+
+    torch.manual_seed(0)
+    if hybrid:
+        config = Qwen3_5TextConfig(
+            **WIDTH,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+        )
+        make = Qwen3_5ForCausalLM
+    else:  # Qwen3-32B's attention at the same width
+        config = Qwen3Config(
+            **WIDTH, num_hidden_layers=LAYERS, num_attention_heads=64, num_key_value_heads=8, head_dim=128
+        )
+        make = Qwen3ForCausalLM
+    with torch.device("cuda"):
+        model = make(config).to(torch.bfloat16)
+    return Target(model, list(range(LAYERS)))
+
+
+def _worst_later_difference(target, *, mask_only: bool = False) -> float:
+    """Largest |packed - alone| over every tapped layer of every later document; with ``mask_only``
+    the packed forward gets the attention layers' document mask and nothing else."""
+    from tiny import packed_batch
+
+    from dflash.target import TargetStates
+
+    rows = [SIZES, SIZES[::-1]]
+    batch = packed_batch(rows, seq_len=sum(SIZES) + 1, seed=2)
+    batch.input_ids.random_(5, WIDTH["vocab_size"])
+    if mask_only:
+        mask = document_separation.attention_mask(batch.document_ids.cuda(), "sdpa", target.dtype)
+        out = target.decoder_forward(
+            batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(), attention_mask=mask
+        )
+        packed = TargetStates(target.select(out.hidden_states), out.hidden_states[-1])
+    else:
+        packed = target.capture(batch.input_ids, batch.position_ids, batch.document_ids)
+    worst = 0.0
+    for row, sizes in enumerate(rows):
+        start = sizes[0]
+        for size in sizes[1:]:
+            alone = target.capture(batch.input_ids[row : row + 1, start : start + size])
+            got = packed.context[row : row + 1, start : start + size]
+            worst = max(worst, (got.float() - alone.context.float()).abs().max().item())
+            start += size
+    return worst
+
+
+def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference():
+    target = _target(hybrid=True)
+    hybrid, leaky = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
+    del target
+    torch.cuda.empty_cache()
+    dense = _worst_later_difference(_target(hybrid=False))
+    print(
+        f"packed vs alone, later documents, every layer, bf16: hybrid {hybrid:.4f} (document mask alone: "
+        f"{leaky:.4f}), dense Qwen3 {dense:.4f}"
+    )
+    assert hybrid <= dense < leaky
