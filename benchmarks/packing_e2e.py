@@ -173,15 +173,16 @@ def parse_summary(log: str) -> dict:
     return fields
 
 
-def write_target(directory: Path, shape: str) -> Path:
-    """A HF directory of a random-weight target of ``shape`` (module docstring): its config, the
-    embedded tokenizer and a weight file holding only the final norm."""
+def write_target(directory: Path, shape: str, *, layers: int | None = None) -> Path:
+    """A HF directory of a random-weight target of ``shape`` (module docstring), its first ``layers``
+    decoder layers (None: all): its config, the embedded tokenizer and a weight file holding only
+    the final norm."""
     import torch
     from safetensors.torch import save_file
 
     from dflash.assets import default_target_dir
 
-    config, norm_key = _target_config(shape)
+    config, norm_key = _target_config(shape, layers)
     directory.mkdir(parents=True, exist_ok=True)
     source = default_target_dir()
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -193,9 +194,10 @@ def write_target(directory: Path, shape: str) -> Path:
     return directory
 
 
-def _target_config(shape: str):
-    """The transformers config of ``shape`` and the checkpoint key of its final norm."""
+def _target_config(shape: str, layers: int | None):
+    """The transformers config of ``shape`` (cut to ``layers``) and the checkpoint key of its final norm."""
     fields = dict(SHAPES[shape])
+    fields["num_hidden_layers"] = layers or fields["num_hidden_layers"]
     arch = fields.pop("arch")
     tokens = dict(pad_token_id=0, eos_token_id=2)  # the embedded tokenizer's
     if arch == "qwen3":
@@ -340,6 +342,9 @@ def print_table(results: dict[str, dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep the first N decoder layers of the shape (a quicker cut)"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, short rows, few steps")
     parser.add_argument("--layout", choices=("colocated", "split"), default="colocated")
     parser.add_argument("--device", default="cuda", help="device of the colocated layout")
@@ -375,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="packing_e2e_") as tmp:
         workdir = Path(tmp)
-        target = write_target(workdir / "target", args.shape)
+        target = write_target(workdir / "target", args.shape, layers=args.layers)
         data = chat_data(args, workdir)
         describe(args, target, data)
         results = {mode: run_train(args, target, data, workdir, pack=mode == "packed") for mode in modes}
@@ -407,7 +412,8 @@ def describe(args, target: Path, data: Path) -> None:
     lengths = sorted(token_lengths(target, data, args.seq_len))
     shape = SHAPES[args.shape]
     print(
-        f"packing_e2e: target {args.shape} ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"packing_e2e: target {args.shape} ({args.layers or shape['num_hidden_layers']} layers, "
+        f"hidden {shape['hidden_size']}, "
         f"random weights), drafter {args.draft_layers} layers, block {args.block_size}, seq {args.seq_len} x "
         f"batch {args.batch_size}, {args.max_anchors} anchors, layout {args.layout}, {args.steps} steps; "
         f"torch {torch.__version__}, DFLASH_PATCHES={os.environ.get('DFLASH_PATCHES', '1')}"
