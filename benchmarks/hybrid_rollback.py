@@ -14,6 +14,11 @@ strategies verify the same blocks and the numbers measure the verifier side alon
 forward). One run prints, per output token: target-only greedy, speculative with ``mixers``
 rollback, speculative with ``forward`` rollback, and the ratios; and checks that both speculative
 outputs equal greedy token for token.
+
+The target runs in float32 by default: a random-weight model's logits are nearly uniform, so in
+bf16 one-token decoding and block verification round to different argmaxes and a scripted drafter
+cannot follow the verifier (measured: tau 1.02, every output differing). The ratio of the two
+strategies is what this measures; ``--dtype bfloat16`` gives bf16 times with that caveat.
 """
 
 from __future__ import annotations
@@ -94,12 +99,11 @@ class ScriptedDrafter:
         return torch.tensor([drafts], device=target_hidden.device)
 
 
-def build_target(shape: str, layers: int, device: torch.device):
+def build_target(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from dflash.target import Target
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = Qwen3_5TextConfig(**SHAPES[shape], num_hidden_layers=layers)
     torch.manual_seed(0)
     with torch.device(device):
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--p-correct", type=float, default=0.8)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="see the docstring")
     args = parser.parse_args(argv)
     if args.tiny:
         shape, device, args.layers, args.prompts, args.prompt_tokens, args.max_new_tokens = "tiny", "cpu", 8, 2, 32, 40
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.state_rollback import STRATEGIES
 
     device = torch.device(device)
-    target = build_target(shape, args.layers, device)
+    target = build_target(shape, args.layers, device, getattr(torch, args.dtype))
     vocab = SHAPES[shape]["vocab_size"]
     print(
         f"hybrid_rollback: Qwen3.6-27B layout, {shape} width, {args.layers} layers on {device} ({target.dtype}); "
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"forward / mixers time per token: {median['forward'] / median['mixers']:.3f}")
     print(f"speculative outputs differing from greedy: {mismatches} of {2 * len(prompts)}")
-    return 0 if mismatches == 0 or target.dtype != torch.float32 else 1
+    return 0 if mismatches == 0 or target.dtype != torch.float32 else 1  # fp32 verification must be exact
 
 
 if __name__ == "__main__":

@@ -293,19 +293,23 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> lis
 
 
 def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool) -> dict:
-    """One ``dflash train`` in a fresh interpreter; its parsed summary plus wall time."""
-    out = workdir / ("packed" if pack else "unpacked")
+    """One ``dflash train`` in a fresh interpreter; its parsed summary plus wall time. Its log is
+    written as it runs to ``--log-dir`` (default: the work directory), so a run stopped by a time
+    limit still leaves what it printed."""
+    mode = "packed" if pack else "unpacked"
+    out = workdir / mode
     command = [sys.executable, "-m", "dflash", "train", *train_flags(args, target, data, out, pack=pack)]
     print("$", " ".join(command), flush=True)
+    log_path = (args.log_dir or workdir) / f"train_{mode}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    with open(log_path, "w") as log_file:
+        done = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
     wall = time.perf_counter() - start
     shutil.rmtree(out, ignore_errors=True)  # checkpoints of a 1B drafter: gigabytes each
-    log = done.stdout + done.stderr
+    log = log_path.read_text()
     if done.returncode:
-        raise SystemExit(
-            f"dflash train ({'packed' if pack else 'unpacked'}) failed, rc {done.returncode}:\n{log[-4000:]}"
-        )
+        raise SystemExit(f"dflash train ({mode}) failed, rc {done.returncode}:\n{log[-4000:]}")
     return {**parse_summary(log), "wall_s": wall}
 
 
@@ -366,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", default="packed,unpacked", help="runs to make, in order (one alone if time is short)"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where each run's log is written as it runs")
     args = parser.parse_args(argv)
     if args.tiny:
         args.shape = args.shape if args.shape.startswith("tiny") else "tiny"

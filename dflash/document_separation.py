@@ -14,7 +14,9 @@ states the verifier never produces. Each layer type needs its own means:
   row is laid out as one sequence of *segments* (:class:`Segments`; every document, and each
   row's tail padding, is one), and the layer runs its own weights through kernels that restart
   the conv window and the recurrent state at every segment start (:func:`linear_layers_apart`):
-  flash-linear-attention's varlen kernels (``cu_seqlens``) on CUDA, an exact PyTorch reference
+  the conv is transformers' own op with each segment's first outputs recomputed from its own
+  tokens (:func:`segmented_conv`: the document alone's rounding), the delta rule
+  flash-linear-attention's varlen kernel (``cu_seqlens``) on CUDA and an exact PyTorch reference
   elsewhere. transformers' own route (``cu_seq_lens_q`` / ``seq_idx`` kwargs) needs Dao's
   causal-conv1d, a CUDA source build, for the conv, and raises without it.
 
@@ -202,20 +204,34 @@ class LinearAttentionKernels:
     delta_rule: Callable
 
 
-def reference_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
-    """Exact depthwise causal conv within segments: tap j (j tokens back) counts only where the
-    token is at least j into its segment. Computed in fp32, returned in ``x``'s dtype."""
+def segmented_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
+    """transformers' causal conv (``F.conv1d`` with left zero padding, then the activation, in
+    ``x``'s dtype) over the whole row, with the first ``W - 1`` outputs of every segment computed
+    again by the same op from that segment's own tokens behind zeros, so no window reaches into the
+    segment before: each output is the op of the segment run alone on the same values (equal up to
+    the op's rounding for inputs of another length).
+
+    Args:
+        x (Tensor): ``[1, T, D]``; weight ``[D, W]``; bias ``[D]`` or None; activation: an ``ACT2FN`` key.
+
+    Returns:
+        Tensor: ``[1, T, D]`` in ``x``'s dtype.
+    """
     from transformers.activations import ACT2FN
 
-    width = weight.shape[-1]
-    xf, wf = x.float(), weight.float()
-    out = xf * wf[:, width - 1]
-    for j in range(1, width):
-        shifted = F.pad(xf[:, :-j], (0, 0, j, 0))
-        out = out + shifted * wf[:, width - 1 - j] * (segments.offsets >= j)[..., None]
-    if bias is not None:
-        out = out + bias.float()
-    return ACT2FN[activation](out).to(x.dtype)
+    tokens, width = x.shape[1], weight.shape[-1]
+    channels = x.transpose(1, 2)  # [1, D, T]
+    kernel, head = weight.unsqueeze(1).to(x.dtype), width - 1
+    out = F.conv1d(channels, kernel, bias, padding=head, groups=weight.shape[0])[..., :tokens]
+    # The first `head` positions of each segment, clipped to the row and to the segment itself.
+    index = segments.cu_seqlens[:-1, None] + torch.arange(head, device=x.device)  # [N, W-1]
+    inside = (index < tokens) & (
+        segments.offsets[0, index.clamp(max=tokens - 1)] == torch.arange(head, device=x.device)
+    )
+    windows = channels[0][:, index.clamp(max=tokens - 1)] * inside  # [D, N, W-1], zero past the segment
+    again = F.conv1d(windows.transpose(0, 1), kernel, bias, padding=head, groups=weight.shape[0])[..., :head]
+    out[0][:, index[inside]] = again.transpose(0, 1)[:, inside]
+    return ACT2FN[activation](out).transpose(1, 2)
 
 
 def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments) -> Tensor:
@@ -241,20 +257,6 @@ def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _fla_conv(x, weight, bias, activation, segments):
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    out, _ = causal_conv1d(
-        x.contiguous(),
-        weight,
-        bias,
-        activation=activation,
-        cu_seqlens=segments.cu_seqlens,
-        cu_seqlens_cpu=segments.cu_seqlens_cpu,
-    )
-    return out
-
-
 def _fla_delta_rule(q, k, v, g, beta, segments):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -267,8 +269,8 @@ def _fla_delta_rule(q, k, v, g, beta, segments):
     return out
 
 
-REFERENCE_KERNELS = LinearAttentionKernels("PyTorch reference (exact, slow)", reference_conv, reference_delta_rule)
-FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, _fla_conv, _fla_delta_rule)
+REFERENCE_KERNELS = LinearAttentionKernels("PyTorch reference (exact, slow)", segmented_conv, reference_delta_rule)
+FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule)
 
 
 def fla_available() -> bool:

@@ -20,24 +20,11 @@ LAYERS = 4  # one round of Qwen3.6's 3 Gated DeltaNet + 1 gated attention layers
 SIZES = [700, 300, 513, 64, 400, 70]
 
 
-def _segments():
-    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(SIZES)] + [torch.full((1, 1), -1).view(-1)])
-    return document_separation.Segments.of(ids[None], torch.device("cuda"))
-
-
-def test_fla_kernels_equal_the_reference_on_segments():
+def test_fla_delta_rule_equals_the_reference_on_segments():
     torch.manual_seed(0)
-    segments = _segments()
-    tokens = int(segments.cu_seqlens_cpu[-1])
-    x = torch.randn(1, tokens, 256, device="cuda", dtype=torch.bfloat16)
-    weight, bias = torch.randn(256, 4, device="cuda", dtype=torch.bfloat16), None
-    conv = [
-        k.conv(x, weight, bias, "silu", segments).float()
-        for k in (document_separation.FLA_KERNELS, document_separation.REFERENCE_KERNELS)
-    ]
-    print(f"conv: fla vs reference max abs {(conv[0] - conv[1]).abs().max().item():.3e}")
-    torch.testing.assert_close(conv[0], conv[1], rtol=2e-2, atol=2e-2)
-
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate([100, 37, 1, 200, 62])])[None]
+    segments = document_separation.Segments.of(ids, torch.device("cuda"))
+    tokens = ids.shape[1]
     q, k = (torch.randn(1, tokens, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, tokens, 4, 64, device="cuda", dtype=torch.bfloat16)
     g = -torch.rand(1, tokens, 4, device="cuda").mul(0.5)

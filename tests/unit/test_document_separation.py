@@ -70,13 +70,20 @@ def test_segments_are_every_document_and_each_rows_tail_padding():
     assert segments.offsets.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]]
 
 
-def test_reference_conv_equals_a_depthwise_conv_within_one_segment():
+@pytest.mark.parametrize("sizes", [[10], [1, 2, 7], [3, 1, 1, 5], [2, 8]])
+def test_segmented_conv_equals_each_segment_convolved_alone(sizes):
     torch.manual_seed(0)
-    x, weight, bias = torch.randn(1, 10, 6), torch.randn(6, 4), torch.randn(6)
-    one = document_separation.Segments.of(torch.zeros(1, 10, dtype=torch.long), torch.device("cpu"))
-    got = document_separation.reference_conv(x, weight, bias, "silu", one)
-    conv = torch.nn.functional.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=3, groups=6)[..., :10]
-    torch.testing.assert_close(got, torch.nn.functional.silu(conv).transpose(1, 2))
+    x, weight, bias = torch.randn(1, sum(sizes), 6), torch.randn(6, 4), torch.randn(6)
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])[None]
+    got = document_separation.segmented_conv(x, weight, bias, "silu", document_separation.Segments.of(ids, x.device))
+    start = 0
+    for n in sizes:
+        part = x[:, start : start + n].transpose(1, 2)
+        alone = torch.nn.functional.conv1d(part, weight[:, None], bias, padding=3, groups=6)[..., :n]
+        torch.testing.assert_close(
+            got[:, start : start + n], torch.nn.functional.silu(alone).transpose(1, 2), rtol=0, atol=1e-6
+        )
+        start += n
 
 
 def test_layer_types_of_configs_that_do_not_list_them():
