@@ -30,54 +30,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
-
-#: Qwen3.6-27B's language model (config.json ``text_config``), and a tiny stand-in for the CPU.
-SHAPES = {
-    "qwen3.6-27b": dict(
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        vocab_size=248320,
-        max_position_embeddings=262144,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [1, 1, 0],
-            "mrope_interleaved": True,
-        },
-        tie_word_embeddings=False,
-    ),
-}
+from shapes import SHAPES, hybrid_text_config
 
 
 class ScriptedDrafter:
@@ -100,11 +53,11 @@ class ScriptedDrafter:
 
 
 def build_target(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
     from dflash.target import Target
 
-    config = Qwen3_5TextConfig(**SHAPES[shape], num_hidden_layers=layers)
+    config = hybrid_text_config(shape, layers)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3_5ForCausalLM(config).to(dtype)
@@ -123,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="see the docstring")
     args = parser.parse_args(argv)
     if args.tiny:
-        shape, device, args.layers, args.prompts, args.prompt_tokens, args.max_new_tokens = "tiny", "cpu", 8, 2, 32, 40
+        shape, device, args.layers, args.prompts, args.prompt_tokens, args.max_new_tokens = (
+            "tiny-qwen3.6",
+            "cpu",
+            8,
+            2,
+            32,
+            40,
+        )
         torch.set_num_threads(1)
     else:
         shape, device = "qwen3.6-27b", "cuda"

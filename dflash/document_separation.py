@@ -237,7 +237,7 @@ def segmented_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: s
 def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments) -> Tensor:
     """The gated delta rule token by token in fp32 (transformers' ``torch_recurrent_gated_delta_rule``
     recurrence), the state zeroed at every segment start: exact, and slow (one step per token)."""
-    heads_v = v.shape[2]
+    heads_v, dtype = v.shape[2], v.dtype
     q, k = (_l2norm(t.float()).repeat_interleave(heads_v // t.shape[2], dim=2) for t in (q, k))
     q = q / q.shape[-1] ** 0.5
     v, beta, decay = v.float(), beta.float(), g.float().exp()
@@ -249,7 +249,7 @@ def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         delta = (v[0, t] - (state * k[0, t, :, :, None]).sum(-2)) * beta[0, t, :, None]
         state = state + k[0, t, :, :, None] * delta[:, None, :]
         out[0, t] = (state * q[0, t, :, :, None]).sum(-2)
-    return out.to(v.dtype)
+    return out.to(dtype)
 
 
 def _l2norm(x: Tensor) -> Tensor:

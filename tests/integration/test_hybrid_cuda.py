@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs CUDA and flash-linear-attention",
 )
 
-WIDTH = dict(hidden_size=5120, intermediate_size=17408, vocab_size=248320, max_position_embeddings=262144)
+VOCAB = 151936  # token ids valid in both targets' vocabularies
 LAYERS = 4  # one round of Qwen3.6's 3 Gated DeltaNet + 1 gated attention layers
 #: Documents of the two packed rows (tokens), the second row reversed: every size is a later document somewhere.
 SIZES = [700, 300, 513, 64, 400, 70]
@@ -37,39 +37,66 @@ def test_fla_delta_rule_equals_the_reference_on_segments():
     torch.testing.assert_close(out[0], out[1], rtol=3e-2, atol=3e-2)
 
 
+def test_a_changing_segment_count_compiles_no_new_kernels():
+    """Packed batches differ in their number of documents every step; the varlen kernels must not
+    compile (or autotune) again for each count."""
+    import triton
+
+    def compiled_kernels() -> int:
+        import sys
+
+        total = 0
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("fla.ops"):
+                continue
+            for obj in vars(module).values():
+                while hasattr(obj, "fn") and not isinstance(obj, triton.runtime.jit.JITFunction):
+                    obj = obj.fn
+                if isinstance(obj, triton.runtime.jit.JITFunction):
+                    total += sum(len(cache[0]) for cache in obj.device_caches.values())
+        return total
+
+    tokens = 4096
+    args = lambda: (
+        torch.randn(1, tokens, 16, 128, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, tokens, 16, 128, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, tokens, 48, 128, device="cuda", dtype=torch.bfloat16),
+        -torch.rand(1, tokens, 48, device="cuda"),
+        torch.rand(1, tokens, 48, device="cuda", dtype=torch.bfloat16),
+    )
+    counts = []
+    for sizes in ([2048, 2048], [700, 300, 1048, 2048], [100] * 40 + [96], [4096]):
+        ids = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])[None]
+        document_separation.FLA_KERNELS.delta_rule(*args(), document_separation.Segments.of(ids, torch.device("cuda")))
+        torch.cuda.synchronize()
+        counts.append(compiled_kernels())
+    print(f"compiled Triton kernels after 2, 4, 41 and 1 segments: {counts}")
+    assert counts[0] > 0 and len(set(counts[1:])) == 1 and counts[1] == counts[0]
+
+
 def _target(hybrid: bool):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+    """The first 4 layers of Qwen3.6-27B (one round of its layout) or of Qwen3-32B (dense, same width)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from shapes import SHAPES, hybrid_text_config
+    from transformers import Qwen3_5ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from dflash.target import Target
 
     torch.manual_seed(0)
     if hybrid:
-        config = Qwen3_5TextConfig(
-            **WIDTH,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=48,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1e7,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [11, 11, 10],
-                "mrope_interleaved": True,
-            },
-        )
-        make = Qwen3_5ForCausalLM
-    else:  # Qwen3-32B's attention at the same width
-        config = Qwen3Config(
-            **WIDTH, num_hidden_layers=LAYERS, num_attention_heads=64, num_key_value_heads=8, head_dim=128
-        )
-        make = Qwen3ForCausalLM
-    with torch.device("cuda"):
-        model = make(config).to(torch.bfloat16)
+        config, make = hybrid_text_config("qwen3.6-27b", LAYERS), Qwen3_5ForCausalLM
+    else:
+        fields = {k: v for k, v in SHAPES["qwen3-32b"].items() if k not in ("arch", "num_hidden_layers")}
+        config, make = Qwen3Config(**fields, num_hidden_layers=LAYERS), Qwen3ForCausalLM
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = make(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
     return Target(model, list(range(LAYERS)))
 
 
@@ -82,7 +109,7 @@ def _worst_later_difference(target, *, mask_only: bool = False) -> float:
 
     rows = [SIZES, SIZES[::-1]]
     batch = packed_batch(rows, seq_len=sum(SIZES) + 1, seed=2)
-    batch.input_ids.random_(5, WIDTH["vocab_size"])
+    batch.input_ids.random_(5, VOCAB)
     if mask_only:
         mask = document_separation.attention_mask(batch.document_ids.cuda(), "sdpa", target.dtype)
         out = target.decoder_forward(
