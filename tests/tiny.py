@@ -162,6 +162,40 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     )
 
 
+def assert_same_block_mask(ours, ref) -> None:
+    """Two BlockMasks select the same partial and full tiles (same counts, same kv tiles in order)."""
+    assert ours.shape == ref.shape
+    for attr in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, attr), getattr(ref, attr)), attr
+    for attr in ("kv_indices", "full_kv_indices"):
+        counts = getattr(ours, attr.replace("indices", "num_blocks"))
+        for idx in torch.nonzero(counts >= 0).tolist():
+            n = int(counts[tuple(idx)])
+            assert torch.equal(getattr(ours, attr)[tuple(idx)][:n], getattr(ref, attr)[tuple(idx)][:n]), attr
+
+
+def flex_eager(monkeypatch, model, *batch, attention_mask=None):
+    """Run ``model`` with flex_attention, unfused (no torch.compile, CPU forward).
+
+    transformers wraps flex_attention in torch.compile, which on CPU costs ~30 s of C++ builds;
+    calling the eager op keeps the test fast. Eager flex evaluates the mask_mod on the full grid;
+    the BlockMask tile tables the compiled kernel uses are checked against create_block_mask in
+    test_masks.py, and the compiled path end to end by benchmarks/check_flex.py.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as hf_flex
+
+    monkeypatch.setattr(
+        hf_flex,
+        "compile_friendly_flex_attention",
+        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs),
+    )
+    model.set_attn_implementation("flex_attention")
+    assert model.config._attn_implementation == "flex_attention"
+    with torch.no_grad():
+        return model(*batch, attention_mask=attention_mask)
+
+
 def write_jsonl(path: Path, records) -> Path:
     """Write records (dicts) one per line; a str record is written verbatim."""
     with open(path, "w", encoding="utf-8") as f:

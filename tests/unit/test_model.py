@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import flex_eager
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash import masks
@@ -163,40 +164,18 @@ def test_save_load_round_trip_uses_the_z_lab_layout(tmp_path):
         assert torch.equal(model(*batch), loaded(*batch))
 
 
-def _flex_eager(monkeypatch, model, *batch, attention_mask=None):
-    """Run ``model`` with flex_attention, unfused (no torch.compile, CPU forward).
-
-    transformers wraps flex_attention in torch.compile, which on CPU costs ~30 s of C++ builds;
-    calling the eager op keeps the test fast. Eager flex evaluates the mask_mod on the full grid;
-    the BlockMask tile tables the compiled kernel uses are checked against create_block_mask in
-    test_masks.py, and the compiled path end to end by benchmarks/check_flex.py.
-    """
-    from torch.nn.attention.flex_attention import flex_attention
-    from transformers.integrations import flex_attention as hf_flex
-
-    monkeypatch.setattr(
-        hf_flex,
-        "compile_friendly_flex_attention",
-        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs),
-    )
-    model.set_attn_implementation("flex_attention")
-    assert model.config._attn_implementation == "flex_attention"
-    with torch.no_grad():
-        return model(*batch, attention_mask=attention_mask)
-
-
 def test_flex_and_sdpa_paths_agree(monkeypatch):
     model = _drafter("sdpa")
     batch = _batch(model, num_anchors=8)
     batch[3][:, -1] = False  # with a padding block
     with torch.no_grad():
         sdpa = model(*batch)
-    flex = _flex_eager(monkeypatch, model, *batch)
+    flex = flex_eager(monkeypatch, model, *batch)
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
     # The comparison can fail: the off-by-one mask (kv <= anchor) gives a different result.
     anchors, valid = batch[2], batch[3]
     leaky = masks.build_block_mask(anchors + 1, valid, batch[1].shape[1], BLOCK)
-    wrong = _flex_eager(monkeypatch, model, *batch, attention_mask=leaky)
+    wrong = flex_eager(monkeypatch, model, *batch, attention_mask=leaky)
     assert (wrong - sdpa).abs().max() > 1e-3
 
 

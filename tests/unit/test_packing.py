@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import capture_packed_and_alone, example, make_target, packed_batch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from tiny import assert_same_block_mask, capture_packed_and_alone, example, make_target, packed_batch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash import masks
 from dflash.commands import train as train_command
@@ -342,17 +342,6 @@ def test_dense_mask_with_documents_matches_the_scalar_rule(data, max_anchors, bl
     assert int(pairs) == int(dense.sum()), "the FLOP count's visible pairs are the mask's"
 
 
-def _assert_same_block_mask(ours: BlockMask, ref: BlockMask) -> None:
-    assert ours.shape == ref.shape
-    for attr in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
-        assert torch.equal(getattr(ours, attr), getattr(ref, attr)), attr
-    for attr in ("kv_indices", "full_kv_indices"):
-        counts = getattr(ours, attr.replace("indices", "num_blocks"))
-        for idx in torch.nonzero(counts >= 0).tolist():
-            n = int(counts[tuple(idx)])
-            assert torch.equal(getattr(ours, attr)[tuple(idx)][:n], getattr(ref, attr)[tuple(idx)][:n]), attr
-
-
 def _randompacked_batch(gen: torch.Generator, batch: int, seq_len: int) -> Batch:
     rows = []
     for _ in range(batch):
@@ -378,7 +367,7 @@ def test_block_mask_with_documents_equals_create_block_mask_tile_for_tile(tile, 
         mask_mod = masks.dflash_mask_mod(anchors, valid, context_len, block_size, batch.document_ids)
         q_len, kv_len = num * block_size, context_len + num * block_size
         ref = create_block_mask(mask_mod, 2, None, q_len, kv_len, device="cpu", BLOCK_SIZE=tile)
-        _assert_same_block_mask(ours, ref)
+        assert_same_block_mask(ours, ref)
 
 
 @pytest.mark.parametrize("tile", [4, 8, (8, 4), 128])
@@ -394,7 +383,7 @@ def test_document_causal_block_mask_equals_create_block_mask(tile):
             return (kv <= q) & (ids[b, torch.clamp(q, max=last)] == ids[b, torch.clamp(kv, max=last)])
 
         ref = create_block_mask(mask_mod, 3, None, seq_len, seq_len, device="cpu", BLOCK_SIZE=tile)
-        _assert_same_block_mask(ours, ref)
+        assert_same_block_mask(ours, ref)
         dense = masks.document_causal_mask(batch.document_ids)[:, 0]
         same_doc = ids[:, :, None] == ids[:, None, :]
         assert torch.equal(dense, same_doc & torch.ones(seq_len, seq_len, dtype=torch.bool).tril())
