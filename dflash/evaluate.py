@@ -113,6 +113,13 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[i
     return tokens
 
 
+def stop_token_ids(tokenizer, target_config) -> set[int]:
+    """Token ids that end a generation: the tokenizer's eos and the target config's ``eos_token_id``(s)."""
+    configured = getattr(target_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id} | set(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -212,24 +219,28 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """Load a drafter from a run directory, its ``checkpoints/``, a step directory or a drafter
     shipped for serving (``config.json`` and ``model.safetensors`` are all it reads: no training
     state needed), in ``dtype`` on ``device``, with SDPA attention. The two files are verified
-    against the manifest when there is one; without it a warning says they were not.
+    against the manifest when there is one; without it a warning says they were not. Loaded
+    strictly (:mod:`dflash.drafter_files`): never a random weight, never a default shape.
 
     Raises:
-        CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`.
+        CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`; a config that is not a
+            drafter's or lacks a field, or weights that disagree with it (named), before any
+            model is built.
     """
     from dflash.checkpoint import DRAFTER_FILES, find_checkpoint
-    from dflash.model import DFlashDraftModel
+    from dflash.drafter_files import load_drafter_dir
 
     step_dir = find_checkpoint(path, files=DRAFTER_FILES)
-    drafter = DFlashDraftModel.from_pretrained(step_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+    drafter = load_drafter_dir(step_dir, dtype=dtype, device=device)
     logger.info(
-        "drafter %s: %d layers, block size %d, taps target layers %s",
+        "drafter %s: %d layers (%s), block size %d, taps target layers %s",
         step_dir,
         drafter.config.num_hidden_layers,
+        ", ".join(drafter.config.layer_types),
         drafter.config.block_size,
         drafter.config.target_layer_ids,
     )
-    return drafter.to(device).eval()
+    return drafter.eval()
 
 
 @dataclass

@@ -130,7 +130,7 @@ def _evaluate(args: argparse.Namespace):
 
     from dflash.assets import default_target_dir
     from dflash.checkpoint import CheckpointError
-    from dflash.evaluate import evaluate, load_drafter, load_prompts
+    from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
     from dflash.target import context_length, load_target, load_tokenizer, resolve_device
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
@@ -159,13 +159,12 @@ def _evaluate(args: argparse.Namespace):
             f"--drafter was trained for a {drafter.config.num_target_layers}-layer target, "
             f"{target_dir} has {target.num_layers} layers; pass the matching --target"
         )
-    eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
     report = evaluate(
         target,
         drafter,
         prompts.prompts,
         max_new_tokens=args.max_new_tokens,
-        eos_ids={e for e in eos_ids if e is not None},
+        eos_ids=stop_token_ids(tokenizer, target.config),
         progress=True,
     )
     return prompts, report
@@ -234,7 +233,3 @@ def _held_out_data(data: str | None, found: tuple[Path, dict] | None) -> Path:
     else:
         logger.info("held-out data: %s (the embedded default held-out set; pass --data for your own)", path)
     return path
-
-
-def _as_list(value):
-    return value if isinstance(value, list) else [value]
