@@ -208,7 +208,7 @@ def save_checkpoint(
         training_state = {**training_state, MASTER_WEIGHTS_KEY: master}
 
     root = Path(out_dir) / "checkpoints"
-    name = f"step_{step:08d}"
+    name = step_dir_name(step)
     tmp, final = root / f"{name}.tmp", root / name
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -233,6 +233,11 @@ def save_checkpoint(
     for path in sorted(final.iterdir()):
         logger.debug("  %s: %d bytes", path.name, path.stat().st_size)
     return final
+
+
+def step_dir_name(step: int) -> str:
+    """Name of the step directory of ``step`` under ``checkpoints/`` (``step_00000300``)."""
+    return f"step_{step:08d}"
 
 
 def _write_step(tmp: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], training_state) -> None:
