@@ -104,8 +104,9 @@ def _print_report(report) -> None:
     )
     print(f"  {report.tau_per_step:.3f} per step   (mean over all steps; last step cut at EOS/token budget)")
     print(
-        f"  {report.tau_per_prompt:.3f} per prompt (z-lab's published convention: mean of per-prompt means; "
-        "last step counted in full)"
+        f"  {report.tau_per_prompt:.3f} per prompt (z-lab's published convention, as its loop counts: mean of "
+        "per-prompt means; last step counted in full, plus the one more step z-lab runs when a generation ends "
+        "exactly at the token budget)"
     )
     print("accepted+1 per step (last step cut):")
     for length in range(1, report.block_size + 1):
