@@ -60,10 +60,12 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        prompts, report = _evaluate(args)
+        prompts, report, found = _evaluate(args)
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
+    if found is not None:  # kept with the run: dflash export quotes it
+        _record(found[0].parent, Path(args.drafter), prompts, report)
     if args.json:
         held_out = {**prompts.to_dict(), "embedded_default": args.data is None}
         print(json.dumps({**report.to_dict(), "prompts": held_out}, indent=2))
@@ -126,7 +128,8 @@ def _print_report(report) -> None:
 
 
 def _evaluate(args: argparse.Namespace):
-    """``(HeldOutPrompts, EvalReport)`` of the command's arguments."""
+    """``(HeldOutPrompts, EvalReport, the run's train_config.json (path, flags) or None)`` of the
+    command's arguments."""
     import torch
 
     from dflash.assets import default_target_dir
@@ -168,7 +171,21 @@ def _evaluate(args: argparse.Namespace):
         eos_ids=stop_token_ids(tokenizer, target.config),
         progress=True,
     )
-    return prompts, report
+    return prompts, report, run
+
+
+def _record(run_dir: Path, drafter: Path, prompts, report) -> None:
+    """Add the measurement to ``run_dir/acceptance.json`` (:mod:`dflash.acceptance_log`)."""
+    from dflash import acceptance_log
+    from dflash.checkpoint import find_checkpoint
+
+    checkpoint = find_checkpoint(drafter, verify=False).name
+    try:
+        acceptance_log.record(
+            run_dir, acceptance_log.entry(report, prompts, checkpoint=checkpoint, source="dflash eval")
+        )
+    except OSError as e:
+        logger.warning("could not keep the result in %s (%s); dflash export will not quote it", run_dir, e)
 
 
 def _run_config(drafter: Path) -> tuple[Path, dict] | None:
