@@ -142,6 +142,42 @@ def _hybrid_model(arch: str, common: dict, hidden: int):
     return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
 
 
+def tiny_target_config(**overrides):
+    """A Qwen3 target config, no weights: vocab 64, hidden 32, 8 layers, 4 heads / 2 KV heads of 8."""
+    from transformers import Qwen3Config
+
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
+    return Qwen3Config(**{**fields, **overrides})
+
+
+def tiny_drafter(layer_types=None, *, sliding_window=None, seed: int = 0):
+    """A random SDPA drafter (eval mode) of block size 4 tapping 3 layers of :func:`tiny_target_config`:
+    2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63."""
+    from dflash.model import DFlashDraftModel, create_drafter_config
+
+    layers = len(layer_types) if layer_types else 2
+    config = create_drafter_config(
+        tiny_target_config(),
+        layers,
+        block_size=4,
+        num_captured_layers=3,
+        mask_token_id=63,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    torch.manual_seed(seed)
+    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+
+
 def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     """A run directory ``out`` holding one complete checkpoint (step ``step``) of a random 1-layer
     drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its step directory."""

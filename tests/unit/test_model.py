@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny import flex_eager
+from tiny import flex_eager, tiny_target_config
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash import masks
@@ -23,23 +23,9 @@ HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1
 
 
-def _target_config(**overrides) -> Qwen3Config:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    return Qwen3Config(**{**fields, **overrides})
-
-
 def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0) -> DFlashDraftModel:
     config = create_drafter_config(
-        _target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID
+        tiny_target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID
     )
     torch.manual_seed(seed)
     model = DFlashDraftModel._from_config(config, attn_implementation=attn).eval()
@@ -106,9 +92,9 @@ def test_create_drafter_config_copies_target_geometry(config_cls):
 
 
 def test_create_drafter_config_clips_taps_for_a_small_target():
-    config = create_drafter_config(_target_config(num_hidden_layers=4), 1, mask_token_id=MASK_ID)
+    config = create_drafter_config(tiny_target_config(num_hidden_layers=4), 1, mask_token_id=MASK_ID)
     assert config.target_layer_ids == [2]  # 4 layers allow 1 default tap: L // 2
-    explicit = create_drafter_config(_target_config(), 1, target_layer_ids=[0, 7], mask_token_id=MASK_ID)
+    explicit = create_drafter_config(tiny_target_config(), 1, target_layer_ids=[0, 7], mask_token_id=MASK_ID)
     assert explicit.target_layer_ids == [0, 7]
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import assert_same_block_mask, capture_packed_and_alone, example, make_target, packed_batch
+from tiny import assert_same_block_mask, capture_packed_and_alone, example, make_target, packed_batch, tiny_drafter
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash import masks
@@ -25,7 +25,6 @@ from dflash.commands import train as train_command
 from dflash.compile_watch import CountingBackend
 from dflash.config import TrainConfig
 from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, collate, read_conversations
-from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.packing import pack_rows, row_fill, row_packer
 from dflash.target import load_target
 
@@ -394,26 +393,8 @@ def test_document_causal_block_mask_equals_create_block_mask(tile):
 # ---------------------------------------------------------------------------------------
 
 
-def _tiny_drafter():
-    from transformers import Qwen3Config
-
-    target_config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    config = create_drafter_config(target_config, 2, block_size=4, num_captured_layers=3, mask_token_id=63)
-    torch.manual_seed(0)
-    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
-
-
 def test_drafter_on_a_packed_row_equals_each_conversation_alone():
-    drafter = _tiny_drafter()
+    drafter = tiny_drafter()
     width, bs = 3 * 32, 4
     gen = torch.Generator().manual_seed(0)
     sizes, seq_len = [9, 12], 24  # two documents, then 3 padding tokens
@@ -461,10 +442,12 @@ def test_unsupported_target_backend_is_named(target_dir):
 # ---------------------------------------------------------------------------------------
 
 
-def test_packed_batches_of_any_layout_compile_once():
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "sliding_attention", "full_attention"]])
+def test_packed_batches_of_any_layout_compile_once(layer_types):
     """Rows with 1, 2 or 5 documents and any anchor count reach the drafter with the same shapes and
-    the same mask_mod structure, so dynamo compiles the step once."""
-    drafter = _tiny_drafter()
+    the same mask_mod structure (one per layer type, built outside the step), so dynamo compiles
+    the step once, full-attention and sliding-window drafters alike."""
+    drafter = tiny_drafter(layer_types, sliding_window=6 if layer_types else None)
     backend = CountingBackend("eager")
     step = torch.compile(drafter, backend=backend, dynamic=False)
     gen = torch.Generator().manual_seed(3)

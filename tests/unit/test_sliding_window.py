@@ -1,5 +1,6 @@
 """Sliding-window drafter layers (dflash/masks.py, dflash/modeling_dflash.py): the masks against a
-position-by-position reference, training equal to drafting, flex equal to SDPA, one compile."""
+position-by-position reference, training equal to drafting, flex equal to SDPA (one compile:
+test_packing.py::test_packed_batches_of_any_layout_compile_once)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import assert_same_block_mask, flex_eager, packed_batch
+from tiny import assert_same_block_mask, flex_eager, packed_batch, tiny_drafter
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash import masks
-from dflash.compile_watch import CountingBackend
-from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.modeling_dflash import FULL_ATTENTION, SLIDING_ATTENTION
 
 HIDDEN, VOCAB, BLOCK, WINDOW = 32, 64, 4, 6
@@ -99,34 +98,7 @@ def test_a_window_smaller_than_the_block_is_refused():
     with pytest.raises(ValueError, match="sliding_window 3 is smaller than block_size 4"):
         masks.build_block_mask(anchors, valid, 8, BLOCK, sliding_window=3)
     with pytest.raises(ValueError, match="sliding_window must be a window of at least block_size=4"):
-        _drafter([SLIDING_ATTENTION], window=3)
-
-
-def _drafter(layer_types, *, window=WINDOW, seed=0) -> DFlashDraftModel:
-    from transformers import Qwen3Config
-
-    target = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    sliding = SLIDING_ATTENTION in layer_types
-    config = create_drafter_config(
-        target,
-        len(layer_types),
-        block_size=BLOCK,
-        num_captured_layers=3,
-        mask_token_id=VOCAB - 1,
-        layer_types=layer_types,
-        sliding_window=window if sliding else None,
-    )
-    torch.manual_seed(seed)
-    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+        tiny_drafter([SLIDING_ATTENTION], sliding_window=3)
 
 
 def _inputs(*, seq_len=30, num_anchors=5, seed=1, documents=None):
@@ -143,7 +115,7 @@ MIXED = [SLIDING_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION]
 def test_training_blocks_equal_drafting_after_the_context_and_the_window_matters():
     """Block n of the training forward == drafting it after context[:a_n] (``block_hidden``, the
     inference form that ``dflash eval`` runs): the window is the same in both."""
-    model = _drafter(MIXED)
+    model = tiny_drafter(MIXED, sliding_window=WINDOW)
     draft_embeds, target_hidden, anchors, valid = _inputs()
     with torch.no_grad():
         batched = model(draft_embeds, target_hidden, anchors, valid)
@@ -154,13 +126,13 @@ def test_training_blocks_equal_drafting_after_the_context_and_the_window_matters
                     single = model.block_hidden(target_hidden[b : b + 1, :a], draft_embeds[b : b + 1, rows])
                     torch.testing.assert_close(batched[b : b + 1, rows], single, rtol=1e-5, atol=1e-5)
         # The same weights with every layer full attention see more context: another function.
-        full = _drafter([FULL_ATTENTION] * 3)
+        full = tiny_drafter([FULL_ATTENTION] * 3)
         full.load_state_dict(model.state_dict())
         assert (full(draft_embeds, target_hidden, anchors, valid) - batched).abs().max() > 1e-3
 
 
 def test_flex_and_sdpa_agree_on_a_sliding_drafter(monkeypatch):
-    model = _drafter(MIXED)
+    model = tiny_drafter(MIXED, sliding_window=WINDOW)
     draft_embeds, target_hidden, anchors, valid = _inputs(num_anchors=6)
     valid[:, -1] = False
     with torch.no_grad():
@@ -174,7 +146,7 @@ def test_flex_and_sdpa_agree_on_a_sliding_drafter(monkeypatch):
 
 
 def test_masks_come_per_layer_type_and_a_single_mask_is_refused():
-    model = _drafter(MIXED)
+    model = tiny_drafter(MIXED, sliding_window=WINDOW)
     draft_embeds, target_hidden, anchors, valid = _inputs()
     by_type = model.build_attention_mask(anchors, valid, target_hidden.shape[1])
     assert set(by_type) == {FULL_ATTENTION, SLIDING_ATTENTION}
@@ -186,27 +158,3 @@ def test_masks_come_per_layer_type_and_a_single_mask_is_refused():
     # The FLOP count's pairs are the masks' pairs, layer by layer.
     pairs = sum(int(by_type[kind].sum()) for kind in model.config.layer_types)
     assert int(model.attention_pairs(anchors, valid)) == pairs
-
-
-def test_a_sliding_drafter_compiles_once_for_batches_of_any_layout():
-    """Per-layer-type masks are built outside the compiled step: rows of 1, 2 or 5 documents reach
-    the compiled drafter with one structure, so dynamo compiles once."""
-    model = _drafter(MIXED)
-    backend = CountingBackend("eager")
-    step = torch.compile(model, backend=backend, dynamic=False)
-    gen = torch.Generator().manual_seed(3)
-    for layout in ([[40]], [[20, 20]], [[8, 8, 8, 8, 7]]):
-        batch = packed_batch(layout * 2, 40)
-        loss_mask = (torch.rand(2, 40, generator=gen) < 0.9) & (batch.document_ids >= 0)
-        anchors, valid = masks.sample_anchors(loss_mask, 6, document_ids=batch.document_ids, generator=gen)
-        mask = model.build_attention_mask(anchors, valid, 40, batch.document_ids)
-        with torch.no_grad():
-            step(
-                torch.randn(2, 6 * BLOCK, HIDDEN, generator=gen),
-                torch.randn(2, 40, 3 * HIDDEN, generator=gen),
-                anchors,
-                valid,
-                mask,
-                position_ids=batch.position_ids,
-            )
-    assert backend.compiles() == 1
