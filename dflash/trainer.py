@@ -357,9 +357,11 @@ class Trainer:
             max_new_tokens=cfg.eval_max_new_tokens,
         )
 
-    def _measure_acceptance(self, drafter, *, when: str, checkpoint: str | None):
+    def _measure_acceptance(self, drafter, *, when: str, checkpoint: str | None) -> None:
         """Held-out acceptance of ``drafter`` (:func:`dflash.evaluate.evaluate`, on a copy in the
-        target's dtype and device), logged, written to tensorboard and ``acceptance.json``."""
+        target's dtype and on its device), logged, kept in ``self.acceptance`` (``dflash train``
+        prints it) and in ``acceptance.json`` of ``--out``. Rank 0 only; the other processes wait
+        at their next collective."""
         from dflash import acceptance_log
         from dflash.evaluate import evaluate, stop_token_ids
         from dflash.model import DFlashDraftModel
@@ -389,7 +391,6 @@ class Trainer:
         acceptance_log.record(
             self.out, acceptance_log.entry(report, self.heldout, checkpoint=checkpoint, source=source)
         )
-        return report
 
     def _build_engine(self, targets, drafter) -> StepEngine:
         cfg = self.config
