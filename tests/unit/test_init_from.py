@@ -4,6 +4,7 @@ refused before the target loads when the drafter does not fit the target."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -104,8 +105,9 @@ def test_the_run_starts_from_the_drafter_s_weights(assets, tmp_path):
 
     from dflash.trainer import Trainer
 
+    config = train_config(target=assets["target"], data=assets["data"], out=tmp_path, init_from=str(assets["drafter"]))
     trainer = Trainer(
-        train_config(target=assets["target"], data=assets["data"], out=tmp_path, init_from=assets["drafter"])
+        dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4)
     )
     published = load_file(str(assets["drafter"] / "model.safetensors"))
     state = trainer.drafter.state_dict()
