@@ -18,6 +18,7 @@ a second signal ends the process at once (the checkpoints on disk stay intact: w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -171,7 +172,9 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         from dflash.assets import default_target_dir
+        from dflash.drafter_shape import resolve_drafter_shape
 
+        config = resolve_drafter_shape(config)  # before anything loads: an --init-from misfit is named here
         self.config = config
         logger.debug("config: %s", json.dumps(config.to_dict(), sort_keys=True))
         self.out = Path(config.out)
@@ -192,6 +195,8 @@ class Trainer:
         target_dir = Path(config.target) if config.target else default_target_dir()
         self.tokenizer = load_tokenizer(target_dir)
         conversations = self._read_conversations()  # every line checked before the target loads
+        self.heldout = self._heldout_prompts(target_dir) if config.init_from and self.process.is_main else None
+        self.acceptance: dict[str, float] = {}  # tau per prompt by when it was measured (--init-from)
         targets = [
             load_target(
                 target_dir,
@@ -205,6 +210,9 @@ class Trainer:
         ]
         self.loader = self._build_loader(targets, conversations)
         drafter = self._build_drafter(targets[0])
+        self.eval_target = targets[0]
+        if self.heldout is not None and not config.resume:
+            self._measure_acceptance(drafter, when="before step 1", checkpoint=None)
         self.settings = LossSettings.from_config(config, drafter.config.mask_token_id)
         self.dynamo_warnings = DynamoWarnings()
         self.total_steps = self._total_steps()
@@ -317,19 +325,72 @@ class Trainer:
         return mask_id
 
     def _build_drafter(self, target):
-        from dflash.model import DFlashDraftModel, create_drafter_config
+        from dflash.drafter_shape import drafter_config
+        from dflash.model import DFlashDraftModel
 
         cfg = self.config
-        drafter_config = create_drafter_config(
-            target.config,
-            cfg.num_draft_layers,
-            block_size=cfg.block_size,
-            target_layer_ids=target.layer_ids,
-            mask_token_id=self._mask_token_id(target),
-        )
         attention = "flex_attention" if self.layout.device_type == "cuda" else "sdpa"
+        if cfg.init_from:
+            from dflash.drafter_files import load_drafter_dir
+
+            logger.info("drafter: starting from %s (its shape, RoPE and weights)", cfg.init_from)
+            return load_drafter_dir(cfg.init_from, dtype=torch.float32, attn_implementation=attention).train()
+        config = drafter_config(
+            cfg, target.config, target_layer_ids=target.layer_ids, mask_token_id=self._mask_token_id(target)
+        )
         # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
-        return DFlashDraftModel._from_config(drafter_config, attn_implementation=attention, dtype=torch.float32).train()
+        return DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+
+    def _heldout_prompts(self, target_dir: Path):
+        """The held-out prompts of --eval-data (or the embedded held-out set), read before the target loads."""
+        from dflash.assets import default_data_dir
+        from dflash.evaluate import load_prompts
+        from dflash.target import context_length
+
+        cfg = self.config
+        path = Path(cfg.eval_data) if cfg.eval_data else default_data_dir() / "heldout.jsonl"
+        return load_prompts(
+            self.tokenizer,
+            path,
+            num_prompts=cfg.eval_prompts,
+            context=context_length(target_dir),
+            max_new_tokens=cfg.eval_max_new_tokens,
+        )
+
+    def _measure_acceptance(self, drafter, *, when: str, checkpoint: str | None) -> None:
+        """Held-out acceptance of ``drafter`` (:func:`dflash.evaluate.evaluate`, on a copy in the
+        target's dtype and on its device), logged, kept in ``self.acceptance`` (``dflash train``
+        prints it) and in ``acceptance.json`` of ``--out``. Rank 0 only; the other processes wait
+        at their next collective."""
+        from dflash import acceptance_log
+        from dflash.evaluate import evaluate, stop_token_ids
+        from dflash.model import DFlashDraftModel
+
+        target = self.eval_target
+        with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
+            copy = DFlashDraftModel._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
+        copy.load_state_dict(drafter.state_dict())
+        report = evaluate(
+            target,
+            copy.to(target.device).eval(),
+            self.heldout.prompts,
+            max_new_tokens=self.heldout.max_new_tokens,
+            eos_ids=stop_token_ids(self.tokenizer, target.config),
+        )
+        logger.info(
+            "held-out acceptance %s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s",
+            when,
+            report.tau_per_prompt,
+            report.tau_per_step,
+            report.num_prompts,
+            self.heldout.source,
+        )
+        self.acceptance[when] = report.tau_per_prompt
+        self.out.mkdir(parents=True, exist_ok=True)
+        source = f"dflash train --init-from {self.config.init_from} ({when})"
+        acceptance_log.record(
+            self.out, acceptance_log.entry(report, self.heldout, checkpoint=checkpoint, source=source)
+        )
 
     def _build_engine(self, targets, drafter) -> StepEngine:
         cfg = self.config
@@ -437,6 +498,9 @@ class Trainer:
                 self._log_compile_summary()
         if self.is_main:
             self._log_throughput(throughput)
+        if self.heldout is not None and metrics:
+            saved = checkpoint.step_dir_name(self.step) if cfg.save else None
+            self._measure_acceptance(self.drafter, when="after the last step", checkpoint=saved)
         return metrics
 
     def _trim_metrics(self) -> None:
@@ -710,8 +774,14 @@ def _same_input(saved: str | None, current: str | None, *, warn: bool = True) ->
 def _check_resume_config(saved: dict, current: TrainConfig, step_dir: Path, *, warn: bool = True) -> None:
     """Raise CheckpointError when a flag that changes the math differs from ``saved``; with
     ``warn``, log the tolerated differences (a moved input, another length)."""
-    # A key the saved run lacks is a field added since; it ran with that field's default.
+    from dflash.drafter_shape import SHAPE_FIELDS, resolve_drafter_shape
+
+    # A key the saved run lacks is a field added since; it ran with that field's default. A shape
+    # field it left empty was filled by the rule of dflash.drafter_shape, as the current one is.
     saved = {**TrainConfig.defaults(), **saved}
+    current = resolve_drafter_shape(current)
+    shape = resolve_drafter_shape(dataclasses.replace(current, **{k: saved[k] for k in SHAPE_FIELDS}))
+    saved |= {k: getattr(shape, k) for k in SHAPE_FIELDS}
     changed = sorted(
         k
         for k, v in current.to_dict().items()

@@ -122,6 +122,7 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
     from tiny import write_chat_data
 
     from dflash.config import TrainConfig
+    from dflash.drafter_shape import resolve_drafter_shape
     from dflash.preflight import validate_inputs
 
     target = make_target(tmp_path / "target", num_layers=2)
@@ -130,5 +131,5 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
     run = dict(target=str(target), data=str(write_chat_data(tmp_path / "chats.jsonl")), out=str(tmp_path / "run"))
     run.update(num_target_layers=1)
     with pytest.raises(document_separation.UnknownLayerType, match=r"'sliding_attention'.*--no-pack"):
-        validate_inputs(TrainConfig(**run))
-    validate_inputs(TrainConfig(**run, pack=False))
+        validate_inputs(resolve_drafter_shape(TrainConfig(**run)))
+    validate_inputs(resolve_drafter_shape(TrainConfig(**run, pack=False)))

@@ -50,6 +50,7 @@ def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(
     from tiny import write_chat_data
 
     from dflash.config import TrainConfig
+    from dflash.drafter_shape import resolve_drafter_shape
     from dflash.preflight import validate_inputs
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # loading would fail loudly
@@ -58,9 +59,9 @@ def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(
     with pytest.raises(
         ValueError, match=r"flash-linear-attention.*200 s.*pip install -e '\.\[fla\]'.*--slow-linear-attention"
     ):
-        validate_inputs(TrainConfig(**config))
-    validate_inputs(TrainConfig(**config, slow_linear_attention=True))
-    validate_inputs(TrainConfig(**{**config, "device": "cpu"}))
+        validate_inputs(resolve_drafter_shape(TrainConfig(**config)))
+    validate_inputs(resolve_drafter_shape(TrainConfig(**config, slow_linear_attention=True)))
+    validate_inputs(resolve_drafter_shape(TrainConfig(**{**config, "device": "cpu"})))
 
 
 def test_the_multimodal_checkpoint_loads_its_language_model_only(tmp_path):
