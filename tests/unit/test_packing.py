@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 import random
+import sys
 from itertools import islice
 from pathlib import Path
 
