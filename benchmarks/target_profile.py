@@ -135,14 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     with profile(activities=activities) as prof:
         run()
         sync()
-    by_kind = defaultdict(float)
+    by_kind, by_kernel = defaultdict(float), defaultdict(float)
     for event in prof.key_averages():
         time_us = event.device_time_total if device.type == "cuda" else event.self_cpu_time_total
         if time_us and (device.type != "cuda" or event.device_type.name == "CUDA"):
             by_kind[kernel_kind(event.key)] += time_us
+            by_kernel[event.key] += time_us
     total = sum(by_kind.values()) or 1.0
     for kind, time_us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:>38}: {time_us / 1e3:8.1f} ms ({100 * time_us / total:4.1f}% of GPU time)")
+    print("slowest kernels:")
+    for name, time_us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {time_us / 1e3:8.1f} ms  {kernel_kind(name)[:10]:<10}  {name[:110]}")
     return 0
 
 

@@ -300,8 +300,8 @@ class Target:
                 each document (:class:`dflash.data.Batch`); None: ``0..S-1`` (or, with
                 ``document_ids``, the position within each document).
             document_ids (torch.Tensor, optional): int ``[B, S]``, documents as maximal runs of
-                equal ids (-1 on padding); None: one conversation per row. Host tensors spare a
-                device sync.
+                equal ids (-1 on padding); None: one conversation per row. Host tensors spare
+                device syncs.
 
         Returns:
             TargetStates: ``context [B, S, K*H]`` and ``last_hidden [B, S, H]``.
@@ -314,17 +314,23 @@ class Target:
         input_ids = input_ids.to(self.device)
         attention_mask, apart = None, contextlib.nullcontext()
         if document_ids is not None:
+            # Linear layers always take the segmented route, one set of kernels for every batch
+            # (a batch of one-document rows would otherwise compile and autotune transformers'
+            # own path too: a 60 s stall measured at the 64-layer shape); attention layers need
+            # the mask only where a row holds several documents (else SDPA's causal fast path).
             if self._linear_mixers:
                 segments = document_separation.Segments.of(document_ids, self.device)
                 apart = document_separation.linear_layers_apart(self._linear_mixers, segments, self._linear_kernels)
+            several = bool(document_ids.max() > 0)
             document_ids = document_ids.to(self.device)
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=self.device) - masks.document_starts(
                     document_ids
                 )
-            attention_mask = document_separation.attention_mask(
-                document_ids, self.config._attn_implementation, self.dtype
-            )
+            if several:
+                attention_mask = document_separation.attention_mask(
+                    document_ids, self.config._attn_implementation, self.dtype
+                )
         if position_ids is not None:
             position_ids = position_ids.to(self.device)
         with apart:

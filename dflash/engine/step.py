@@ -139,14 +139,12 @@ class TargetBatch:
 def produce_target_states(target: Target, batch: Batch) -> TargetBatch:
     """Run the frozen target on a host batch and keep what the drafter needs (stage 1).
 
-    Rows holding several documents (packing) get a document-causal target forward, so each
-    conversation's states are those of the conversation run alone; one-document rows keep the
-    plain causal forward (SDPA's fast path).
+    Each conversation's states are those of the conversation run alone (:meth:`Target.capture`
+    with the batch's documents, taken from the host copy: no sync).
     """
-    # Read on the host before the copy: the same on a device tensor would sync.
-    num_tokens, packed, host_documents = batch.num_tokens, bool(batch.document_ids.max() > 0), batch.document_ids
+    num_tokens, host_documents = batch.num_tokens, batch.document_ids
     batch = batch.to(target.device)
-    states = target.capture(batch.input_ids, batch.position_ids, host_documents if packed else None)
+    states = target.capture(batch.input_ids, batch.position_ids, host_documents)
     return TargetBatch(batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, states, num_tokens)
 
 

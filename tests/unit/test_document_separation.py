@@ -133,3 +133,13 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
     with pytest.raises(document_separation.UnknownLayerType, match=r"'sliding_attention'.*--no-pack"):
         validate_inputs(resolve_drafter_shape(TrainConfig(**run)))
     validate_inputs(resolve_drafter_shape(TrainConfig(**run, pack=False)))
+
+
+def test_one_document_rows_take_the_segmented_route_too(hybrid, monkeypatch):
+    # One set of linear-attention kernels for every batch: transformers' own Gated DeltaNet
+    # forward (another kernel path to compile and autotune on CUDA) is never called in training.
+    mixer_class = type(document_separation.linear_layers(hybrid.model)[0])
+    monkeypatch.setattr(mixer_class, "forward", lambda *a, **k: pytest.fail("transformers' own forward ran"))
+    from dflash.engine.step import produce_target_states
+
+    produce_target_states(hybrid, packed_batch([[9], [13]], seq_len=16, seed=1))

@@ -435,7 +435,7 @@ def test_unsupported_target_backend_is_named(target_dir):
     target = load_target(target_dir, layer_ids=[0], device="cpu")
     target.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match=r"backend 'flash_attention_2'.*--no-pack"):
-        target.capture(torch.zeros(1, 4, dtype=torch.long), document_ids=torch.zeros(1, 4, dtype=torch.long))
+        target.capture(torch.zeros(1, 4, dtype=torch.long), document_ids=torch.tensor([[0, 0, 1, 1]]))
 
 
 # ---------------------------------------------------------------------------------------
