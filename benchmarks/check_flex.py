@@ -2,6 +2,7 @@
 
     python benchmarks/check_flex.py --device cuda            # full check (forward + backward)
     python benchmarks/check_flex.py --device cpu --small     # forward-only smoke test (slow compile)
+    python benchmarks/check_flex.py --device cuda --sliding-window 512   # sliding layers, then a full one
 
 1. Correctness (fp32, TF32 off): ``torch.compile(fullgraph=True)`` of the drafter forward with the
    flex BlockMask vs the eager SDPA path with the dense mask; then the whole training step
@@ -35,7 +36,17 @@ def build(args, dtype):
         num_key_value_heads=max(1, args.hidden // 256),
         head_dim=64,
     )
-    config = create_drafter_config(target, args.layers, block_size=args.block_size, mask_token_id=args.vocab - 1)
+    window = args.sliding_window
+    # With --sliding-window: every layer but the last slides (the published Qwen3.6 drafters' layout).
+    types = ["sliding_attention"] * max(1, args.layers - 1) + ["full_attention"] * (args.layers > 1) if window else None
+    config = create_drafter_config(
+        target,
+        args.layers,
+        block_size=args.block_size,
+        mask_token_id=args.vocab - 1,
+        layer_types=types,
+        sliding_window=window,
+    )
     torch.manual_seed(0)
     model = DFlashDraftModel._from_config(config, attn_implementation="flex_attention", dtype=dtype)
     return model.to(args.device)
@@ -70,6 +81,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--sliding-window", type=int, default=None, help="window of sliding layers (all but the last)")
     args = p.parse_args()
     big = dict(hidden=1024, layers=2, vocab=32000, batch=2, seq_len=2048, anchors=256, block_size=16)
     small = dict(hidden=128, layers=1, vocab=512, batch=1, seq_len=100, anchors=8, block_size=16)

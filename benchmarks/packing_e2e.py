@@ -2,8 +2,10 @@
 
     python benchmarks/packing_e2e.py --shape qwen3-8b                      # one GPU, colocated
     python benchmarks/packing_e2e.py --shape qwen3-8b --layout split       # target cuda:0, drafter cuda:1
-    python benchmarks/packing_e2e.py --shape qwen3-32b --seq-len 4096      # the 27B-class shape
+    python benchmarks/packing_e2e.py --shape qwen3.6-27b --batch-size 2   # the user's hybrid target
+    python benchmarks/packing_e2e.py --shape qwen3-32b --seq-len 4096      # a dense 27B-class shape
     python benchmarks/packing_e2e.py --tiny                                # CPU smoke test, about a minute
+    python benchmarks/packing_e2e.py --tiny --shape tiny-qwen3.6           # the same with a hybrid target
 
 One run trains the same drafter on the same conversations twice through the real CLI, ``python -m
 dflash train ... --pack`` and ``... --no-pack``, each in a fresh interpreter, and prints one table:
@@ -15,11 +17,13 @@ trainer's own: the last line of its log that starts with ``steady state over``, 
 The target is a random-weight model of a named public shape (:data:`SHAPES`), written as a HF
 directory: its ``config.json``, the embedded default target's tokenizer and chat template, and a
 weight file holding only the final norm; ``from_pretrained`` initialises every missing weight
-randomly (``initializer_range``), so a 16 GB (8B) or 65 GB (32B) random checkpoint never touches the
-disk; the price is the CPU time of that initialisation in each run (``normal_`` over every weight,
-tens of seconds for 8B, minutes for 32B; run one mode per command with ``--modes`` when a command's
-time is short). The drafter is the published DFlash geometry: 5 layers sized like the target, 5 tapped layers,
-block size 16.
+randomly (``initializer_range``), so a 16 GB (8B), 55 GB (Qwen3.6-27B) or 65 GB (32B) random
+checkpoint never touches the disk (the hybrid Qwen3.6-27B directory is the multimodal checkpoint
+form, its vision tower's config included, never loaded); the price is the CPU time of that
+initialisation in each run (``normal_`` over every weight, tens of seconds for 8B, minutes for 32B;
+run one mode per command with ``--modes`` when a command's time is short). The drafter has the
+published DFlash geometry for the target (5 layers, 5 tapped layers, block size 16; the trainer's
+defaults for the target's family).
 
 Data (``--data``): ``synthetic`` writes chats whose lengths vary like real chat corpora (token
 counts log-normal, median ``--median-tokens``, sigma ``--sigma``, 1 to 6 exchanges, replies three
@@ -45,40 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-#: Random-weight target shapes, from the public configs (Qwen3-8B, Qwen3-32B: the issue's 27B-class
-#: shape, 64 layers x 5120) plus a tiny one for the CPU smoke test.
-SHAPES = {
-    "qwen3-8b": dict(
-        num_hidden_layers=36,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=12288,
-        vocab_size=151936,
-        rope_theta=1e6,
-    ),
-    "qwen3-32b": dict(
-        num_hidden_layers=64,
-        hidden_size=5120,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=25600,
-        vocab_size=151936,
-        rope_theta=1e6,
-    ),
-    "tiny": dict(
-        num_hidden_layers=8,  # 5 distinct tapped layers need >= 8
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=4096,  # the embedded tokenizer's
-        rope_theta=1e6,
-    ),
-}
+from shapes import QWEN36_VISION, SHAPES
 
 #: The trainer's final summary line (agreed with the trainer; fields after the TFLOP/s are parsed
 #: one by one, so a line without MFU, row fill, target share or peak memory still parses):
@@ -119,34 +90,61 @@ def parse_summary(log: str) -> dict:
     return fields
 
 
-def write_target(directory: Path, shape: str) -> Path:
-    """A HF directory of a random-weight Qwen3 of ``shape`` (module docstring)."""
+def write_target(directory: Path, shape: str, *, layers: int | None = None) -> Path:
+    """A HF directory of a random-weight target of ``shape`` (module docstring), its first ``layers``
+    decoder layers (None: all): its config, the embedded tokenizer and a weight file holding only
+    the final norm."""
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3Config
 
     from dflash.assets import default_target_dir
 
-    fields = dict(SHAPES[shape])
-    theta = fields.pop("rope_theta")
-    config = Qwen3Config(
-        **fields,
-        max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        tie_word_embeddings=False,
-        architectures=["Qwen3ForCausalLM"],
-        dtype="bfloat16",
-    )
+    config, norm_key = _target_config(shape, layers)
     directory.mkdir(parents=True, exist_ok=True)
     source = default_target_dir()
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
     for name in tokenizer_files:
         shutil.copy(source / name, directory / name)
-    config.pad_token_id, config.eos_token_id = 0, 2  # the embedded tokenizer's
     config.save_pretrained(directory)
-    norm = torch.ones(config.hidden_size, dtype=torch.bfloat16)
-    save_file({"model.norm.weight": norm}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    norm = torch.ones(SHAPES[shape]["hidden_size"], dtype=torch.bfloat16)
+    save_file({norm_key: norm}, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def _target_config(shape: str, layers: int | None):
+    """The transformers config of ``shape`` (cut to ``layers``) and the checkpoint key of its final norm."""
+    fields = dict(SHAPES[shape])
+    fields["num_hidden_layers"] = layers or fields["num_hidden_layers"]
+    arch = fields.pop("arch")
+    tokens = dict(pad_token_id=0, eos_token_id=2)  # the embedded tokenizer's
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        theta = fields.pop("rope_theta")
+        config = Qwen3Config(
+            **fields,
+            **tokens,
+            max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
+            tie_word_embeddings=False,
+            architectures=["Qwen3ForCausalLM"],
+            dtype="bfloat16",
+        )
+        return config, "model.norm.weight"
+    from transformers import Qwen3_5Config
+
+    vision = dict(QWEN36_VISION, out_hidden_size=fields["hidden_size"])
+    if shape.startswith("tiny"):
+        vision.update(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4)
+    text = dict(fields, **tokens, max_position_embeddings=262144, tie_word_embeddings=False)
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        dtype="bfloat16",
+    )
+    return config, "model.language_model.norm.weight"
 
 
 def write_synthetic_chats(path: Path, *, count: int, median_tokens: int, sigma: float, seed: int) -> Path:
@@ -212,19 +210,23 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> lis
 
 
 def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool) -> dict:
-    """One ``dflash train`` in a fresh interpreter; its parsed summary plus wall time."""
-    out = workdir / ("packed" if pack else "unpacked")
+    """One ``dflash train`` in a fresh interpreter; its parsed summary plus wall time. Its log is
+    written as it runs to ``--log-dir`` (default: the work directory), so a run stopped by a time
+    limit still leaves what it printed."""
+    mode = "packed" if pack else "unpacked"
+    out = workdir / mode
     command = [sys.executable, "-m", "dflash", "train", *train_flags(args, target, data, out, pack=pack)]
     print("$", " ".join(command), flush=True)
+    log_path = (args.log_dir or workdir) / f"train_{mode}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    with open(log_path, "w") as log_file:
+        done = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
     wall = time.perf_counter() - start
     shutil.rmtree(out, ignore_errors=True)  # checkpoints of a 1B drafter: gigabytes each
-    log = done.stdout + done.stderr
+    log = log_path.read_text()
     if done.returncode:
-        raise SystemExit(
-            f"dflash train ({'packed' if pack else 'unpacked'}) failed, rc {done.returncode}:\n{log[-4000:]}"
-        )
+        raise SystemExit(f"dflash train ({mode}) failed, rc {done.returncode}:\n{log[-4000:]}")
     return {**parse_summary(log), "wall_s": wall}
 
 
@@ -261,6 +263,9 @@ def print_table(results: dict[str, dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep the first N decoder layers of the shape (a quicker cut)"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, short rows, few steps")
     parser.add_argument("--layout", choices=("colocated", "split"), default="colocated")
     parser.add_argument("--device", default="cuda", help="device of the colocated layout")
@@ -282,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", default="packed,unpacked", help="runs to make, in order (one alone if time is short)"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where each run's log is written as it runs")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.shape, args.device, args.compile, args.cpu_threads = "tiny", "cpu", "off", args.cpu_threads or 1
+        args.shape = args.shape if args.shape.startswith("tiny") else "tiny"
+        args.device, args.compile, args.cpu_threads = "cpu", "off", args.cpu_threads or 1
         args.seq_len, args.batch_size, args.max_anchors, args.block_size = 256, 2, 16, 8
         args.draft_layers, args.steps, args.conversations, args.median_tokens = 1, 6, 300, 60
     modes = args.modes.split(",")
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="packing_e2e_") as tmp:
         workdir = Path(tmp)
-        target = write_target(workdir / "target", args.shape)
+        target = write_target(workdir / "target", args.shape, layers=args.layers)
         data = chat_data(args, workdir)
         describe(args, target, data)
         results = {mode: run_train(args, target, data, workdir, pack=mode == "packed") for mode in modes}
@@ -327,7 +334,8 @@ def describe(args, target: Path, data: Path) -> None:
     lengths = sorted(token_lengths(target, data, args.seq_len))
     shape = SHAPES[args.shape]
     print(
-        f"packing_e2e: target {args.shape} ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"packing_e2e: target {args.shape} ({args.layers or shape['num_hidden_layers']} layers, "
+        f"hidden {shape['hidden_size']}, "
         f"random weights), drafter {args.draft_layers} layers, block {args.block_size}, seq {args.seq_len} x "
         f"batch {args.batch_size}, {args.max_anchors} anchors, layout {args.layout}, {args.steps} steps; "
         f"torch {torch.__version__}, DFLASH_PATCHES={os.environ.get('DFLASH_PATCHES', '1')}"

@@ -201,14 +201,13 @@ def save_checkpoint(
     from dflash.portable import portable_config
 
     exported = {k: _export(v, dtype) for k, v in weights.items()}
-    float_dtypes = {v.dtype for v in exported.values() if v.is_floating_point()}
-    config = portable_config(drafter_config, dtype=float_dtypes.pop() if len(float_dtypes) == 1 else None)
+    config = portable_config(drafter_config, dtype=_single_dtype(exported))
     if training_state is not None and any(exported[k].dtype != v.dtype for k, v in weights.items()):
         master = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
         training_state = {**training_state, MASTER_WEIGHTS_KEY: master}
 
     root = Path(out_dir) / "checkpoints"
-    name = f"step_{step:08d}"
+    name = step_dir_name(step)
     tmp, final = root / f"{name}.tmp", root / name
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -233,6 +232,33 @@ def save_checkpoint(
     for path in sorted(final.iterdir()):
         logger.debug("  %s: %d bytes", path.name, path.stat().st_size)
     return final
+
+
+def write_drafter_files(
+    directory: Path, *, weights: dict[str, torch.Tensor], drafter_config: dict[str, Any], dtype: torch.dtype | None
+) -> None:
+    """Write a weights-only drafter into the empty ``directory``: what a step directory holds less
+    the training state (``config.json``, ``modeling_dflash.py``, ``model.safetensors`` with the
+    floating weights in ``dtype``, ``manifest.json``), fsynced.
+
+    Raises:
+        ValueError: ``drafter_config`` has no RoPE base.
+    """
+    from dflash.portable import portable_config
+
+    exported = {k: _export(v, dtype) for k, v in weights.items()}
+    _write_step(directory, portable_config(drafter_config, dtype=_single_dtype(exported)), exported, None)
+
+
+def _single_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype of the floating weights when they share one (what ``dtype="auto"`` loads in)."""
+    float_dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
+    return float_dtypes.pop() if len(float_dtypes) == 1 else None
+
+
+def step_dir_name(step: int) -> str:
+    """Name of the step directory of ``step`` under ``checkpoints/`` (``step_00000300``)."""
+    return f"step_{step:08d}"
 
 
 def _write_step(tmp: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], training_state) -> None:

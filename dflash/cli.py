@@ -11,7 +11,7 @@ from dflash import __version__
 from dflash.progress_logging import log_above_progress_bars
 
 # Modules under dflash.commands, in the order their subcommands are listed in --help.
-_COMMANDS = ("train", "evaluate", "patches")
+_COMMANDS = ("train", "evaluate", "export", "patches")
 
 
 def build_parser() -> argparse.ArgumentParser:

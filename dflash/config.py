@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 
 # Saved absolute, so train_config.json and a resume from another directory name the same files.
-INPUT_PATHS = ("target", "data")
+INPUT_PATHS = ("target", "data", "init_from", "eval_data")
 #: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
 SAVED_CONFIG_NAME = "train_config.json"
 
@@ -58,16 +58,37 @@ class TrainConfig:
     allow_nonempty_out: bool = False
     """Train into an --out that already holds files that are not a run's (the run's files go beside them)."""
 
-    # ---- drafter --------------------------------------------------------------------------
-    block_size: int = 8
-    """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel (16 in published drafters)."""
-    num_draft_layers: int = 1
-    """Decoder layers of the drafter (published drafters: 5 for 8B targets)."""
+    # ---- drafter (empty = dflash.drafter_shape's rule: the target's geometry, or the published drafters' shape
+    # for Qwen3.5/3.6 targets, or the --init-from drafter's) -----------------------------------------------------
+    init_from: str | None = None
+    """Published drafter directory to fine-tune (config.json + model.safetensors, z-lab layout): its shape, layer
+    types, window, block size, mask token, tapped layers and RoPE are kept and its weights loaded strictly; held-out
+    acceptance (--eval-data) is measured before step 1 and after the last step."""
+    block_size: int | None = None
+    """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel; empty = 8, 16 (the published
+    drafters') for Qwen3.5/3.6 targets."""
+    num_draft_layers: int | None = None
+    """Decoder layers of the drafter; empty = 1, 5 for Qwen3.5/3.6 targets (published drafters: 5)."""
+    draft_layer_types: str | None = None
+    """Attention of each drafter layer, comma-separated `full`/`sliding` (e.g. sliding,sliding,sliding,sliding,full);
+    empty = all full, all sliding but the last for Qwen3.5/3.6 targets."""
+    draft_sliding_window: int | None = None
+    """Window of the sliding layers in tokens (>= block size; a draft slot sees the window ending at itself, as
+    flash-attention serves it); empty = 2048 where a layer is sliding."""
+    draft_heads: int | None = None
+    """Attention heads of the drafter; empty = the target's, 32 for Qwen3.5/3.6 targets."""
+    draft_kv_heads: int | None = None
+    """KV heads of the drafter; empty = the target's, 8 for Qwen3.5/3.6 targets."""
+    draft_head_dim: int | None = None
+    """Head dim of the drafter; empty = the target's, 128 for Qwen3.5/3.6 targets."""
+    draft_intermediate_size: int | None = None
+    """MLP width of the drafter; empty = the target's."""
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs feed the drafter (id k = output of layer k); empty = the DFlash default
     spread."""
-    num_target_layers: int = 3
-    """How many target layers to tap when --target-layer-ids is not given (published drafters: 5)."""
+    num_target_layers: int | None = None
+    """How many target layers to tap when --target-layer-ids is not given; empty = 3, 5 for Qwen3.5/3.6 targets
+    (published drafters: 5)."""
     mask_token_id: int | None = None
     """Token id of the draft mask slot (an existing row of the target embedding, never resized); empty = the resumed
     drafter's, else the tokenizer's mask token, else the first unused embedding row, else pad/eos/unk (logged)."""
@@ -111,6 +132,16 @@ class TrainConfig:
     """D-PACE confidence smoothing alpha in [0, 1]: slot confidence (1 - alpha) * p + alpha (SpecForge and
     speculators default 0.5)."""
 
+    # ---- held-out acceptance (with --init-from) ---------------------------------------------
+    eval_data: str | None = None
+    """JSONL chat file of held-out conversations for the acceptance measured with --init-from (as dflash eval
+    does); empty = the embedded held-out set (chit-chat)."""
+    eval_prompts: int = 20
+    """Held-out prompts decoded for that acceptance: a random sample of the usable ones (as dflash eval
+    --num-prompts --seed 0 draws it)."""
+    eval_max_new_tokens: int = 64
+    """Tokens generated per held-out prompt."""
+
     # ---- schedule -------------------------------------------------------------------------
     steps: int | None = 300
     """Optimizer steps (or --epochs instead: give one of the two)."""
@@ -132,6 +163,10 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto (cuda if visible)."""
     compile: str = "auto"
     """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
+    slow_linear_attention: bool = False
+    """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
+    flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).
+    Without this flag such a run is refused: install the kernels with `pip install -e '.[fla]'`."""
     cpu_threads: int | None = None
     """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other
     jobs: oversubscribed OpenMP threads run many times slower."""
@@ -186,9 +221,6 @@ class TrainConfig:
                     f"{field.name} must be a finite number, got {value} (--{field.name.replace('_', '-')})"
                 )
         positive = (
-            "block_size",
-            "num_draft_layers",
-            "num_target_layers",
             "seq_len",
             "batch_size",
             "grad_accum",
@@ -196,11 +228,21 @@ class TrainConfig:
             "log_every",
             "keep_last",
             "loss_chunk_blocks",
+            "eval_prompts",
+            "eval_max_new_tokens",
         )
-        for name in positive:
-            if getattr(self, name) < 1:
+        optional_positive = ("num_draft_layers", "num_target_layers", "draft_sliding_window", "draft_heads")
+        optional_positive += ("draft_kv_heads", "draft_head_dim", "draft_intermediate_size")
+        for name in positive + optional_positive:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.block_size < 2:
+        if self.draft_layer_types is not None:
+            from dflash.drafter_shape import parse_layer_types
+
+            parse_layer_types(self.draft_layer_types)
+        if self.eval_data and not self.init_from:
+            raise ValueError("eval_data: held-out acceptance is measured with --init-from; pass it, or use dflash eval")
+        if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft slot), got {self.block_size}")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError(
@@ -227,7 +269,7 @@ class TrainConfig:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         from dflash.loss import PAPER_GAMMA
 
-        if self.gamma is None and self.block_size not in PAPER_GAMMA:
+        if self.gamma is None and self.block_size is not None and self.block_size not in PAPER_GAMMA:
             raise ValueError(
                 f"gamma: the paper gives no decay for block_size={self.block_size} (only for "
                 f"{sorted(PAPER_GAMMA)}); pass --gamma (about block_size / 2)"

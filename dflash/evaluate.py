@@ -13,8 +13,10 @@ with the published ones (z-lab/dflash ``benchmark.py``, whose numbers the DFlash
 
 - tau per step: mean of ``accepted + 1`` over all steps of all prompts, the last step of a prompt
   cut at EOS / the token budget (it counts only tokens the step really emitted).
-- tau per prompt (z-lab): mean over prompts of each prompt's mean ``accepted + 1``, the last step
-  counted in full. It is higher on short generations, where the cut last step weighs more.
+- tau per prompt (z-lab): mean over prompts of each prompt's mean ``accepted + 1``, exactly as
+  z-lab's loop counts it: the last step counted in full, and one more step when a generation ends
+  exactly at the token budget (or at the prefill token), which z-lab's loop runs and counts. It is
+  higher on short generations, where the last steps weigh more.
 - speedup with prefill: (target-only seconds per output token) / (speculative seconds per output
   token), whole generations, summed over prompts.
 - decoding speedup (z-lab): the same ratio of per-prompt decoding time per output token, prefill
@@ -25,6 +27,7 @@ Both methods run on the same prompts after a warm-up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import state_rollback
 from dflash.target import Target
 
 logger = logging.getLogger(__name__)
@@ -46,9 +50,12 @@ class Generation:
         tokens (list[int]): generated ids (prompt excluded), ending at the first EOS if any.
         accept_lengths (list[int]): per speculative step, accepted drafts + 1, cut at EOS and at
             ``max_new_tokens`` (empty for greedy).
-        full_accept_lengths (list[int]): the same with no cut: accepted drafts + 1 of every step
-            (differs from ``accept_lengths`` at most in the last step; z-lab's count).
-        seconds (float): wall time of the generation.
+        full_accept_lengths (list[int]): z-lab's count: accepted drafts + 1 of every step with no
+            cut, and of the one more step z-lab's loop runs when the output ends exactly at
+            ``max_new_tokens`` or at the prefill token (differs from ``accept_lengths`` in the last
+            step or two).
+        seconds (float): wall time of the generation (to its last output token: z-lab's extra
+            step is not timed).
         prefill_seconds (float): the part of ``seconds`` spent on the prompt forward and the
             first token.
     """
@@ -102,19 +109,19 @@ class EvalReport:
         return {k: (dict(sorted(v.items())) if isinstance(v, dict) else v) for k, v in vars(self).items()}
 
 
-def _crop(cache, keep: int) -> None:
-    # DynamicCache.crop(-n) drops the last n tokens in transformers 4.x and 5.x alike.
-    remove = cache.get_seq_length() - keep
-    if remove > 0:
-        cache.crop(-remove)
-
-
 def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     tokens = tokens[:max_new_tokens]
     for i, token in enumerate(tokens):
         if token in eos_ids:
             return tokens[: i + 1]
     return tokens
+
+
+def stop_token_ids(tokenizer, target_config) -> set[int]:
+    """Token ids that end a generation: the tokenizer's eos and the target config's ``eos_token_id``(s)."""
+    configured = getattr(target_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id} | set(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}
 
 
 def _sync(device: torch.device) -> None:
@@ -129,11 +136,9 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
     Args:
         prompt_ids: int64 ``[1, P]``.
     """
-    from transformers import DynamicCache
-
     _sync(target.device)
     start = time.perf_counter()
-    cache = DynamicCache()
+    cache = state_rollback.new_cache(target)
     out = target.decoder_forward(prompt_ids.to(target.device), past_key_values=cache)
     tokens, prefill_seconds = [], None
     while True:
@@ -154,20 +159,29 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
 
 @torch.no_grad()
 def speculative_generate(
-    target: Target, drafter, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_ids: set[int]
+    target: Target,
+    drafter,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    rollback_strategy: str = "mixers",
 ) -> Generation:
     """Greedy speculative decoding; output identical to :func:`greedy_generate`.
+
+    A hybrid target's linear-attention states are rolled back to the last kept token after each
+    rejection (:mod:`dflash.state_rollback`); attention layers' KV is cropped.
 
     Args:
         drafter: a ``DFlashDraftModel`` (``draft_block``), same device as the target, tapping
             ``target.layer_ids``.
         prompt_ids: int64 ``[1, P]``.
+        rollback_strategy (str): how a hybrid target's states advance past a rejection, one of
+            :data:`dflash.state_rollback.STRATEGIES`.
 
     Raises:
         ValueError: the drafter taps other layers than ``target.layer_ids``.
     """
-    from transformers import DynamicCache
-
     if list(drafter.config.target_layer_ids) != target.layer_ids:
         raise ValueError(
             f"drafter taps target layers {drafter.config.target_layer_ids}, the target "
@@ -177,37 +191,56 @@ def speculative_generate(
     device = target.device
     _sync(device)
     start = time.perf_counter()
-    cache = DynamicCache()
+    cache = state_rollback.new_cache(target)
     out = target.decoder_forward(prompt_ids.to(device), past_key_values=cache)
+    rollback = state_rollback.StateRollback.for_target(target, cache, rollback_strategy)
     context = target.select(out.hidden_states)  # [1, P, K*H]: states of every verified token
     last = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1], no target state yet
     tokens, accept_lengths, full_accept_lengths = [int(last)], [], []  # int() waits for the device
     prefill_seconds = time.perf_counter() - start
     masks = torch.full((1, block_size - 1), mask_id, dtype=torch.long, device=device)
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
+    seconds = None
+    while True:
+        done = len(tokens) >= max_new_tokens or tokens[-1] in eos_ids
+        if done:
+            if seconds is None:  # the output is complete: our timings end here
+                _sync(device)
+                seconds = time.perf_counter() - start
+            # z-lab's loop (dflash/model.py dflash_generate) checks after each step, and steps on while
+            # the tokens it wrote (the prefill token and every step's accepted + 1, uncut) are at most
+            # max_new_tokens and hold no stop token: one more step when the output ends exactly at the
+            # budget or at the prefill token. Its acceptance counts that step; the output does not.
+            if full_accept_lengths and (tokens[-1] in eos_ids or 1 + sum(full_accept_lengths) > max_new_tokens):
+                break
         block = torch.cat([last[:, None], masks], dim=1)  # [1, Bs]
         draft = drafter.draft_block(context, target.embed_tokens(block), target.lm_head)  # [1, Bs-1]
         verified = context.shape[1]
-        out = target.decoder_forward(torch.cat([last[:, None], draft], dim=1), past_key_values=cache)
+        block = torch.cat([last[:, None], draft], dim=1)
+        with rollback.verifying() if rollback else contextlib.nullcontext():
+            out = target.decoder_forward(block, past_key_values=cache)
         greedy = target.lm_head(out.last_hidden_state).argmax(-1)[0]  # [Bs]: next token after each slot
         matches = (draft[0] == greedy[:-1]).int()
         accepted = int(matches.cumprod(0).sum())
         # Emit the accepted drafts and the bonus token, but nothing past EOS or the token budget:
         # tau counts tokens the step really contributed, so sum(accept_lengths) + 1 == len(tokens).
-        emitted = _finish(draft[0, :accepted].tolist() + [int(greedy[accepted])], max_new_tokens - len(tokens), eos_ids)
+        proposed = draft[0, :accepted].tolist() + [int(greedy[accepted])]
+        emitted = [] if done else _finish(proposed, max_new_tokens - len(tokens), eos_ids)
         tokens.extend(emitted)
-        accept_lengths.append(len(emitted))
+        if emitted:
+            accept_lengths.append(len(emitted))
         full_accept_lengths.append(accepted + 1)
         # Keep target states/cache for the block's first token and the accepted drafts only.
         context = torch.cat([context, target.select(out.hidden_states)[:, : accepted + 1]], dim=1)
-        _crop(cache, verified + accepted + 1)
+        if rollback:
+            rollback.keep(block[:, : accepted + 1], verified)
+        else:
+            state_rollback.crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
-    _sync(device)
     return Generation(
         tokens=tokens,
         accept_lengths=accept_lengths,
         full_accept_lengths=full_accept_lengths,
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
         prefill_seconds=prefill_seconds,
     )
 
@@ -216,24 +249,28 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     """Load a drafter from a run directory, its ``checkpoints/``, a step directory or a drafter
     shipped for serving (``config.json`` and ``model.safetensors`` are all it reads: no training
     state needed), in ``dtype`` on ``device``, with SDPA attention. The two files are verified
-    against the manifest when there is one; without it a warning says they were not.
+    against the manifest when there is one; without it a warning says they were not. Loaded
+    strictly (:mod:`dflash.drafter_files`): never a random weight, never a default shape.
 
     Raises:
-        CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`.
+        CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`; a config that is not a
+            drafter's or lacks a field, or weights that disagree with it (named), before any
+            model is built.
     """
     from dflash.checkpoint import DRAFTER_FILES, find_checkpoint
-    from dflash.model import DFlashDraftModel
+    from dflash.drafter_files import load_drafter_dir
 
     step_dir = find_checkpoint(path, files=DRAFTER_FILES)
-    drafter = DFlashDraftModel.from_pretrained(step_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+    drafter = load_drafter_dir(step_dir, dtype=dtype, device=device)
     logger.info(
-        "drafter %s: %d layers, block size %d, taps target layers %s",
+        "drafter %s: %d layers (%s), block size %d, taps target layers %s",
         step_dir,
         drafter.config.num_hidden_layers,
+        ", ".join(drafter.config.layer_types),
         drafter.config.block_size,
         drafter.config.target_layer_ids,
     )
-    return drafter.to(device).eval()
+    return drafter.eval()
 
 
 @dataclass
@@ -424,9 +461,9 @@ def summarize(plains: list[Generation], specs: list[Generation], *, block_size: 
     """The report of target-only (``plains``) and speculative (``specs``) generations of the same
     prompts, in both conventions of the module docstring.
 
-    A prompt whose speculative generation ended at the prefill token (no step) has no per-prompt
-    tau and is left out of ``tau_per_prompt`` (z-lab's mean would be NaN); a figure with nothing
-    to average (no step at all) is NaN.
+    A generation without z-lab steps (none of :func:`speculative_generate`'s: z-lab's loop steps at
+    least once) has no per-prompt tau and is left out of ``tau_per_prompt``; a figure with
+    nothing to average is NaN.
     """
     lengths = [n for spec in specs for n in spec.accept_lengths]
     per_prompt = [_mean(spec.full_accept_lengths) for spec in specs if spec.full_accept_lengths]

@@ -25,6 +25,14 @@ sees context of its anchor's document only (``start(a_b) <= kv < a_b``), a slot'
 the anchor's document, and draft positions come from the row's ``position_ids`` (restarting at 0 in
 each document). :func:`document_causal_mask` and :func:`document_causal_block_mask` are the frozen
 target's side of the same rule: causal attention within each document.
+
+Sliding-window drafter layers (``sliding_window=W``, :mod:`dflash.modeling_dflash`) see less
+context: slot k of the block anchored at a sits at position ``a + k`` and sees the W positions
+ending there, so its context is ``max(start, a + k - W + 1) <= kv < a``; ``W >= Bs``, so it still
+sees its whole block. That is what flash-attention's window ``(W - 1, W - 1)`` gives the same slot
+at inference (transformers, z-lab/dflash) and SpecForge's sliding DFlash mask, so a drafter is
+trained on the context it is served with. Every function taking ``sliding_window`` treats None as
+full attention.
 """
 
 from __future__ import annotations
@@ -264,15 +272,34 @@ def visible_context(anchors: Tensor, valid: Tensor, document_ids: Tensor | None 
     return torch.where(valid, start, 0), torch.where(valid, anchors, 0)
 
 
-def visible_pairs(anchors: Tensor, valid: Tensor, block_size: int, document_ids: Tensor | None = None) -> Tensor:
-    """Visible (query, key) pairs of the DFlash mask: ``sum_b Bs * (end_b - start_b + Bs)`` over the
-    valid blocks (each slot sees its block's context and the Bs keys of its own block).
+def visible_pairs(
+    anchors: Tensor,
+    valid: Tensor,
+    block_size: int,
+    document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Visible (query, key) pairs of the DFlash mask of one layer: over the valid blocks and their
+    slots, the slot's context keys (``end_b - start_b``, fewer within a ``sliding_window``) plus
+    the Bs keys of its own block.
 
     Returns:
         Tensor: int64 scalar on ``anchors.device`` (no host sync), for attention FLOPs / MFU.
     """
+    context_start, end = _slot_context(anchors, valid, block_size, document_ids, sliding_window)
+    return (((end - context_start).clamp(min=0) + block_size) * valid[:, :, None]).sum()
+
+
+def _slot_context(
+    anchors: Tensor, valid: Tensor, block_size: int, document_ids: Tensor | None, sliding_window: int | None
+) -> tuple[Tensor, Tensor]:
+    """``[lo, end)`` context interval of every slot, int64 ``[B, N, Bs]`` each (empty when ``lo >= end``)."""
     start, end = visible_context(anchors, valid, document_ids)
-    return (block_size * (end - start + block_size) * valid).sum()
+    start, end = start[:, :, None].expand(-1, -1, block_size), end[:, :, None].expand(-1, -1, block_size)
+    if sliding_window is not None:
+        slots = torch.arange(block_size, device=anchors.device)
+        start = torch.maximum(start, anchors[:, :, None] + slots - sliding_window + 1)
+    return start, end
 
 
 def dflash_mask_mod(
@@ -281,6 +308,7 @@ def dflash_mask_mod(
     context_len: int,
     block_size: int,
     document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The DFlash ``mask_mod`` for flex_attention: True where query ``q`` may attend to key ``kv``.
 
@@ -288,7 +316,8 @@ def dflash_mask_mod(
     ``start_b <= kv < anchors[batch, b]`` (strict: the anchor's own target hidden state is not yet
     known at inference; ``start_b`` is the first position of the anchor's document, 0 without
     documents), and draft key ``kv >= S`` iff it belongs to block b; nothing if ``valid[batch, b]``
-    is False. Elementwise with broadcasting, so it also evaluates on index grids
+    is False. With ``sliding_window`` W, slot k also needs ``kv > anchors[batch, b] + k - W``
+    (module docstring). Elementwise with broadcasting, so it also evaluates on index grids
     (:func:`dense_attention_mask`).
 
     Args:
@@ -299,11 +328,17 @@ def dflash_mask_mod(
         block_size (int): Bs.
         document_ids (Tensor, optional): int ``[B, S]``; None = one document per row. Either way the
             mask_mod has the same structure (one compiled graph).
+        sliding_window (int, optional): W of a sliding-window layer (``>= block_size``); None =
+            full attention. A Python int, fixed for a run (a constant of the compiled graph).
 
     Returns:
         Callable: ``mask_mod(batch, head, q_idx, kv_idx) -> bool Tensor``; ``head`` is ignored
         (the mask is shared by all heads, BlockMask ``H=None``).
+
+    Raises:
+        ValueError: ``sliding_window < block_size``.
     """
+    _check_window(sliding_window, block_size)
     last_block = anchors.shape[1] - 1
     context_start, _ = visible_context(anchors, valid, document_ids)
 
@@ -311,15 +346,31 @@ def dflash_mask_mod(
         # Clamp: flex may evaluate padded query rows of the last tile; never index past N.
         block = torch.clamp(q_idx // block_size, max=last_block)
         in_context = kv_idx < context_len
-        sees_context = in_context & (kv_idx < anchors[batch, block]) & (kv_idx >= context_start[batch, block])
+        anchor = anchors[batch, block]
+        sees_context = in_context & (kv_idx < anchor) & (kv_idx >= context_start[batch, block])
+        if sliding_window is not None:
+            sees_context = sees_context & (kv_idx > anchor + q_idx % block_size - sliding_window)
         sees_own_block = ~in_context & ((kv_idx - context_len) // block_size == block)
         return valid[batch, block] & (sees_context | sees_own_block)
 
     return mask_mod
 
 
+def _check_window(sliding_window: int | None, block_size: int) -> None:
+    if sliding_window is not None and sliding_window < block_size:
+        raise ValueError(
+            f"sliding_window {sliding_window} is smaller than block_size {block_size}: a draft token must see its "
+            "whole block (engines disagree on the window's right bound there); use a window >= block_size"
+        )
+
+
 def dense_attention_mask(
-    anchors: Tensor, valid: Tensor, context_len: int, block_size: int, document_ids: Tensor | None = None
+    anchors: Tensor,
+    valid: Tensor,
+    context_len: int,
+    block_size: int,
+    document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """The DFlash mask as a dense bool tensor for SDPA (CPU and small cases only).
 
@@ -333,7 +384,7 @@ def dense_attention_mask(
     """
     batch, num_blocks = anchors.shape
     q_len = num_blocks * block_size
-    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids)
+    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids, sliding_window)
     return _evaluate_on_grid(mask_mod, batch, q_len, context_len + q_len, anchors.device)
 
 
@@ -343,6 +394,7 @@ def build_block_mask(
     context_len: int,
     block_size: int,
     document_ids: Tensor | None = None,
+    sliding_window: int | None = None,
     *,
     tile: int | tuple[int, int] = DEFAULT_TILE,
 ) -> BlockMask:
@@ -351,10 +403,11 @@ def build_block_mask(
     Choice: ``BlockMask.from_kv_blocks`` on tile tables computed in closed form from the anchors,
     rather than ``create_block_mask``. ``create_block_mask`` evaluates the ``mask_mod`` on every
     (q, kv) pair (B * N*Bs * (S + N*Bs) booleans, ~100 MB per sample at S=4k, N=512, Bs=16, unless
-    compiled); the closed form (:func:`interval_block_mask`, each query row sees its block's context
-    interval ``[start_b, a_b)`` and its own block) costs O(B * N*Bs + B * #q-tiles * #kv-tiles) and
-    has no compile step, so it runs on any device, outside the compiled training step. Tests check
-    it equals ``create_block_mask`` tile for tile, with and without documents.
+    compiled); the closed form (:func:`interval_block_mask`, each query row sees its slot's context
+    interval ``[start_b, a_b)``, cut to the window with ``sliding_window``, and its own block) costs
+    O(B * N*Bs + B * #q-tiles * #kv-tiles) and has no compile step, so it runs on any device,
+    outside the compiled training step. Tests check it equals ``create_block_mask`` tile for tile,
+    with and without documents and windows.
 
     Args:
         anchors (Tensor): int64 ``[B, N]``, valid entries sorted ascending per row (sorting is
@@ -363,25 +416,30 @@ def build_block_mask(
         context_len (int): S.
         block_size (int): Bs.
         document_ids (Tensor, optional): int ``[B, S]``; None = one document per row.
+        sliding_window (int, optional): W of a sliding-window layer; None = full attention.
         tile (int | tuple[int, int]): BlockMask tile (Q rows, KV columns); flex's default is 128.
 
     Returns:
         BlockMask: for ``Q_LEN = N * Bs`` and ``KV_LEN = S + N * Bs``, batch B, one head row
         (broadcast over heads), with :func:`dflash_mask_mod` attached.
+
+    Raises:
+        ValueError: ``sliding_window < block_size``, or malformed anchors / document ids.
     """
     _check_anchors(anchors, valid, anchors.shape[0])
     _check_documents(document_ids, (anchors.shape[0], context_len))
-    num_blocks = anchors.shape[1]
+    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids, sliding_window)
+    batch, num_blocks = anchors.shape
     q_len = num_blocks * block_size
     block = torch.arange(q_len, device=anchors.device) // block_size
     row_valid = valid[:, block]  # [B, Q]
-    start, end = visible_context(anchors, valid, document_ids)
+    start, end = _slot_context(anchors, valid, block_size, document_ids, sliding_window)
     own_start = torch.where(row_valid, context_len + block * block_size, 0)
     own_end = torch.where(row_valid, own_start + block_size, 0)
     return interval_block_mask(
-        [(start[:, block], end[:, block]), (own_start, own_end)],
+        [(start.reshape(batch, q_len), end.reshape(batch, q_len)), (own_start, own_end)],
         kv_len=context_len + q_len,
-        mask_mod=dflash_mask_mod(anchors, valid, context_len, block_size, document_ids),
+        mask_mod=mask_mod,
         tile=tile,
     )
 

@@ -27,7 +27,7 @@ from dflash.modeling_dflash import (
     SUPPORTED_ATTENTION,
     DFlashDraftConfig,
 )
-from dflash.portable import rope_parameters_of
+from dflash.portable import drafter_rope_parameters
 
 __all__ = [
     "QWEN3_MASK_TOKEN_ID",
@@ -50,11 +50,21 @@ def create_drafter_config(
     num_captured_layers: int = 5,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
 ) -> DFlashDraftConfig:
-    """Drafter config sized like the target (works for Qwen3 and Llama target configs).
+    """Drafter config for a target (Qwen3, Llama, Qwen3.5/3.6 configs), in the target's geometry
+    unless told otherwise.
 
-    Copies hidden size, attention/KV heads, head_dim, intermediate size, activation, RoPE
-    parameters, max positions, RMSNorm eps and vocabulary size from ``target_config``.
+    Copies hidden size, activation, max positions, RMSNorm eps and vocabulary size from
+    ``target_config``, and attention/KV heads, head_dim and intermediate size where the arguments
+    leave them None. RoPE is the target's type, base and scaling without its partial-rotary and
+    M-RoPE fields (:func:`dflash.portable.drafter_rope_parameters`): the drafter rotates all of
+    head_dim. ``dflash.drafter_shape`` chooses the arguments (the published shape for Qwen3.5/3.6).
 
     Args:
         target_config (PretrainedConfig): the target's (text) config.
@@ -65,12 +75,18 @@ def create_drafter_config(
         target_layer_ids (list[int], optional): explicit tapped layers, overriding the formula.
         mask_token_id (int): existing target vocabulary id for the mask slots (Qwen3: 151669,
             Qwen3.5/3.6: 248070).
+        num_attention_heads, num_key_value_heads, head_dim, intermediate_size (int, optional):
+            the drafter's attention and MLP geometry; None = the target's.
+        layer_types (list[str], optional): ``full_attention`` / ``sliding_attention`` per drafter
+            layer; None = all full attention.
+        sliding_window (int, optional): window of the sliding layers in tokens (>= block_size).
 
     Returns:
         DFlashDraftConfig
 
     Raises:
-        ValueError: ``num_draft_layers < 1`` or an invalid field (see :class:`DFlashDraftConfig`).
+        ValueError: ``num_draft_layers < 1``, a window without sliding layers, or an invalid field
+            (see :class:`DFlashDraftConfig`).
     """
     if num_draft_layers < 1:
         raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
@@ -86,16 +102,23 @@ def create_drafter_config(
                 num_captured_layers,
             )
         target_layer_ids = default_target_layer_ids(num_target_layers, captured)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    target_heads = text.num_attention_heads
+    layer_types = list(layer_types or [modeling_dflash.FULL_ATTENTION] * num_draft_layers)
+    sliding = modeling_dflash.SLIDING_ATTENTION in layer_types
+    if sliding_window is not None and not sliding:
+        raise ValueError(f"sliding_window {sliding_window}: no drafter layer is sliding_attention {layer_types}")
     return DFlashDraftConfig(
         hidden_size=text.hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        intermediate_size=text.intermediate_size,
+        num_attention_heads=num_attention_heads or target_heads,
+        num_key_value_heads=num_key_value_heads or getattr(text, "num_key_value_heads", None) or target_heads,
+        head_dim=head_dim or getattr(text, "head_dim", None) or text.hidden_size // target_heads,
+        intermediate_size=intermediate_size or text.intermediate_size,
+        layer_types=layer_types,
+        use_sliding_window=sliding,
+        sliding_window=sliding_window if sliding else None,
+        max_window_layers=num_draft_layers,
         hidden_act=getattr(text, "hidden_act", "silu"),
-        rope_parameters=rope_parameters_of(text.to_dict()),
+        rope_parameters=drafter_rope_parameters(text.to_dict()),
         max_position_embeddings=text.max_position_embeddings,
         rms_norm_eps=text.rms_norm_eps,
         vocab_size=text.vocab_size,
@@ -127,17 +150,31 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
 
     def build_attention_mask(
         self, anchors: Tensor, valid: Tensor, context_len: int, document_ids: Tensor | None = None
-    ):
-        """The DFlash mask in the form the configured backend takes.
+    ) -> dict:
+        """The DFlash masks of this drafter's layer types, in the form the configured backend takes.
 
-        Returns a :class:`~torch.nn.attention.flex_attention.BlockMask` for "flex_attention" (see
-        :func:`dflash.masks.build_block_mask`) or a dense bool ``[B, 1, Q, S + Q]`` tensor for "sdpa".
-        ``document_ids`` (int ``[B, S]``, packed rows) limits each block to its anchor's document.
-        The trainer calls this outside its compiled step and passes the result to :meth:`forward`.
+        Returns ``{layer type: mask}`` for each type in ``config.layer_types`` (sliding layers get
+        their window, :mod:`dflash.masks`): a :class:`~torch.nn.attention.flex_attention.BlockMask`
+        for "flex_attention" (see :func:`dflash.masks.build_block_mask`) or a dense bool
+        ``[B, 1, Q, S + Q]`` tensor for "sdpa". ``document_ids`` (int ``[B, S]``, packed rows) limits
+        each block to its anchor's document. The trainer calls this outside its compiled step and
+        passes the result to :meth:`forward`, so the compiled step sees one structure.
         """
         impl = self._attention_backend()
         build = masks.build_block_mask if impl == "flex_attention" else masks.dense_attention_mask
-        return build(anchors, valid, context_len, self.config.block_size, document_ids)
+        return {
+            kind: build(anchors, valid, context_len, self.config.block_size, document_ids, self.config.window_of(kind))
+            for kind in dict.fromkeys(self.config.layer_types)
+        }
+
+    def attention_pairs(self, anchors: Tensor, valid: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """Visible (query, key) pairs summed over the drafter's layers (each with its window), for
+        the FLOP estimate (:func:`dflash.masks.visible_pairs`); an int64 device scalar, no host sync."""
+        pairs = {
+            kind: masks.visible_pairs(anchors, valid, self.config.block_size, document_ids, self.config.window_of(kind))
+            for kind in set(self.config.layer_types)
+        }
+        return sum(pairs[kind] for kind in self.config.layer_types)
 
     def forward(
         self,
@@ -158,8 +195,8 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
                 feature axis in ``target_layer_ids`` order (HF ``hidden_states[k + 1]`` for id k).
             anchors (Tensor): int64 ``[B, N]`` block anchors (:func:`dflash.masks.sample_anchors`).
             valid (Tensor, optional): bool ``[B, N]``; None means all valid.
-            attention_mask (BlockMask | Tensor, optional): from :meth:`build_attention_mask`; built
-                here when None (keep it outside ``torch.compile`` by passing it in).
+            attention_mask (dict, optional): from :meth:`build_attention_mask`; built here when
+                None (keep it outside ``torch.compile`` by passing it in).
             position_ids (Tensor, optional): int64 ``[B, S]``, RoPE positions of the context tokens
                 (packed rows restart at 0 in each document); slot k of the block anchored at a sits
                 at ``position_ids[a] + k``. None: context token j at position j.
@@ -213,7 +250,8 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
         computed yet). That last accepted token is slot 0 of the block, at position S (the anchor),
         followed by Bs-1 mask tokens; all context is visible (``kv < S``). This is exactly what
         :meth:`forward` computes for a block anchored at S, so training and inference agree
-        (``tests/unit/test_model.py`` checks it). No KV cache: the context keys/values are recomputed
+        (``tests/unit/test_model.py`` checks it); sliding layers see the window before each slot,
+        as in training. No KV cache: the context keys/values are recomputed
         on every call, O(S * layers) per step, acceptable for small drafters and short prompts.
 
         Args:
@@ -231,7 +269,7 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
             raise ValueError(f"block_embeds has {bs} slots, the drafter's block_size is {self.config.block_size}")
         context_len = target_hidden.shape[1]
         positions = torch.arange(context_len, context_len + bs, device=block_embeds.device).expand(batch, bs)
-        # attention_mask=None: every draft slot sees all context and its block (full attention).
+        # attention_mask=None: every draft slot sees all context (its window on sliding layers) and its block.
         return self._run(block_embeds, target_hidden, positions, None, None)
 
     def _run(

@@ -20,6 +20,14 @@ Queries come only from draft-block tokens; keys/values are the same ``k_proj``/`
 ``[context ; draft tokens]`` with ``k_norm`` on both; RoPE (neox style, ``rotate_half``) on Q and
 K; GQA; non-causal (z-lab/dflash ``model.py``; vLLM ``qwen3_dflash.py``).
 
+Layers are ``full_attention`` or ``sliding_attention`` (``layer_types``, as the published
+Qwen3.5/3.6 drafters: 4 sliding layers with ``sliding_window`` 2048, then 1 full). A sliding layer
+limits what a draft token at position p sees to the ``sliding_window`` positions ending at p: keys
+at positions ``> p - sliding_window`` (flash-attention's window ``(W - 1, W - 1)`` of transformers,
+z-lab/dflash and SGLang's left bound). The window is at least ``block_size``, so a draft token always
+sees its whole block (engines disagree on a right bound, which then never bites). The config says
+``is_causal: false``: vLLM and SGLang treat sliding DFlash layers as causal unless told otherwise.
+
 Checkpoint layout (what vLLM and SGLang load): a Qwen3 ``config.json`` (``model_type`` ``qwen3``)
 plus ``architectures=["DFlashDraftModel"]``, top-level ``block_size`` and ``num_target_layers``,
 ``dflash_config={"mask_token_id", "target_layer_ids"}``; weights ``fc.weight``,
@@ -41,6 +49,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 #: Attention backends the drafter supports (keys of transformers' ``ALL_ATTENTION_FUNCTIONS``).
 #: "flex_attention" takes a BlockMask (GPU training); "sdpa" a dense bool mask or None.
 SUPPORTED_ATTENTION = ("flex_attention", "sdpa")
+
+#: Attention kinds of drafter layers (``config.layer_types`` entries).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 #: Mask token of Qwen3 tokenizers (the first embedding row past the tokenizer); the config default.
 QWEN3_MASK_TOKEN_ID = 151669
@@ -118,13 +130,30 @@ class DFlashDraftConfig(Qwen3Config):
         dflash_config (dict): ``{"mask_token_id": int, "target_layer_ids": list[int]}``; the mask
             token must be a row of the target embedding (``< vocab_size``), the ids in ``[0, L)``,
             distinct. None gives the Qwen3 defaults (mask 151669, the default ids for L).
-        **kwargs: Qwen3Config fields (hidden_size, num_attention_heads, rope_parameters, ...).
+        is_causal (bool): False, the only kind DFlash drafters are (draft blocks are bidirectional);
+            written so that vLLM and SGLang do not take sliding layers for causal ones.
+        **kwargs: Qwen3Config fields (hidden_size, num_attention_heads, rope_parameters,
+            layer_types, sliding_window, ...). ``use_sliding_window`` defaults to True when a layer
+            is ``sliding_attention`` (Qwen3Config drops ``sliding_window`` without it).
 
     Raises:
         ValueError: naming the field that is out of range.
     """
 
-    def __init__(self, block_size: int = 16, num_target_layers: int = 36, dflash_config: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_target_layers: int = 36,
+        dflash_config: dict | None = None,
+        is_causal: bool = False,
+        **kwargs,
+    ):
+        if is_causal:
+            raise ValueError(
+                "is_causal: true (causal draft blocks) is not a DFlash drafter; draft blocks are bidirectional"
+            )
+        if SLIDING_ATTENTION in (kwargs.get("layer_types") or ()):
+            kwargs.setdefault("use_sliding_window", True)
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {block_size}")
         if num_target_layers < 1:
@@ -144,8 +173,34 @@ class DFlashDraftConfig(Qwen3Config):
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.dflash_config = dflash_config
+        self.is_causal = False
         super().__init__(**kwargs)
         self._validate_dflash_config()
+        self._validate_attention()
+
+    def _validate_attention(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads} (grouped-query attention shares each KV head by a whole group)"
+            )
+        types = list(self.layer_types)
+        if len(types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(types)} entries, num_hidden_layers is {self.num_hidden_layers}: give one "
+                "per drafter layer"
+            )
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types: {unknown} are not DFlash drafter layers; use {list(LAYER_TYPES)}")
+        if SLIDING_ATTENTION not in types:
+            return
+        window = self.sliding_window
+        if not isinstance(window, int) or window < self.block_size:
+            raise ValueError(
+                f"sliding_window must be a window of at least block_size={self.block_size} tokens for the "
+                f"sliding_attention layers (and use_sliding_window true), got {window!r}"
+            )
 
     def _validate_dflash_config(self) -> None:
         missing = {"mask_token_id", "target_layer_ids"} - set(self.dflash_config)
@@ -179,6 +234,10 @@ class DFlashDraftConfig(Qwen3Config):
         """Tapped target layers: id k is HF ``hidden_states[k + 1]``."""
         return list(self.dflash_config["target_layer_ids"])
 
+    def window_of(self, layer_type: str) -> int | None:
+        """The sliding window of layers of ``layer_type`` in tokens; None for full attention."""
+        return self.sliding_window if layer_type == SLIDING_ATTENTION else None
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox-style RoPE on ``x`` [B, heads, T, D] with ``cos``/``sin`` [B, T, D]."""
@@ -193,6 +252,9 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        # What z-lab/dflash passes to its attention function; the mask carries it here.
+        self.sliding_window = config.window_of(self.layer_type)
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
@@ -310,9 +372,12 @@ class DFlashDraftModel(PreTrainedModel):
                 tokens concatenated on the feature axis in ``target_layer_ids`` order.
             position_ids (Tensor): int64 ``[B, S + Q]``, positions of the context tokens then of
                 the draft tokens (a block right after S context tokens: ``0 .. S + Q - 1``).
-            attention_mask (Tensor | BlockMask, optional): visibility of ``[context ; draft]`` for
-                each draft token (bool ``[B, 1, Q, S + Q]`` for "sdpa"); None lets every draft
-                token see all of it, the inference form.
+            attention_mask (Tensor | BlockMask | dict, optional): visibility of ``[context ; draft]``
+                for each draft token (bool ``[B, 1, Q, S + Q]`` for "sdpa"), one per layer type
+                (``{"full_attention": ..., "sliding_attention": ...}``; a single mask only when every
+                layer is full attention). None is the inference form: every draft token sees all of
+                it, within the window on sliding layers (by position: key positions
+                ``> position - sliding_window``).
             query_valid (Tensor, optional): bool ``[B, Q, 1]``, False on draft tokens of padding
                 blocks (training), whose attention output is zeroed; None: all real.
 
@@ -331,12 +396,48 @@ class DFlashDraftModel(PreTrainedModel):
                 f"{context_len} + {noise_embedding.shape[1]} (context, then draft tokens)"
             )
         context = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self.rotary_emb(noise_embedding, position_ids.expand(noise_embedding.shape[0], -1))
+        position_ids = position_ids.expand(noise_embedding.shape[0], -1)
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
         rope_q = (cos[:, context_len:], sin[:, context_len:])
+        by_type = self._masks_by_layer_type(attention_mask, position_ids, context_len)
         hidden = noise_embedding
         for layer in self.layers:
-            hidden = layer(hidden, context, rope_q, (cos, sin), attention_mask, query_valid)
+            mask = by_type[layer.self_attn.layer_type]
+            hidden = layer(hidden, context, rope_q, (cos, sin), mask, query_valid)
         return self.norm(hidden)
+
+    def _masks_by_layer_type(self, attention_mask, position_ids: Tensor, context_len: int) -> dict:
+        """``attention_mask`` (see :meth:`forward`) as ``{layer type: mask}`` for every layer type."""
+        types = set(self.config.layer_types)
+        if isinstance(attention_mask, dict):
+            missing = sorted(types - set(attention_mask))
+            if missing:
+                raise ValueError(f"attention_mask has no mask for the {missing} layers of this drafter")
+            return attention_mask
+        if attention_mask is not None:
+            if types != {FULL_ATTENTION}:
+                raise ValueError(
+                    "attention_mask: this drafter has sliding_attention layers; pass one mask per layer type "
+                    '({"full_attention": ..., "sliding_attention": ...}) or None'
+                )
+            return {FULL_ATTENTION: attention_mask}
+        return {kind: self._inference_mask(kind, position_ids, context_len) for kind in types}
+
+    def _inference_mask(self, layer_type: str, position_ids: Tensor, context_len: int):
+        """None (all visible) for full attention; the window by position for sliding layers."""
+        window = self.config.window_of(layer_type)
+        if window is None:
+            return None
+        query_positions = position_ids[:, context_len:]
+        if self.config._attn_implementation != "flex_attention":
+            return ((query_positions[:, :, None] - position_ids[:, None, :]) < window)[:, None]
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def in_window(batch, head, q_idx, kv_idx):
+            return query_positions[batch, q_idx] - position_ids[batch, kv_idx] < window
+
+        batch, kv_len = position_ids.shape
+        return create_block_mask(in_window, batch, None, kv_len - context_len, kv_len, device=position_ids.device)
 
     def _check_context_width(self, target_hidden: Tensor) -> None:
         width = target_hidden.shape[-1]

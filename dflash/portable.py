@@ -62,8 +62,38 @@ def rope_parameters_of(config: dict) -> dict:
     return dict(params)
 
 
+#: RoPE fields of a target that a drafter never carries: M-RoPE (Qwen3.5/3.6, Qwen2.5-VL) and partial
+#: rotary. The drafter rotates all of head_dim along one position axis; vLLM's DFlash proposer refuses
+#: a drafter config with M-RoPE fields, and an engine honouring ``partial_rotary_factor`` would rotate
+#: a quarter of head_dim of a drafter trained on all of it (acceptance 5.75 -> 1.37, issue 22).
+TARGET_ONLY_ROPE_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def drafter_rope_parameters(target_config: dict) -> dict:
+    """The RoPE a drafter of this target uses, in the transformers 5 form: the target's type, base
+    and real scaling (YaRN, linear, ...), without :data:`TARGET_ONLY_ROPE_FIELDS`; M-RoPE
+    (``rope_type`` "mrope" in 4.x configs) becomes plain RoPE.
+
+    Args:
+        target_config (dict): the target's (text) config, ``to_dict()`` or ``config.json``.
+
+    Returns:
+        dict: ``{"rope_type": ..., "rope_theta": float, <scaling fields>}``.
+
+    Raises:
+        ValueError: the target has no RoPE base (see :func:`rope_parameters_of`).
+    """
+    rope = {k: v for k, v in rope_parameters_of(target_config).items() if k not in TARGET_ONLY_ROPE_FIELDS}
+    if rope.get("rope_type") == "mrope":
+        rope["rope_type"] = "default"
+    return rope
+
+
 def portable_config(config: dict, *, dtype: torch.dtype | None) -> dict:
-    """``config`` with the keys every loader needs: RoPE in both forms, ``auto_map``, ``dtype``.
+    """``config`` with the keys every loader needs: RoPE in both forms, ``auto_map``, ``dtype``,
+    and ``is_causal: false`` (vLLM and SGLang take sliding DFlash layers for causal ones without it;
+    ``layer_types``, ``sliding_window``, ``use_sliding_window`` and ``max_window_layers`` are Qwen3
+    fields every config dict carries).
 
     Args:
         config (dict): the drafter config (``DFlashDraftConfig.to_diff_dict()`` of 4.x or 5.x).
@@ -85,6 +115,7 @@ def portable_config(config: dict, *, dtype: torch.dtype | None) -> dict:
         "rope_scaling": rope_scaling,
         "architectures": ["DFlashDraftModel"],
         "auto_map": dict(AUTO_MAP),
+        "is_causal": False,
     }
     if dtype is not None:
         out["dtype"] = str(dtype).removeprefix("torch.")

@@ -32,7 +32,11 @@ def validate_inputs(config: TrainConfig) -> None:
     - ``--target`` (or the embedded target): a directory with ``config.json``, tokenizer files and
       whole weight files (:mod:`dflash.weight_files`); the layers to tap (``--num-target-layers``/
       ``--target-layer-ids``), ``--mask-token-id`` and ``--seq-len`` fit its config;
-    - ``--device``, ``--target-devices``/``--drafter-devices``: devices this host has.
+    - ``--device``, ``--target-devices``/``--drafter-devices``: devices this host has, and
+      ``--cpu-threads`` its cores;
+    - a hybrid target (Qwen3.5 / Qwen3.6) on CUDA: flash-linear-attention is installed (or
+      ``--slow-linear-attention`` asks for the reference kernels); with ``--pack``, every layer type
+      of the target is one packing keeps apart; the installed transformers loads its model type.
 
     Raises:
         ValueError: the first problem found; its subclasses (DatasetError, TargetLoadError,
@@ -51,8 +55,10 @@ def validate_inputs(config: TrainConfig) -> None:
         max_records=HEAD_RECORDS,
         progress=False,
     )
-    check_target_fits(Path(config.target) if config.target else default_target_dir(), config)
+    target_dir = Path(config.target) if config.target else default_target_dir()
+    target_config = check_target_fits(target_dir, config)
     check_devices(config)
+    check_linear_attention_kernels(target_config, target_dir, config)
 
 
 def check_anchor_budget(config: TrainConfig) -> None:
@@ -139,24 +145,32 @@ def refuse_existing_run(out: Path, *, resume: bool) -> None:
         )
 
 
-def check_target_fits(target_dir: Path, config: TrainConfig) -> None:
+def check_target_fits(target_dir: Path, config: TrainConfig) -> dict:
     """The target directory has its config and tokenizer, and the run's settings fit that config.
 
+    Returns:
+        dict: the target's text config (``text_config`` of a multimodal ``config.json``).
+
     Raises:
-        TargetLoadError: no such directory, no (readable) ``config.json``, no tokenizer files, or a
-            config without ``num_hidden_layers``.
+        TargetLoadError: no such directory, no (readable) ``config.json``, no tokenizer files, a
+            config without ``num_hidden_layers``, or a model type the installed transformers cannot load.
         WeightFileError: a weight file is missing, truncated or unreadable.
+        UnknownLayerType: with ``--pack``, a layer type packing cannot keep apart.
         ValueError: the layers to tap do not fit (names the flags and values that do), the mask
             token is not in the vocabulary, or ``--seq-len`` is past the target's positions.
     """
+    from dflash.document_separation import check_packable
     from dflash.layer_taps import check_taps
-    from dflash.target import TargetLoadError, read_target_config, require_tokenizer_files
+    from dflash.target import TargetLoadError, read_target_config, require_tokenizer_files, require_transformers_for
     from dflash.weight_files import check_weight_files
 
     raw = read_target_config(target_dir)
+    require_transformers_for(raw, target_dir / "config.json")
     require_tokenizer_files(target_dir)
     check_weight_files(target_dir)
     text = raw.get("text_config") or raw  # multimodal configs nest the language model's
+    if config.pack:
+        check_packable(text, target_dir / "config.json")
     num_layers = text.get("num_hidden_layers")
     if not isinstance(num_layers, int):
         raise TargetLoadError(f"target {target_dir / 'config.json'}: no num_hidden_layers; is it a causal LM's config?")
@@ -173,6 +187,7 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> None:
             f"--seq-len {config.seq_len} is longer than the target's max_position_embeddings {positions} "
             f"({target_dir / 'config.json'}); pass --seq-len {positions} or less"
         )
+    return text
 
 
 def check_devices(config: TrainConfig) -> None:
@@ -191,3 +206,36 @@ def check_devices(config: TrainConfig) -> None:
         from dflash.target import resolve_device
 
         resolve_device(config.device)
+
+
+def check_linear_attention_kernels(target_config: dict, target_dir: Path, config: TrainConfig) -> None:
+    """A hybrid target (``target_config``, its text config) on CUDA has flash-linear-attention's
+    kernels, unless ``--slow-linear-attention``.
+
+    Without them transformers runs Gated DeltaNet on its pure-PyTorch reference (and packed rows on
+    :mod:`dflash.document_separation`'s, one step per token): measured on one H200 with a 16-layer
+    cut of Qwen3.6-27B's width, the first step did not finish in 200 s; with the kernels it ran at
+    6,812 tok/s end to end.
+
+    Raises:
+        ValueError: names the package, the install command, the slowdown and the flag.
+    """
+    from dflash.document_separation import FLA_PACKAGE, fla_available, is_hybrid
+
+    if config.slow_linear_attention or not is_hybrid(target_config) or fla_available():
+        return
+    if config.drafter_devices is not None:
+        from dflash.devices import parse_layout
+
+        on_cuda = parse_layout(config.target_devices, config.drafter_devices).device_type == "cuda"
+    else:
+        from dflash.target import resolve_device
+
+        on_cuda = resolve_device(config.device).type == "cuda"
+    if on_cuda:
+        raise ValueError(
+            f"target {target_dir}: its linear-attention layers (Gated DeltaNet) need {FLA_PACKAGE} on CUDA, which "
+            "is not installed: without it a step of a 16-layer cut of Qwen3.6-27B did not finish in 200 s, with it "
+            f"the run trained at 6,812 tok/s; install it with pip install -e '.[fla]' (or pip install {FLA_PACKAGE}), "
+            "or pass --slow-linear-attention to run the reference kernels anyway"
+        )

@@ -23,6 +23,7 @@ checkpoint it loads).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -47,6 +48,7 @@ RESUMABLE_CHANGES = frozenset(
         "device",
         "compile",
         "cpu_threads",
+        "slow_linear_attention",
         "peak_tflops",
         "save",
         "save_dtype",
@@ -130,8 +132,14 @@ def check_resume_config(saved: dict, current: TrainConfig, where: Path, *, warn:
         CheckpointError: a flag that changes the math differs (each named, old -> new), or the
             layout changed in a way the run cannot continue exactly under (the reason and the fix).
     """
-    # A key the saved run lacks is a field added since; it ran with that field's default.
+    from dflash.drafter_shape import SHAPE_FIELDS, resolve_drafter_shape
+
+    # A key the saved run lacks is a field added since; it ran with that field's default. A shape
+    # field it left empty was filled by the rule of dflash.drafter_shape, as the current one is.
     saved = {**TrainConfig.defaults(), **saved}
+    current = resolve_drafter_shape(current)
+    shape = resolve_drafter_shape(dataclasses.replace(current, **{k: saved[k] for k in SHAPE_FIELDS}))
+    saved |= {k: getattr(shape, k) for k in SHAPE_FIELDS}
     values = current.to_dict()
     exempt = RESUMABLE_CHANGES | set(INPUT_PATHS) | set(LAYOUT_FIELDS)
     changed = sorted(k for k, v in values.items() if k not in exempt and saved.get(k) != v)

@@ -2,7 +2,8 @@
 directories may be one.
 
 A run writes ``train_config.json``, ``checkpoints/``, ``tensorboard/``, ``metrics.jsonl``, its
-lock, the regenerated replies with their key and journals, and the token cache. ``--out`` must
+lock, the regenerated replies with their key and journals, the token cache, and the held-out
+acceptance measured for it (``acceptance.json``). ``--out`` must
 name a directory that is not inside another run (``<run>/checkpoints`` would nest a run among
 another's checkpoints, and ``dflash eval --drafter <run>`` would pick the nested one), and that
 holds nothing else unless ``--allow-nonempty-out`` says so (``--out ~`` would spread a run's
@@ -15,6 +16,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from dflash.acceptance_log import LOG_NAME as ACCEPTANCE_NAME
 from dflash.config import SAVED_CONFIG_NAME
 from dflash.run_lock import LOCK_NAME
 
@@ -28,7 +30,7 @@ METRICS_NAME = "metrics.jsonl"
 REGENERATED_NAME = "regenerated_train.jsonl"
 #: The token cache (:mod:`dflash.token_cache`).
 TOKENS_DIR = "tokenized"
-_RUN_FILES = {SAVED_CONFIG_NAME, CHECKPOINTS_DIR, TENSORBOARD_DIR, METRICS_NAME, LOCK_NAME, TOKENS_DIR}
+_RUN_FILES = {SAVED_CONFIG_NAME, CHECKPOINTS_DIR, TENSORBOARD_DIR, METRICS_NAME, LOCK_NAME, TOKENS_DIR, ACCEPTANCE_NAME}
 
 
 def is_run_file(name: str) -> bool:

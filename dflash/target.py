@@ -11,6 +11,7 @@ default ids never pick it (``docs/dflash.md``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dflash import masks
+from dflash import document_separation, masks
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,34 @@ class TargetLoadError(ValueError):
     """The target directory cannot be loaded as a causal LM."""
 
 
-#: A target directory needs one of these for its tokenizer (fast: tokenizer.json; slow: the config
-#: naming its vocabulary files).
+#: The first transformers release with each model type that older releases cannot load (Qwen3.5 and
+#: Qwen3.6, dense and MoE, came with 5.2.0; transformers 4.x maps them to nothing).
+FIRST_TRANSFORMERS = {"qwen3_5": "5.2.0", "qwen3_5_text": "5.2.0", "qwen3_5_moe": "5.2.0", "qwen3_5_moe_text": "5.2.0"}
+
+
+def require_transformers_for(config: dict, source: str | Path) -> None:
+    """Refuse a target whose ``model_type`` the installed transformers cannot load, before it loads.
+
+    Args:
+        config (dict): the target's ``config.json``.
+        source: the file, for the message.
+
+    Raises:
+        TargetLoadError: names the model type, the transformers release that loads it, the installed
+            one, and the upgrade command.
+    """
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
+    first = FIRST_TRANSFORMERS.get(model_type)
+    installed = version("transformers")
+    if first and Version(installed) < Version(first):
+        raise TargetLoadError(
+            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) loads with transformers {first} or "
+            f"newer; this environment has {installed}: pip install -U 'transformers>={first}'"
+        )
 
 
 def read_target_config(path: str | Path) -> dict:
@@ -259,25 +286,13 @@ class Target:
         """Target hidden states of a right-padded batch.
 
         Without ``document_ids`` no attention mask is passed: with right padding and causal
-        attention the real tokens never see the padding, and the unmasked call keeps SDPA on its
-        causal fast path. With ``document_ids`` (packed rows, :mod:`dflash.packing`) each token
-        attends only to earlier tokens of its own document, so every conversation's states equal
-        those of the conversation run alone. The mask takes the form of the model's attention
-        backend (HF passes a 4-D mask through as is; transformers 5 would also infer documents
-        from resets in ``position_ids``, which this does not rely on):
-
-        - ``sdpa`` (HF's default): a dense bool ``[B, 1, S, S]`` document-causal mask
-          (:func:`dflash.masks.document_causal_mask`). Cost: ``B * S^2`` bytes (256 MiB at B=4,
-          S=8192), and SDPA leaves its causal flash kernel for the masked (memory-efficient) one,
-          which computes the whole S x S grid (twice the causal work) and needs K/V expanded to
-          all query heads (GQA). For a Qwen3-8B shape, per token and layer, the projections and
-          MLP cost ~0.39 GFLOP and full-grid attention ``4 * S * 4096`` FLOPs: 0.034 GFLOP at
-          S=2048 (~4% more than causal), 0.134 at S=8192 (~15% more, before the masked kernel's
-          lower throughput). Fine at 2k, worth the flex path at 8k.
-        - ``eager``: the same mask as an additive float mask.
-        - ``flex_attention``: a BlockMask (:func:`dflash.masks.document_causal_block_mask`) that
-          skips every tile across documents: attention costs ~``sum_d len_d^2 / 2`` per row, less
-          than plain causal; HF compiles flex_attention once per shape.
+        attention (and causal linear attention) the real tokens never see the padding, and the
+        unmasked call keeps SDPA on its causal fast path. With ``document_ids`` (packed rows,
+        :mod:`dflash.packing`) every layer keeps each conversation to itself, so its states equal
+        those of the conversation run alone: attention layers through a document-causal mask in the
+        form of the model's attention backend, linear-attention layers (Qwen3.5 / Qwen3.6 Gated
+        DeltaNet) with their conv and recurrence restarted at each conversation
+        (:mod:`dflash.document_separation` says how, and what it costs).
 
         Args:
             input_ids (torch.Tensor): int64 ``[B, S]``.
@@ -285,44 +300,52 @@ class Target:
                 each document (:class:`dflash.data.Batch`); None: ``0..S-1`` (or, with
                 ``document_ids``, the position within each document).
             document_ids (torch.Tensor, optional): int ``[B, S]``, documents as maximal runs of
-                equal ids (-1 on padding); None: one conversation per row.
+                equal ids (-1 on padding); None: one conversation per row. Host tensors spare
+                device syncs.
 
         Returns:
             TargetStates: ``context [B, S, K*H]`` and ``last_hidden [B, S, H]``.
 
         Raises:
-            ValueError: ``document_ids`` with an attention backend other than the three above.
+            ValueError: ``document_ids`` with an attention backend that takes no document mask.
+            UnknownLayerType: ``document_ids`` for a target with a layer type packing cannot keep
+                apart (:func:`dflash.document_separation.check_packable`).
         """
         input_ids = input_ids.to(self.device)
-        attention_mask = None
+        attention_mask, apart = None, contextlib.nullcontext()
         if document_ids is not None:
+            # Linear layers always take the segmented route, one set of kernels for every batch
+            # (a batch of one-document rows would otherwise compile and autotune transformers'
+            # own path too: a 60 s stall measured at the 64-layer shape); attention layers need
+            # the mask only where a row holds several documents (else SDPA's causal fast path).
+            if self._linear_mixers:
+                segments = document_separation.Segments.of(document_ids, self.device)
+                apart = document_separation.linear_layers_apart(self._linear_mixers, segments, self._linear_kernels)
+            several = bool(document_ids.max() > 0)
             document_ids = document_ids.to(self.device)
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=self.device) - masks.document_starts(
                     document_ids
                 )
-            attention_mask = self._document_mask(document_ids)
+            if several:
+                attention_mask = document_separation.attention_mask(
+                    document_ids, self.config._attn_implementation, self.dtype
+                )
         if position_ids is not None:
             position_ids = position_ids.to(self.device)
-        out = self.decoder_forward(input_ids, position_ids=position_ids, attention_mask=attention_mask)
+        with apart:
+            out = self.decoder_forward(input_ids, position_ids=position_ids, attention_mask=attention_mask)
         return TargetStates(context=self.select(out.hidden_states), last_hidden=out.hidden_states[-1])
 
-    def _document_mask(self, document_ids: torch.Tensor):
-        backend = self.config._attn_implementation
-        if backend == "flex_attention":
-            return masks.document_causal_block_mask(document_ids)
-        if backend not in ("sdpa", "eager"):
-            raise ValueError(
-                f"packed rows need a document mask, which the target's attention backend {backend!r} "
-                "does not take here; load the target with attn_implementation='sdpa', 'eager' or "
-                "'flex_attention', or train without packing (--no-pack)"
-            )
-        mask = masks.document_causal_mask(document_ids)
-        if backend == "eager":
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(self.dtype).min
-            )
-        return mask
+    @functools.cached_property
+    def _linear_mixers(self) -> list[torch.nn.Module]:
+        return document_separation.linear_layers(self.model)
+
+    @functools.cached_property
+    def _linear_kernels(self) -> document_separation.LinearAttentionKernels:
+        kernels = document_separation.kernels_for(self.device)
+        logger.info("packed rows: %d linear-attention layers run on %s", len(self._linear_mixers), kernels.name)
+        return kernels
 
 
 def load_target(
@@ -351,7 +374,7 @@ def load_target(
     from dflash.layer_taps import check_taps
 
     path = Path(path)
-    read_target_config(path)
+    require_transformers_for(read_target_config(path), path / "config.json")
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

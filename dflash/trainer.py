@@ -183,7 +183,9 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         from dflash.assets import default_data_dir, default_target_dir
+        from dflash.drafter_shape import resolve_drafter_shape
 
+        config = resolve_drafter_shape(config)  # before anything loads: an --init-from misfit is named here
         self.config = config
         logger.debug("config: %s", json.dumps(config.to_dict(), sort_keys=True))
         self.out = Path(config.out)
@@ -210,6 +212,8 @@ class Trainer:
         tokens = None if self._regenerates else self._token_cache(self.data_sha256).complete()
         # Every line checked before the target loads.
         conversations = read_conversations(data, progress=config.progress and self.is_main) if tokens is None else None
+        self.heldout = self._heldout_prompts(target_dir) if config.init_from and self.process.is_main else None
+        self.acceptance: dict[str, float] = {}  # tau per prompt by when it was measured (--init-from)
         targets = [
             load_target(
                 target_dir,
@@ -225,6 +229,9 @@ class Trainer:
         drafter = self._build_drafter(targets[0])
         if config.save and self.is_main:  # before the steps a failed first save would lose
             check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
+        self.eval_target = targets[0]
+        if self.heldout is not None and not config.resume:
+            self._measure_acceptance(drafter, when="before step 1", checkpoint=None)
         self.settings = LossSettings.from_config(config, drafter.config.mask_token_id)
         self.dynamo_warnings = DynamoWarnings()
         self.total_steps = self._total_steps()
@@ -375,19 +382,72 @@ class Trainer:
         return mask_id
 
     def _build_drafter(self, target):
-        from dflash.model import DFlashDraftModel, create_drafter_config
+        from dflash.drafter_shape import drafter_config
+        from dflash.model import DFlashDraftModel
 
         cfg = self.config
-        drafter_config = create_drafter_config(
-            target.config,
-            cfg.num_draft_layers,
-            block_size=cfg.block_size,
-            target_layer_ids=target.layer_ids,
-            mask_token_id=self._mask_token_id(target),
-        )
         attention = "flex_attention" if self.layout.device_type == "cuda" else "sdpa"
+        if cfg.init_from:
+            from dflash.drafter_files import load_drafter_dir
+
+            logger.info("drafter: starting from %s (its shape, RoPE and weights)", cfg.init_from)
+            return load_drafter_dir(cfg.init_from, dtype=torch.float32, attn_implementation=attention).train()
+        config = drafter_config(
+            cfg, target.config, target_layer_ids=target.layer_ids, mask_token_id=self._mask_token_id(target)
+        )
         # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
-        return DFlashDraftModel._from_config(drafter_config, attn_implementation=attention, dtype=torch.float32).train()
+        return DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+
+    def _heldout_prompts(self, target_dir: Path):
+        """The held-out prompts of --eval-data (or the embedded held-out set), read before the target loads."""
+        from dflash.assets import default_data_dir
+        from dflash.evaluate import load_prompts
+        from dflash.target import context_length
+
+        cfg = self.config
+        path = Path(cfg.eval_data) if cfg.eval_data else default_data_dir() / "heldout.jsonl"
+        return load_prompts(
+            self.tokenizer,
+            path,
+            num_prompts=cfg.eval_prompts,
+            context=context_length(target_dir),
+            max_new_tokens=cfg.eval_max_new_tokens,
+        )
+
+    def _measure_acceptance(self, drafter, *, when: str, checkpoint: str | None) -> None:
+        """Held-out acceptance of ``drafter`` (:func:`dflash.evaluate.evaluate`, on a copy in the
+        target's dtype and on its device), logged, kept in ``self.acceptance`` (``dflash train``
+        prints it) and in ``acceptance.json`` of ``--out``. Rank 0 only; the other processes wait
+        at their next collective."""
+        from dflash import acceptance_log
+        from dflash.evaluate import evaluate, stop_token_ids
+        from dflash.model import DFlashDraftModel
+
+        target = self.eval_target
+        with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
+            copy = DFlashDraftModel._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
+        copy.load_state_dict(drafter.state_dict())
+        report = evaluate(
+            target,
+            copy.to(target.device).eval(),
+            self.heldout.prompts,
+            max_new_tokens=self.heldout.max_new_tokens,
+            eos_ids=stop_token_ids(self.tokenizer, target.config),
+        )
+        logger.info(
+            "held-out acceptance %s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s",
+            when,
+            report.tau_per_prompt,
+            report.tau_per_step,
+            report.num_prompts,
+            self.heldout.source,
+        )
+        self.acceptance[when] = report.tau_per_prompt
+        self.out.mkdir(parents=True, exist_ok=True)
+        source = f"dflash train --init-from {self.config.init_from} ({when})"
+        acceptance_log.record(
+            self.out, acceptance_log.entry(report, self.heldout, checkpoint=checkpoint, source=source)
+        )
 
     def _build_engine(self, targets, drafter) -> StepEngine:
         cfg = self.config
@@ -495,6 +555,9 @@ class Trainer:
                 self._log_compile_summary()
         if self.is_main:
             self._log_throughput(throughput)
+        if self.heldout is not None and metrics:
+            saved = checkpoint.step_dir_name(self.step) if cfg.save else None
+            self._measure_acceptance(self.drafter, when="after the last step", checkpoint=saved)
         return metrics
 
     def _trim_metrics(self) -> None:

@@ -17,6 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from tiny import HYBRID_ARCHS, make_target
+
 
 def pytest_configure(config):
     # Hypothesis keeps its example database and constants cache in <cwd>/.hypothesis, a path it
@@ -39,3 +41,11 @@ def _session_cwd(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _test_cwd(tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(scope="module", params=HYBRID_ARCHS)
+def hybrid_dir(request, tmp_path_factory):
+    """A random tiny Qwen3.6-layout target (tiny.make_target, 8 layers), text-only and multimodal;
+    skipped where transformers has no qwen3_5 (the 4.57.1 floor)."""
+    pytest.importorskip("transformers.models.qwen3_5", reason="qwen3_5 needs transformers >= 5.2")
+    return make_target(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=8)

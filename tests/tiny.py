@@ -142,6 +142,42 @@ def _hybrid_model(arch: str, common: dict, hidden: int):
     return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
 
 
+def tiny_target_config(**overrides):
+    """A Qwen3 target config, no weights: vocab 64, hidden 32, 8 layers, 4 heads / 2 KV heads of 8."""
+    from transformers import Qwen3Config
+
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
+    return Qwen3Config(**{**fields, **overrides})
+
+
+def tiny_drafter(layer_types=None, *, sliding_window=None, seed: int = 0):
+    """A random SDPA drafter (eval mode) of block size 4 tapping 3 layers of :func:`tiny_target_config`:
+    2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63."""
+    from dflash.model import DFlashDraftModel, create_drafter_config
+
+    layers = len(layer_types) if layer_types else 2
+    config = create_drafter_config(
+        tiny_target_config(),
+        layers,
+        block_size=4,
+        num_captured_layers=3,
+        mask_token_id=63,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    torch.manual_seed(seed)
+    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+
+
 def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     """A run directory ``out`` holding one complete checkpoint (step ``step``) of a random 1-layer
     drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its step directory."""
@@ -160,6 +196,40 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     return save_checkpoint(
         out, step, weights=drafter.state_dict(), drafter_config=config.to_diff_dict(), training_state={"step": step}
     )
+
+
+def assert_same_block_mask(ours, ref) -> None:
+    """Two BlockMasks select the same partial and full tiles (same counts, same kv tiles in order)."""
+    assert ours.shape == ref.shape
+    for attr in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, attr), getattr(ref, attr)), attr
+    for attr in ("kv_indices", "full_kv_indices"):
+        counts = getattr(ours, attr.replace("indices", "num_blocks"))
+        for idx in torch.nonzero(counts >= 0).tolist():
+            n = int(counts[tuple(idx)])
+            assert torch.equal(getattr(ours, attr)[tuple(idx)][:n], getattr(ref, attr)[tuple(idx)][:n]), attr
+
+
+def flex_eager(monkeypatch, model, *batch, attention_mask=None):
+    """Run ``model`` with flex_attention, unfused (no torch.compile, CPU forward).
+
+    transformers wraps flex_attention in torch.compile, which on CPU costs ~30 s of C++ builds;
+    calling the eager op keeps the test fast. Eager flex evaluates the mask_mod on the full grid;
+    the BlockMask tile tables the compiled kernel uses are checked against create_block_mask in
+    test_masks.py, and the compiled path end to end by benchmarks/check_flex.py.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as hf_flex
+
+    monkeypatch.setattr(
+        hf_flex,
+        "compile_friendly_flex_attention",
+        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs),
+    )
+    model.set_attn_implementation("flex_attention")
+    assert model.config._attn_implementation == "flex_attention"
+    with torch.no_grad():
+        return model(*batch, attention_mask=attention_mask)
 
 
 def write_jsonl(path: Path, records) -> Path:

@@ -67,10 +67,12 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        prompts, report = _evaluate(args)
+        prompts, report, found = _evaluate(args)
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
+    if found is not None:  # kept with the run: dflash export quotes it
+        _record(found[0].parent, Path(args.drafter), prompts, report)
     if args.json:
         held_out = {**prompts.to_dict(), "embedded_default": args.data is None}
         print(json.dumps({**report.to_dict(), "prompts": held_out}, indent=2))
@@ -131,7 +133,8 @@ def _print_report(report) -> None:
     )
     print(
         f"  {report.tau_per_prompt:.3f}{_interval(report, 'tau_per_prompt')} per prompt (z-lab's published "
-        "convention: mean of per-prompt means; last step counted in full)"
+        "convention, as its loop counts: mean of per-prompt means; last step counted in full, plus the one more step "
+        "z-lab runs when a generation ends exactly at the token budget)"
     )
     print("accepted+1 per step (last step cut):")
     for length in range(1, report.block_size + 1):
@@ -153,14 +156,15 @@ def _print_report(report) -> None:
 
 
 def _evaluate(args: argparse.Namespace):
-    """``(HeldOutPrompts, EvalReport)`` of the command's arguments."""
+    """``(HeldOutPrompts, EvalReport, the run's train_config.json (path, flags) or None)`` of the
+    command's arguments."""
     import torch
 
     from dflash.assets import default_target_dir
     from dflash.checkpoint import DRAFTER_FILES, CheckpointError, find_checkpoint
     from dflash.compatibility import check_drafter_fits_target
     from dflash.devices import check_cpu_threads
-    from dflash.evaluate import evaluate, load_drafter, load_prompts
+    from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
     from dflash.target import context_length, load_target, load_tokenizer, resolve_device
     from dflash.weight_files import check_weight_files
 
@@ -197,17 +201,30 @@ def _evaluate(args: argparse.Namespace):
     _warn_of_training_prompts(prompts, run)
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
     target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
-    eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(target.config, "eos_token_id", None)))
     report = evaluate(
         target,
         drafter,
         prompts.prompts,
         max_new_tokens=args.max_new_tokens,
-        eos_ids={e for e in eos_ids if e is not None},
+        eos_ids=stop_token_ids(tokenizer, target.config),
         progress=True,
         sample=prompts.sampled,
     )
-    return prompts, report
+    return prompts, report, run
+
+
+def _record(run_dir: Path, drafter: Path, prompts, report) -> None:
+    """Add the measurement to ``run_dir/acceptance.json`` (:mod:`dflash.acceptance_log`)."""
+    from dflash import acceptance_log
+    from dflash.checkpoint import find_checkpoint
+
+    checkpoint = find_checkpoint(drafter, verify=False).name
+    try:
+        acceptance_log.record(
+            run_dir, acceptance_log.entry(report, prompts, checkpoint=checkpoint, source="dflash eval")
+        )
+    except OSError as e:
+        logger.warning("could not keep the result in %s (%s); dflash export will not quote it", run_dir, e)
 
 
 def _run_config(drafter: Path) -> tuple[Path, dict] | None:
@@ -324,7 +341,3 @@ def _held_out_data(data: str | None, found: tuple[Path, dict] | None) -> Path:
     else:
         logger.info("held-out data: %s (the embedded default held-out set; pass --data for your own)", path)
     return path
-
-
-def _as_list(value):
-    return value if isinstance(value, list) else [value]

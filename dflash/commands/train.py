@@ -178,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
         if values.get("resume"):
             values = _resumed_values(values)
         config = _config_from_flags(values)
+        from dflash.drafter_shape import resolve_drafter_shape
         from dflash.preflight import validate_inputs
+
+        config = resolve_drafter_shape(config)  # the rule's block size, layers, taps: before any check reads them
 
         validate_inputs(config)  # before torch-heavy imports: every argument and input file
         if config.resume and _already_done(config):
@@ -217,5 +220,8 @@ def run(args: argparse.Namespace) -> int:
         if trainer.config.save
         else "nothing saved (--no-save)"
     )
-    print(f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}; {saved}")
+    measured = "".join(f"; held-out tau {tau:.3f} {when}" for when, tau in trainer.acceptance.items())
+    print(
+        f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}{measured}; {saved}"
+    )
     return 0

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dflash.data import Batch
 from dflash.loss import dflash_loss, position_weights
-from dflash.masks import build_labels, draft_input_ids, visible_pairs
+from dflash.masks import build_labels, draft_input_ids
 from dflash.target import Target, TargetStates
 
 # Dense bf16 tensor-core peaks (TFLOP/s) for the MFU estimate, matched against the device name.
@@ -139,14 +139,12 @@ class TargetBatch:
 def produce_target_states(target: Target, batch: Batch) -> TargetBatch:
     """Run the frozen target on a host batch and keep what the drafter needs (stage 1).
 
-    Rows holding several documents (packing) get a document-causal target forward, so each
-    conversation's states are those of the conversation run alone; one-document rows keep the
-    plain causal forward (SDPA's fast path).
+    Each conversation's states are those of the conversation run alone (:meth:`Target.capture`
+    with the batch's documents, taken from the host copy: no sync).
     """
-    # Read on the host before the copy: the same on a device tensor would sync.
-    num_tokens, packed = batch.num_tokens, bool(batch.document_ids.max() > 0)
+    num_tokens, host_documents = batch.num_tokens, batch.document_ids
     batch = batch.to(target.device)
-    states = target.capture(batch.input_ids, batch.position_ids, batch.document_ids if packed else None)
+    states = target.capture(batch.input_ids, batch.position_ids, host_documents)
     return TargetBatch(batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, states, num_tokens)
 
 
@@ -242,7 +240,7 @@ def drafter_step(
             **settings.loss_kwargs(),
         )
     out.loss_sum.backward()
-    pairs = visible_pairs(anchors, valid, drafter.config.block_size, batch.document_ids)
+    pairs = drafter.attention_pairs(anchors, valid, batch.document_ids)
     scalars = [out.loss_sum.detach(), out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs)]
     return torch.cat([torch.stack([s.float() for s in scalars]), out.correct.float(), out.total.float()])
 
@@ -259,13 +257,13 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
     """Model FLOPs of drafter training (forward + backward), the MFU numerator.
 
     Count only useful work: ``draft_tokens`` = valid blocks * Bs (padding blocks excluded),
-    ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the mask allows
-    (:func:`dflash.masks.visible_pairs`).
+    ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the masks allow, summed over
+    the drafter's layers (``DFlashDraftModel.attention_pairs``: sliding layers see fewer).
     6 * params * tokens for the drafter layers on the draft tokens and for the context
     ``k_proj``/``v_proj`` on the context tokens; 4 * params * tokens for ``fc`` (its input, the
     target states, needs no grad); 4 * V * H per draft token for the frozen
     LM head (forward + input grad, no weight grad); attention 12 * heads * head_dim per visible
-    (query, key) pair per layer (QK^T and PV, forward + backward). Model FLOPs: any recompute would
+    (query, key) pair (QK^T and PV, forward + backward). Model FLOPs: any recompute would
     not count (the fused LM head loss recomputes nothing).
     """
     cfg = drafter.config
@@ -276,5 +274,5 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
     # fc reads the frozen target states: forward + weight grad only (4, not 6, per parameter).
     context_flops = (4 * drafter.fc.weight.numel() + 6 * kv_params) * context_tokens
     head_flops = 4 * cfg.vocab_size * cfg.hidden_size * draft_tokens
-    attention_flops = 12 * cfg.num_attention_heads * cfg.head_dim * visible_pairs * cfg.num_hidden_layers
+    attention_flops = 12 * cfg.num_attention_heads * cfg.head_dim * visible_pairs
     return 6 * layer_params * draft_tokens + context_flops + head_flops + attention_flops

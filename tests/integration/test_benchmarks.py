@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -34,6 +36,16 @@ def test_lm_head_loss_smoke_on_cpu():
     assert done.returncode == 0, done.stderr[-3000:]
     difference = float(done.stdout.split("gradient relative difference ")[1].split()[0])
     assert difference < 1e-5 and "fused / checkpointed time:" in done.stdout
+
+
+def test_hybrid_rollback_smoke_on_cpu():
+    pytest.importorskip("transformers.models.qwen3_5")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "hybrid_rollback.py"), "--tiny"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "forward / mixers time per token:" in done.stdout
+    assert "speculative outputs differing from greedy: 0 of" in done.stdout
 
 
 def test_tokenize_cache_smoke_on_cpu():

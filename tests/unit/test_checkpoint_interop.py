@@ -320,3 +320,69 @@ def test_modeling_file_imports_only_torch_and_transformers(trained):
             assert node.level == 0, "relative import"
             modules.add(node.module.split(".")[0])
     assert modules <= {"__future__", "inspect", "torch", "transformers"}, modules
+
+
+@pytest.fixture(scope="module")
+def sliding(trained, tmp_path_factory):
+    """(target, a random drafter of 2 sliding layers (window 6) then 1 full, its step directory)."""
+    target = trained[0]
+    config = create_drafter_config(
+        target.config,
+        3,
+        block_size=BLOCK,
+        mask_token_id=300,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=6,
+    )
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    root = tmp_path_factory.mktemp("sliding")
+    step_dir = save_checkpoint(
+        root, 1, weights=drafter.state_dict(), drafter_config=drafter.config.to_diff_dict(), training_state=None
+    )
+    return target, drafter, step_dir
+
+
+def _engine_causal(config: dict, layer: int) -> bool:
+    """vLLM's ``qwen3_dflash.py`` and SGLang's DFlash model resolve a layer's causality so: an
+    explicit ``is_causal`` wins, else sliding layers are causal (a stand-in of that rule)."""
+    if config.get("is_causal") is not None:
+        return bool(config["is_causal"])
+    return config["layer_types"][layer] == "sliding_attention"
+
+
+def test_a_sliding_drafter_says_its_window_the_way_every_loader_reads_it(sliding):
+    from transformers import Qwen3Config
+
+    _, drafter, step_dir = sliding
+    raw = json.loads((step_dir / "config.json").read_text())
+    assert raw["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert raw["sliding_window"] == 6 and raw["use_sliding_window"] is True and raw["max_window_layers"] == 3
+    # z-lab/dflash builds each layer from a stock Qwen3Config: window = sliding_window on sliding layers.
+    stock = Qwen3Config.from_pretrained(step_dir)
+    z_lab_windows = [stock.sliding_window if kind == "sliding_attention" else None for kind in stock.layer_types]
+    assert z_lab_windows == [layer.self_attn.sliding_window for layer in drafter.layers] == [6, 6, None]
+    # vLLM and SGLang: bidirectional draft blocks on every layer only because the config says so.
+    assert raw["is_causal"] is False and not any(_engine_causal(raw, i) for i in range(3))
+    assert _engine_causal({k: v for k, v in raw.items() if k != "is_causal"}, 0)
+
+
+def test_trust_remote_code_applies_the_window(sliding, tmp_path, monkeypatch):
+    import transformers.dynamic_module_utils as dynamic_modules
+    from transformers import AutoModel
+
+    target, drafter, step_dir = sliding
+    monkeypatch.setattr(dynamic_modules, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    model, info = AutoModel.from_pretrained(step_dir, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    context, block = _block_inputs(target, drafter, context_len=20)  # longer than the window
+    positions = torch.arange(context.shape[1] + BLOCK)[None]
+    with torch.no_grad():
+        served = model.eval()(noise_embedding=block, target_hidden=context, position_ids=positions)
+        torch.testing.assert_close(served, drafter.block_hidden(context, block), rtol=1e-5, atol=1e-5)
+        # Served with full attention on every layer (what an engine ignoring the window does): not the same.
+        model.config.layer_types = ["full_attention"] * 3
+        for layer in model.layers:
+            layer.self_attn.layer_type = "full_attention"
+        assert (model(noise_embedding=block, target_hidden=context, position_ids=positions) - served).abs().max() > 1e-3

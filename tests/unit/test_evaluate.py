@@ -198,3 +198,47 @@ def test_a_missing_drafter_is_named_before_the_held_out_data_is_read(tmp_path, c
     monkeypatch.setattr("dflash.evaluate.load_prompts", unread)
     assert main(["eval", "--drafter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
     assert "nope: no checkpoint here (no such directory)" in caplog.text
+
+
+def _z_lab_acceptance_lengths(reference: list[int], accepted: int, *, max_new_tokens: int, stop_ids: set[int]):
+    """A stand-in of z-lab/dflash's ``dflash_generate`` bookkeeping (dflash/model.py, as
+    ``benchmark.py`` runs it), for a target whose greedy continuation is ``reference`` and a drafter
+    that gets ``accepted`` drafts of every block right: ``start`` indexes the last written token
+    (the prefill token is written first), the loop runs while ``start < max_length``, writes
+    ``accepted + 1`` tokens per step, records ``accepted + 1`` and stops after a step whose written
+    tokens hold a stop token."""
+    written, start, lengths = [reference[0]], 0, []
+    while start < max_new_tokens:
+        written = reference[: start + accepted + 2]
+        start += accepted + 1
+        lengths.append(accepted + 1)
+        if stop_ids & set(written):
+            break
+    return lengths
+
+
+@pytest.mark.parametrize(
+    ("max_new_tokens", "stop_at"),
+    [
+        (9, None),  # 1 prefill token + 2 steps of 4: ends exactly at the budget, z-lab steps once more
+        (11, None),  # the last step cut by the budget
+        (1, None),  # the budget is the prefill token alone: z-lab still steps once
+        (24, 0),  # the prefill token is a stop token: z-lab still steps once
+        (24, 6),  # a stop token inside a step
+        (24, 4),  # a stop token as a step's bonus token
+    ],
+)
+def test_tau_per_prompt_counts_exactly_what_z_lab_s_loop_counts(setup, max_new_tokens, stop_at):
+    target, tokenizer, prompts = setup
+    prompt = prompts[0]
+    reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
+    stop_ids = set() if stop_at is None else {reference[stop_at]}
+    oracle = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompt.shape[1], correct=3)
+    spec = speculative_generate(target, oracle, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids)
+    plain = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids)
+    assert spec.tokens == plain.tokens  # the extra step changes no output
+    assert sum(spec.accept_lengths) + 1 == len(spec.tokens)
+    z_lab = _z_lab_acceptance_lengths(reference, 3, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    assert spec.full_accept_lengths == z_lab
+    if (max_new_tokens, stop_at) == (9, None):
+        assert spec.accept_lengths == [4, 4] and spec.full_accept_lengths == [4, 4, 4]

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import flex_eager, tiny_target_config
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash import masks
@@ -22,23 +23,9 @@ HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1
 
 
-def _target_config(**overrides) -> Qwen3Config:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    return Qwen3Config(**{**fields, **overrides})
-
-
 def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0) -> DFlashDraftModel:
     config = create_drafter_config(
-        _target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID
+        tiny_target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID
     )
     torch.manual_seed(seed)
     model = DFlashDraftModel._from_config(config, attn_implementation=attn).eval()
@@ -105,9 +92,9 @@ def test_create_drafter_config_copies_target_geometry(config_cls):
 
 
 def test_create_drafter_config_clips_taps_for_a_small_target():
-    config = create_drafter_config(_target_config(num_hidden_layers=4), 1, mask_token_id=MASK_ID)
+    config = create_drafter_config(tiny_target_config(num_hidden_layers=4), 1, mask_token_id=MASK_ID)
     assert config.target_layer_ids == [2]  # 4 layers allow 1 default tap: L // 2
-    explicit = create_drafter_config(_target_config(), 1, target_layer_ids=[0, 7], mask_token_id=MASK_ID)
+    explicit = create_drafter_config(tiny_target_config(), 1, target_layer_ids=[0, 7], mask_token_id=MASK_ID)
     assert explicit.target_layer_ids == [0, 7]
 
 
@@ -163,40 +150,18 @@ def test_save_load_round_trip_uses_the_z_lab_layout(tmp_path):
         assert torch.equal(model(*batch), loaded(*batch))
 
 
-def _flex_eager(monkeypatch, model, *batch, attention_mask=None):
-    """Run ``model`` with flex_attention, unfused (no torch.compile, CPU forward).
-
-    transformers wraps flex_attention in torch.compile, which on CPU costs ~30 s of C++ builds;
-    calling the eager op keeps the test fast. Eager flex evaluates the mask_mod on the full grid;
-    the BlockMask tile tables the compiled kernel uses are checked against create_block_mask in
-    test_masks.py, and the compiled path end to end by benchmarks/check_flex.py.
-    """
-    from torch.nn.attention.flex_attention import flex_attention
-    from transformers.integrations import flex_attention as hf_flex
-
-    monkeypatch.setattr(
-        hf_flex,
-        "compile_friendly_flex_attention",
-        lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs),
-    )
-    model.set_attn_implementation("flex_attention")
-    assert model.config._attn_implementation == "flex_attention"
-    with torch.no_grad():
-        return model(*batch, attention_mask=attention_mask)
-
-
 def test_flex_and_sdpa_paths_agree(monkeypatch):
     model = _drafter("sdpa")
     batch = _batch(model, num_anchors=8)
     batch[3][:, -1] = False  # with a padding block
     with torch.no_grad():
         sdpa = model(*batch)
-    flex = _flex_eager(monkeypatch, model, *batch)
+    flex = flex_eager(monkeypatch, model, *batch)
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
     # The comparison can fail: the off-by-one mask (kv <= anchor) gives a different result.
     anchors, valid = batch[2], batch[3]
     leaky = masks.build_block_mask(anchors + 1, valid, batch[1].shape[1], BLOCK)
-    wrong = _flex_eager(monkeypatch, model, *batch, attention_mask=leaky)
+    wrong = flex_eager(monkeypatch, model, *batch, attention_mask=leaky)
     assert (wrong - sdpa).abs().max() > 1e-3
 
 

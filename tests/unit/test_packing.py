@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
+import sys
 from itertools import islice
 from pathlib import Path
 
@@ -17,15 +18,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import capture_packed_and_alone, example, make_target, packed_batch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from tiny import assert_same_block_mask, capture_packed_and_alone, example, make_target, packed_batch, tiny_drafter
+from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash import masks
 from dflash.commands import train as train_command
 from dflash.compile_watch import CountingBackend
 from dflash.config import TrainConfig
 from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, collate, read_conversations
-from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.packing import pack_rows, row_fill, row_packer
 from dflash.target import load_target
 
@@ -342,17 +342,6 @@ def test_dense_mask_with_documents_matches_the_scalar_rule(data, max_anchors, bl
     assert int(pairs) == int(dense.sum()), "the FLOP count's visible pairs are the mask's"
 
 
-def _assert_same_block_mask(ours: BlockMask, ref: BlockMask) -> None:
-    assert ours.shape == ref.shape
-    for attr in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
-        assert torch.equal(getattr(ours, attr), getattr(ref, attr)), attr
-    for attr in ("kv_indices", "full_kv_indices"):
-        counts = getattr(ours, attr.replace("indices", "num_blocks"))
-        for idx in torch.nonzero(counts >= 0).tolist():
-            n = int(counts[tuple(idx)])
-            assert torch.equal(getattr(ours, attr)[tuple(idx)][:n], getattr(ref, attr)[tuple(idx)][:n]), attr
-
-
 def _randompacked_batch(gen: torch.Generator, batch: int, seq_len: int) -> Batch:
     rows = []
     for _ in range(batch):
@@ -378,7 +367,7 @@ def test_block_mask_with_documents_equals_create_block_mask_tile_for_tile(tile, 
         mask_mod = masks.dflash_mask_mod(anchors, valid, context_len, block_size, batch.document_ids)
         q_len, kv_len = num * block_size, context_len + num * block_size
         ref = create_block_mask(mask_mod, 2, None, q_len, kv_len, device="cpu", BLOCK_SIZE=tile)
-        _assert_same_block_mask(ours, ref)
+        assert_same_block_mask(ours, ref)
 
 
 @pytest.mark.parametrize("tile", [4, 8, (8, 4), 128])
@@ -394,7 +383,7 @@ def test_document_causal_block_mask_equals_create_block_mask(tile):
             return (kv <= q) & (ids[b, torch.clamp(q, max=last)] == ids[b, torch.clamp(kv, max=last)])
 
         ref = create_block_mask(mask_mod, 3, None, seq_len, seq_len, device="cpu", BLOCK_SIZE=tile)
-        _assert_same_block_mask(ours, ref)
+        assert_same_block_mask(ours, ref)
         dense = masks.document_causal_mask(batch.document_ids)[:, 0]
         same_doc = ids[:, :, None] == ids[:, None, :]
         assert torch.equal(dense, same_doc & torch.ones(seq_len, seq_len, dtype=torch.bool).tril())
@@ -405,26 +394,8 @@ def test_document_causal_block_mask_equals_create_block_mask(tile):
 # ---------------------------------------------------------------------------------------
 
 
-def _tiny_drafter():
-    from transformers import Qwen3Config
-
-    target_config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    config = create_drafter_config(target_config, 2, block_size=4, num_captured_layers=3, mask_token_id=63)
-    torch.manual_seed(0)
-    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
-
-
 def test_drafter_on_a_packed_row_equals_each_conversation_alone():
-    drafter = _tiny_drafter()
+    drafter = tiny_drafter()
     width, bs = 3 * 32, 4
     gen = torch.Generator().manual_seed(0)
     sizes, seq_len = [9, 12], 24  # two documents, then 3 padding tokens
@@ -464,7 +435,7 @@ def test_unsupported_target_backend_is_named(target_dir):
     target = load_target(target_dir, layer_ids=[0], device="cpu")
     target.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match=r"backend 'flash_attention_2'.*--no-pack"):
-        target.capture(torch.zeros(1, 4, dtype=torch.long), document_ids=torch.zeros(1, 4, dtype=torch.long))
+        target.capture(torch.zeros(1, 4, dtype=torch.long), document_ids=torch.tensor([[0, 0, 1, 1]]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -472,10 +443,12 @@ def test_unsupported_target_backend_is_named(target_dir):
 # ---------------------------------------------------------------------------------------
 
 
-def test_packed_batches_of_any_layout_compile_once():
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "sliding_attention", "full_attention"]])
+def test_packed_batches_of_any_layout_compile_once(layer_types):
     """Rows with 1, 2 or 5 documents and any anchor count reach the drafter with the same shapes and
-    the same mask_mod structure, so dynamo compiles the step once."""
-    drafter = _tiny_drafter()
+    the same mask_mod structure (one per layer type, built outside the step), so dynamo compiles
+    the step once, full-attention and sliding-window drafters alike."""
+    drafter = tiny_drafter(layer_types, sliding_window=6 if layer_types else None)
     backend = CountingBackend("eager")
     step = torch.compile(drafter, backend=backend, dynamic=False)
     gen = torch.Generator().manual_seed(3)
@@ -518,6 +491,8 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "packing_e2e.py
 
 
 def _benchmark_module():
+    if str(BENCHMARK.parent) not in sys.path:  # as when run as a script: its folder (shapes.py) importable
+        sys.path.insert(0, str(BENCHMARK.parent))
     spec = importlib.util.spec_from_file_location("packing_e2e", BENCHMARK)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,0 +1,154 @@
+"""Where a hybrid target's forward spends its time on packed rows: linear-attention (Gated DeltaNet)
+vs full-attention layers, and by kernel kind; and how tok/s and memory move with the batch.
+
+    python benchmarks/target_profile.py                    # one GPU: Qwen3.6-27B width, 16 layers
+    python benchmarks/target_profile.py --layers 64        # the whole shape (55.6 GB bf16)
+    python benchmarks/target_profile.py --tiny             # CPU smoke test
+
+The target is a random-weight Qwen3.6-27B language model (``benchmarks/shapes.py``, first
+``--layers`` layers) in bf16 on the device; the input is ``--batch`` packed rows of
+``--seq-len`` tokens holding documents of log-normal lengths (median 744 tokens, as
+``packing_e2e.py``'s synthetic chats), captured as the trainer does (``Target.capture`` with
+``document_ids``). One run prints, for each batch size: target tok/s and peak memory; then, for
+the largest: milliseconds per layer type (CUDA events around each decoder layer's token mixer and
+MLP) and GPU time by kernel kind (``torch.profiler``: matmuls, flash-linear-attention's Triton
+kernels, attention, the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from shapes import SHAPES, hybrid_text_config
+
+#: Kernel kinds by substrings of CUDA kernel names (first match wins).
+KINDS = (
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "efficient")),
+    ("Gated DeltaNet kernels (fla, Triton)", ("chunk", "recompute_w_u", "solve_tril", "l2norm", "cumsum", "kkt")),
+)
+
+
+def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """document_ids ``[batch, seq_len]``: rows filled with log-normal document lengths, -1 on the tail."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(batch):
+        row, doc = [], 0
+        while len(row) < seq_len:
+            length = max(16, min(seq_len, round(rng.lognormvariate(math.log(744), 0.9))))
+            if len(row) + length > seq_len:
+                break
+            row += [doc] * length
+            doc += 1
+        rows.append(row + [-1] * (seq_len - len(row)))
+    return torch.tensor(rows)
+
+
+def layer_timers(target, device: torch.device):
+    """CUDA-event timers around every decoder layer's token mixer and MLP, by layer type."""
+    events = defaultdict(list)
+    if device.type != "cuda":
+        return events, []
+    hooks = []
+    types = target.config.get_text_config().layer_types
+    for layer, layer_type in zip(target.model.get_decoder().layers, types):
+        mixer = layer.linear_attn if layer_type == "linear_attention" else layer.self_attn
+        for name, module in ((f"{layer_type} mixer", mixer), (f"{layer_type} MLP", layer.mlp)):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            hooks.append(module.register_forward_pre_hook(lambda *_, e=start: e.record()))
+            hooks.append(module.register_forward_hook(lambda *_, e=end: e.record()))
+            events[name].append((start, end))
+    return events, hooks
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in lowered for k in keys)), "other (norms, copies, elementwise)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batches", default="1,2,4", help="batch sizes to time (the last is profiled)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    shape, device = ("tiny-qwen3.6", "cpu") if args.tiny else ("qwen3.6-27b", "cuda")
+    if args.tiny:
+        args.layers, args.seq_len, args.batches, args.repeats = 8, 128, "1,2", 1
+    from transformers import Qwen3_5ForCausalLM
+
+    from dflash.target import Target
+
+    device = torch.device(device)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(hybrid_text_config(shape, args.layers))
+    torch.set_default_dtype(torch.float32)
+    target = Target(model, [1, args.layers // 2, args.layers - 2])
+    vocab = SHAPES[shape]["vocab_size"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    print(f"target_profile: Qwen3.6-27B layout, {shape} width, {args.layers} layers, seq {args.seq_len}, {device}")
+
+    def capture(batch: int):
+        documents = packed_documents(batch, args.seq_len)
+        ids = torch.randint(5, vocab, documents.shape)
+        return lambda: target.capture(ids, document_ids=documents)
+
+    for batch in map(int, args.batches.split(",")):
+        run = capture(batch)
+        run()
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
+        for _ in range(args.repeats):
+            run()
+        sync()
+        seconds = (time.perf_counter() - began) / args.repeats
+        peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else ""
+        print(f"batch {batch}: {batch * args.seq_len / seconds:,.0f} tok/s, {1e3 * seconds:.1f} ms{peak}")
+
+    events, hooks = layer_timers(target, device)
+    run()
+    sync()
+    totals = {name: sum(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+    for hook in hooks:
+        hook.remove()
+    whole = sum(totals.values())
+    for name, ms in sorted(totals.items()):
+        print(f"  {name:>26}: {ms:8.1f} ms ({100 * ms / whole:4.1f}% of mixers + MLPs)")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        run()
+        sync()
+    by_kind, by_kernel = defaultdict(float), defaultdict(float)
+    for event in prof.key_averages():
+        time_us = event.device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if time_us and (device.type != "cuda" or event.device_type.name == "CUDA"):
+            by_kind[kernel_kind(event.key)] += time_us
+            by_kernel[event.key] += time_us
+    total = sum(by_kind.values()) or 1.0
+    for kind, time_us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:>38}: {time_us / 1e3:8.1f} ms ({100 * time_us / total:4.1f}% of GPU time)")
+    print("slowest kernels:")
+    for name, time_us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {time_us / 1e3:8.1f} ms  {kernel_kind(name)[:10]:<10}  {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""How each decoder layer type of a target keeps the documents of a packed row apart.
+
+A packed row (:mod:`dflash.packing`) holds several conversations ("documents", named by
+``document_ids`` int ``[B, S]``: maximal runs of equal ids, -1 on padding). The target's hidden
+states of every document must equal those of the document run alone, or the drafter learns from
+states the verifier never produces. Each layer type needs its own means:
+
+- ``full_attention`` (Qwen3, Llama, Mistral, ... and Qwen3.5's gated attention): a
+  document-causal attention mask in the form of the attention backend (:func:`attention_mask`);
+  positions restart per document through ``position_ids``.
+- ``linear_attention`` (Qwen3.5 / Qwen3.6 Gated DeltaNet, arXiv 2412.06464): the mask never
+  reaches these layers (transformers hands them a 2-D padding mask, None for a 4-D one), and their
+  causal conv and gated delta-rule recurrence run straight across document boundaries. Here the
+  row is laid out as one sequence of *segments* (:class:`Segments`; every document, and each
+  row's tail padding, is one), and the layer runs its own weights through kernels that restart
+  the conv window and the recurrent state at every segment start (:func:`linear_layers_apart`):
+  the conv is transformers' own op with each segment's first outputs recomputed from its own
+  tokens (:func:`segmented_conv`: the document alone's rounding), the delta rule
+  flash-linear-attention's varlen kernel (``cu_seqlens``) on CUDA and an exact PyTorch reference
+  elsewhere. transformers' own route (``cu_seq_lens_q`` / ``seq_idx`` kwargs) needs Dao's
+  causal-conv1d, a CUDA source build, for the conv, and raises without it.
+
+Any other layer type (e.g. ``sliding_attention``, whose window a 4-D mask would override) is
+refused for packing (:func:`check_packable`), naming the type and ``--no-pack``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash import masks
+
+logger = logging.getLogger(__name__)
+
+#: Layer types whose documents this module keeps apart, with how (for messages and docs).
+SEPARATION = {
+    "full_attention": "document-causal attention mask",
+    "linear_attention": "conv and recurrence restarted at each document (Gated DeltaNet)",
+}
+
+#: The layer type of a hybrid target's linear-attention layers.
+LINEAR_ATTENTION = "linear_attention"
+
+#: The flash-linear-attention distributions (pure Python + Triton): what a hybrid target needs on CUDA.
+FLA_PACKAGE = "flash-linear-attention"
+
+#: Attributes of transformers' ``Qwen3_5GatedDeltaNet`` (5.x) that :func:`_gated_deltanet_forward` reads.
+_GATED_DELTANET_PARTS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "conv1d",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "key_dim",
+    "value_dim",
+    "head_k_dim",
+    "head_v_dim",
+    "activation",
+)
+
+
+class UnknownLayerType(ValueError):
+    """A decoder layer type whose documents cannot be kept apart in a packed row."""
+
+
+def layer_types(config: dict) -> list[str]:
+    """The decoder layer types of a causal LM's (text) ``config.json`` dict, one per layer.
+
+    ``layer_types`` when the config lists them; else a hybrid config's pattern (Qwen3.5 /
+    Qwen3-Next: every ``full_attention_interval``-th layer, default 4, is full attention, the rest
+    linear); else ``sliding_attention`` for a config with an active ``sliding_window`` (Mistral)
+    and ``full_attention`` for the rest (Llama, Qwen3).
+
+    Args:
+        config (dict): the text config (``text_config`` of a multimodal ``config.json``).
+
+    Returns:
+        list[str]: ``num_hidden_layers`` entries.
+    """
+    num_layers = int(config.get("num_hidden_layers") or 0)
+    if isinstance(config.get("layer_types"), list):
+        return list(config["layer_types"])
+    if "linear_conv_kernel_dim" in config or "full_attention_interval" in config:
+        interval = int(config.get("full_attention_interval") or 4)
+        return [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    sliding = config.get("sliding_window") is not None and config.get("use_sliding_window", True)
+    return ["sliding_attention" if sliding else "full_attention"] * num_layers
+
+
+def is_hybrid(config: dict) -> bool:
+    """Whether a (text) config has linear-attention layers (Qwen3.5 / Qwen3.6)."""
+    return LINEAR_ATTENTION in layer_types(config)
+
+
+def check_packable(config: dict, source: str) -> None:
+    """Refuse packed rows for a target with a layer type this module cannot keep apart.
+
+    Args:
+        config (dict): the target's text config (see :func:`layer_types`).
+        source (str): where it came from, for the message (the ``config.json`` path).
+
+    Raises:
+        UnknownLayerType: names the first unknown layer type, the known ones, and ``--no-pack``.
+    """
+    unknown = sorted({t for t in layer_types(config) if t not in SEPARATION})
+    if unknown:
+        raise UnknownLayerType(
+            f"target {source}: decoder layer type {unknown[0]!r} cannot keep the conversations of a packed row "
+            f"apart (packing knows {', '.join(sorted(SEPARATION))}); train with --no-pack"
+        )
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The documents of a packed ``[B, S]`` batch laid end to end as one sequence of ``B * S``
+    tokens, in flash-attention's varlen form. Each maximal run of equal ``document_ids`` within a
+    row is one segment (a row's tail padding too), so no segment is empty and their count does not
+    change any tensor shape the kernels compile for.
+
+    Args:
+        cu_seqlens (Tensor): int64 ``[N + 1]`` segment boundaries, ``0 .. B * S``, on the target's device.
+        cu_seqlens_cpu (Tensor): the same on the host (flash-linear-attention reads it without a sync).
+        offsets (Tensor): int64 ``[1, B * S]``, each token's position within its segment, on the device.
+    """
+
+    cu_seqlens: Tensor
+    cu_seqlens_cpu: Tensor
+    offsets: Tensor
+
+    @classmethod
+    def of(cls, document_ids: Tensor, device: torch.device) -> Segments:
+        """Segments of ``document_ids`` (int ``[B, S]``); computed on the host (pass host ids: no sync)."""
+        ids = document_ids.cpu()
+        batch, seq_len = ids.shape
+        starts = masks.document_starts(ids)  # [B, S]
+        offsets = torch.arange(seq_len) - starts
+        first = (offsets == 0).reshape(-1).nonzero().squeeze(1)
+        cu = torch.cat([first, torch.tensor([batch * seq_len])]).to(torch.long)
+        move = lambda t: t.to(device, non_blocking=True)
+        return cls(move(cu), cu, move(offsets.reshape(1, -1)))
+
+
+def attention_mask(document_ids: Tensor, backend: str, dtype: torch.dtype):
+    """The document-causal mask of the attention layers, in the form of the attention ``backend``:
+
+    - ``sdpa`` (HF's default): a dense bool ``[B, 1, S, S]`` (:func:`dflash.masks.document_causal_mask`).
+      Cost: ``B * S^2`` bytes, and SDPA leaves its causal flash kernel for the masked
+      (memory-efficient) one, which computes the whole S x S grid: for a Qwen3-8B shape ~4% more
+      work than causal at S=2048, ~15% at S=8192.
+    - ``eager``: the same as an additive ``dtype`` mask.
+    - ``flex_attention``: a BlockMask (:func:`dflash.masks.document_causal_block_mask`) that skips
+      every tile across documents (~``sum_d len_d^2 / 2`` per row).
+
+    Args:
+        document_ids (Tensor): int ``[B, S]`` on the target's device.
+        backend (str): the target config's ``_attn_implementation``.
+        dtype (torch.dtype): the target's dtype (eager masks).
+
+    Raises:
+        ValueError: another backend (flash-attention kernels take no such mask), naming the fix.
+    """
+    if backend == "flex_attention":
+        return masks.document_causal_block_mask(document_ids)
+    if backend not in ("sdpa", "eager"):
+        raise ValueError(
+            f"packed rows need a document mask, which the target's attention backend {backend!r} "
+            "does not take here; load the target with attn_implementation='sdpa', 'eager' or "
+            "'flex_attention', or train without packing (--no-pack)"
+        )
+    mask = masks.document_causal_mask(document_ids)
+    if backend == "eager":
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+@dataclass(frozen=True)
+class LinearAttentionKernels:
+    """The two kernels of a Gated DeltaNet layer over :class:`Segments`.
+
+    Args:
+        name (str): for the log.
+        conv (Callable): ``(x [1, T, D], weight [D, W], bias [D] | None, activation, segments) -> [1, T, D]``,
+            depthwise causal conv whose window never reaches back past a segment start.
+        delta_rule (Callable): ``(q [1, T, H, K], k, v [1, T, HV, V], g [1, T, HV] fp32, beta [1, T, HV],
+            segments) -> [1, T, HV, V]``, the gated delta rule with q/k L2-normalised in the kernel
+            and the state zeroed at each segment start.
+    """
+
+    name: str
+    conv: Callable
+    delta_rule: Callable
+
+
+def segmented_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
+    """transformers' causal conv (``F.conv1d`` with left zero padding, then the activation, in
+    ``x``'s dtype) over the whole row, with the first ``W - 1`` outputs of every segment computed
+    again by the same op from that segment's own tokens behind zeros, so no window reaches into the
+    segment before: each output is the op of the segment run alone on the same values (equal up to
+    the op's rounding for inputs of another length).
+
+    Args:
+        x (Tensor): ``[1, T, D]``; weight ``[D, W]``; bias ``[D]`` or None; activation: an ``ACT2FN`` key.
+
+    Returns:
+        Tensor: ``[1, T, D]`` in ``x``'s dtype.
+    """
+    from transformers.activations import ACT2FN
+
+    tokens, width = x.shape[1], weight.shape[-1]
+    channels = x.transpose(1, 2)  # [1, D, T]
+    kernel, head = weight.unsqueeze(1).to(x.dtype), width - 1
+    out = F.conv1d(channels, kernel, bias, padding=head, groups=weight.shape[0])[..., :tokens]
+    # The first `head` positions of each segment, clipped to the row and to the segment itself.
+    index = segments.cu_seqlens[:-1, None] + torch.arange(head, device=x.device)  # [N, W-1]
+    inside = (index < tokens) & (
+        segments.offsets[0, index.clamp(max=tokens - 1)] == torch.arange(head, device=x.device)
+    )
+    windows = channels[0][:, index.clamp(max=tokens - 1)] * inside  # [D, N, W-1], zero past the segment
+    again = F.conv1d(windows.transpose(0, 1), kernel, bias, padding=head, groups=weight.shape[0])[..., :head]
+    out[0][:, index[inside]] = again.transpose(0, 1)[:, inside]
+    return ACT2FN[activation](out).transpose(1, 2)
+
+
+def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments) -> Tensor:
+    """The gated delta rule token by token in fp32 (transformers' ``torch_recurrent_gated_delta_rule``
+    recurrence), the state zeroed at every segment start: exact, and slow (one step per token)."""
+    heads_v, dtype = v.shape[2], v.dtype
+    q, k = (_l2norm(t.float()).repeat_interleave(heads_v // t.shape[2], dim=2) for t in (q, k))
+    q = q / q.shape[-1] ** 0.5
+    v, beta, decay = v.float(), beta.float(), g.float().exp()
+    keep = (segments.offsets[0] > 0).float()  # [T]: 0 where a segment starts
+    state = q.new_zeros(heads_v, q.shape[-1], v.shape[-1])
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * (decay[0, t] * keep[t])[:, None, None]
+        delta = (v[0, t] - (state * k[0, t, :, :, None]).sum(-2)) * beta[0, t, :, None]
+        state = state + k[0, t, :, :, None] * delta[:, None, :]
+        out[0, t] = (state * q[0, t, :, :, None]).sum(-2)
+    return out.to(dtype)
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    # transformers' and fla's form (eps inside the root), not F.normalize's max(norm, eps).
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _fla_delta_rule(q, k, v, g, beta, segments):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out, _ = chunk_gated_delta_rule(
+        *(t.contiguous() for t in (q, k, v, g, beta)),
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=segments.cu_seqlens,
+        cu_seqlens_cpu=segments.cu_seqlens_cpu,
+    )
+    return out
+
+
+REFERENCE_KERNELS = LinearAttentionKernels("PyTorch reference (exact, slow)", segmented_conv, reference_delta_rule)
+FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule)
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention is importable (without importing it)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def kernels_for(device: torch.device) -> LinearAttentionKernels:
+    """flash-linear-attention's Triton kernels on CUDA when installed, else the exact reference."""
+    return FLA_KERNELS if device.type == "cuda" and fla_available() else REFERENCE_KERNELS
+
+
+def linear_layers(model) -> list[torch.nn.Module]:
+    """The linear-attention token mixers of a transformers hybrid causal LM (Qwen3.5's
+    ``decoder.layers[i].linear_attn``), in layer order; empty for a standard-attention model.
+
+    Raises:
+        UnknownLayerType: a linear-attention layer whose module lacks what
+            :func:`_gated_deltanet_forward` reads (another transformers version or architecture).
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(config, "layer_types", None) or []
+    decoder = model.get_decoder()
+    mixers = [decoder.layers[i].linear_attn for i, t in enumerate(types) if t == LINEAR_ATTENTION]
+    for mixer in mixers:
+        missing = [name for name in _GATED_DELTANET_PARTS if not hasattr(mixer, name)]
+        if missing:
+            raise UnknownLayerType(
+                f"linear-attention layer {type(mixer).__name__} has no {', '.join(missing)}: packing keeps documents "
+                "apart for transformers 5.x's Gated DeltaNet (Qwen3.5 / Qwen3.6); train with --no-pack"
+            )
+    return mixers
+
+
+@contextlib.contextmanager
+def linear_layers_apart(
+    mixers: Sequence[torch.nn.Module], segments: Segments, kernels: LinearAttentionKernels
+) -> Iterator[None]:
+    """Within the block, each of ``mixers`` (:func:`linear_layers`) runs over ``segments``
+    (:func:`_gated_deltanet_forward`) instead of its own forward. The override is on the module
+    instances and lasts only for the block: the model is one target thread's, and its other uses
+    (decoding with a cache, regeneration) run transformers' forward untouched."""
+    for mixer in mixers:
+        mixer.forward = functools.partial(_gated_deltanet_forward, mixer, segments=segments, kernels=kernels)
+    try:
+        yield
+    finally:
+        for mixer in mixers:
+            del mixer.forward
+
+
+def _gated_deltanet_forward(
+    layer, hidden_states: Tensor, *args, segments: Segments, kernels: LinearAttentionKernels, **kwargs
+) -> Tensor:
+    """transformers' Qwen3.5 Gated DeltaNet forward (``Qwen3_5GatedDeltaNet.forward``, no cache) on
+    ``hidden_states`` ``[B, S, H]`` with its conv and recurrence restarted at each segment start.
+    The cache and 2-D padding mask transformers passes are not used: a packed forward has neither
+    (padding is a segment of its own)."""
+    batch, seq_len, _ = hidden_states.shape
+    h = hidden_states.reshape(1, batch * seq_len, -1)
+    weight = layer.conv1d.weight.squeeze(1)
+    mixed = kernels.conv(layer.in_proj_qkv(h), weight, layer.conv1d.bias, layer.activation, segments)
+    q, k, v = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    q, k = (t.reshape(1, batch * seq_len, -1, layer.head_k_dim) for t in (q, k))
+    v = v.reshape(1, batch * seq_len, -1, layer.head_v_dim)
+    beta = layer.in_proj_b(h).sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(h).float() + layer.dt_bias)
+    core = kernels.delta_rule(q, k, v, g, beta, segments)
+    z = layer.in_proj_z(h).reshape(-1, layer.head_v_dim)
+    core = layer.norm(core.reshape(-1, layer.head_v_dim), z).reshape(batch, seq_len, -1)
+    return layer.out_proj(core)

@@ -1,0 +1,205 @@
+"""A drafter directory read strictly: ``config.json`` + ``model.safetensors`` in the z-lab layout
+(:mod:`dflash.modeling_dflash`), as ``dflash train`` checkpoints, ``dflash export`` and the
+published drafters (z-lab/Qwen3.6-27B-DFlash, ...) lay it out.
+
+Loading a drafter must never invent one: ``from_pretrained`` fills a config field the file lacks
+with Qwen3's default (hidden 4096, 36 layers, ...) and random-initialises every weight it does not
+find, so a wrong directory evaluates as a random drafter with a warning at most. Here, in order,
+each step before anything is allocated:
+
+1. :func:`read_raw_config`: ``config.json`` names a DFlash drafter and every field that fixes its
+   shape (:data:`REQUIRED_FIELDS`), read from the file itself, never from defaults;
+2. :func:`check_tensors`: the tensor names and shapes in ``model.safetensors``' header are exactly
+   those the config implies (a mismatch names the tensor and the config field behind it);
+3. :func:`load_drafter_dir`: the model is built from the config and every weight loaded with
+   ``strict=True``.
+
+``dflash eval`` (:func:`dflash.evaluate.load_drafter`) and ``dflash train --init-from`` use it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from dflash.checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
+
+#: Fields a drafter's ``config.json`` must carry itself (their class defaults would build another model).
+REQUIRED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "block_size",
+    "num_target_layers",
+)
+#: Fields inside ``dflash_config`` that must be there.
+REQUIRED_DFLASH_FIELDS = ("mask_token_id", "target_layer_ids")
+
+# The config fields behind each dimension of a tensor (name without "layers.{i}."), for errors.
+_SHAPE_FIELDS = {
+    "fc.weight": ("hidden_size", "len(dflash_config.target_layer_ids) x hidden_size"),
+    "hidden_norm.weight": ("hidden_size",),
+    "norm.weight": ("hidden_size",),
+    "input_layernorm.weight": ("hidden_size",),
+    "post_attention_layernorm.weight": ("hidden_size",),
+    "self_attn.q_proj.weight": ("num_attention_heads x head_dim", "hidden_size"),
+    "self_attn.k_proj.weight": ("num_key_value_heads x head_dim", "hidden_size"),
+    "self_attn.v_proj.weight": ("num_key_value_heads x head_dim", "hidden_size"),
+    "self_attn.o_proj.weight": ("hidden_size", "num_attention_heads x head_dim"),
+    "self_attn.q_norm.weight": ("head_dim",),
+    "self_attn.k_norm.weight": ("head_dim",),
+    "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+}
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+try:  # transformers 5 configs validate as huggingface_hub strict dataclasses, with their own errors
+    from huggingface_hub.errors import StrictDataclassError
+
+    _CONFIG_ERRORS: tuple[type[Exception], ...] = (StrictDataclassError,)
+except ImportError:
+    _CONFIG_ERRORS = ()
+
+
+def read_raw_config(directory: str | Path) -> dict:
+    """``config.json`` of a drafter directory, checked to name a DFlash drafter and carry
+    :data:`REQUIRED_FIELDS`, a RoPE base and ``dflash_config``; nothing is built.
+
+    Raises:
+        CheckpointError: no or unreadable ``config.json``, no ``model.safetensors``, another
+            architecture, or a missing field (the message names each and the fix).
+    """
+    directory = Path(directory)
+    path = directory / CONFIG_NAME
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: missing or unreadable ({e}); a drafter directory holds {CONFIG_NAME}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    if not (directory / WEIGHTS_NAME).is_file():
+        raise CheckpointError(f"{directory / WEIGHTS_NAME}: missing; a drafter needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+    if "DFlashDraftModel" not in (raw.get("architectures") or []):
+        raise CheckpointError(
+            f"{path}: architectures {raw.get('architectures')!r} is not a DFlash drafter (DFlashDraftModel); "
+            "pass a drafter directory"
+        )
+    dflash = raw.get("dflash_config")
+    missing = [name for name in REQUIRED_FIELDS if raw.get(name) is None]
+    missing += [
+        f"dflash_config.{name}" for name in REQUIRED_DFLASH_FIELDS if not isinstance(dflash, dict) or name not in dflash
+    ]
+    rope = raw.get("rope_parameters")
+    if raw.get("rope_theta") is None and not (isinstance(rope, dict) and "rope_theta" in rope):
+        missing.append("rope_theta (or rope_parameters.rope_theta)")
+    if missing:
+        raise CheckpointError(
+            f"{path}: no {', '.join(missing)}; a drafter's config.json carries its own shape and these are never "
+            "guessed (copy the complete config.json of the drafter, or export it again with dflash export)"
+        )
+    return raw
+
+
+def read_drafter_config(directory: str | Path):
+    """The :class:`~dflash.modeling_dflash.DFlashDraftConfig` of a drafter directory (see
+    :func:`read_raw_config`), validated; nothing is allocated.
+
+    Raises:
+        CheckpointError: see :func:`read_raw_config`; a field out of range (named).
+    """
+    from dflash.modeling_dflash import DFlashDraftConfig
+
+    read_raw_config(directory)
+    try:
+        return DFlashDraftConfig.from_pretrained(directory, local_files_only=True)
+    except (ValueError, TypeError, *_CONFIG_ERRORS) as e:
+        raise CheckpointError(f"{Path(directory) / CONFIG_NAME}: {e}") from None
+
+
+def check_tensors(directory: str | Path, config) -> None:
+    """The tensors of ``model.safetensors`` are exactly the drafter's of ``config``, by name and
+    shape, read from the file's header (no tensor is loaded).
+
+    Raises:
+        CheckpointError: a layer count, a tensor name or a shape disagrees; the message names the
+            tensor and the ``config.json`` field that disagrees with it.
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    with safe_open(str(directory / WEIGHTS_NAME), "pt") as f:
+        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    expected = _expected_shapes(config)
+    source = f"{directory / WEIGHTS_NAME} and {directory / CONFIG_NAME}"
+    file_layers = {int(m.group(1)) for name in found if (m := _LAYER.match(name))}
+    if file_layers and max(file_layers) + 1 != config.num_hidden_layers:
+        raise CheckpointError(
+            f"{source} disagree: num_hidden_layers is {config.num_hidden_layers}, the weights hold "
+            f"{max(file_layers) + 1} decoder layers"
+        )
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        bias = [n for n in unexpected + missing if n.endswith(".bias")]
+        hint = f" (attention_bias is {config.attention_bias})" if bias else ""
+        raise CheckpointError(
+            f"{source} disagree{hint}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}, unexpected "
+            f"tensors {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}; a drafter is loaded whole or not at all"
+        )
+    for name, shape in found.items():
+        if shape != expected[name]:
+            fields = _SHAPE_FIELDS.get(_LAYER.sub("", name), ())
+            behind = [
+                f"{fields[d]} in config.json gives {expected[name][d]}"
+                for d in range(len(shape))
+                if d < len(fields) and shape[d] != expected[name][d]
+            ]
+            raise CheckpointError(
+                f"{source} disagree: tensor {name} is {list(shape)}, the config implies {list(expected[name])} "
+                f"({'; '.join(behind) or 'shape'}); the config does not describe these weights"
+            )
+
+
+def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight of the drafter of ``config``, from a model on the meta device."""
+    from dflash.modeling_dflash import DFlashDraftModel
+
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def load_drafter_dir(
+    directory: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu", attn_implementation: str = "sdpa"
+):
+    """The drafter of a directory, every weight loaded strictly (module docstring), as the
+    trainer's :class:`dflash.model.DFlashDraftModel`.
+
+    Args:
+        directory: holds ``config.json`` and ``model.safetensors``.
+        dtype (torch.dtype): of the parameters (the file's dtype is converted).
+        device: where the model ends up.
+        attn_implementation (str): "sdpa" or "flex_attention".
+
+    Returns:
+        dflash.model.DFlashDraftModel: in train mode (call ``.eval()`` to decode).
+
+    Raises:
+        CheckpointError: see :func:`read_drafter_config` and :func:`check_tensors`.
+    """
+    from safetensors.torch import load_file
+
+    from dflash.model import DFlashDraftModel
+
+    config = read_drafter_config(directory)
+    check_tensors(directory, config)
+    model = DFlashDraftModel._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model.load_state_dict(load_file(str(Path(directory) / WEIGHTS_NAME)), strict=True)
+    return model.to(device)

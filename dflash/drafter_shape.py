@@ -1,0 +1,216 @@
+"""The drafter's shape: block size, layers and their attention, heads, widths and tapped layers.
+
+``dflash train`` leaves each of these empty unless a flag sets it; :func:`resolve_drafter_shape`
+fills them, before the target loads, by one of three rules:
+
+- ``--init-from DIR``: the published drafter's own (``config.json``), checked to fit the target
+  (hidden size, vocabulary, number of target layers); a flag that disagrees with it is refused;
+- a Qwen3.5/3.6 target (``model_type`` ``qwen3_5``, text-only or multimodal): the published
+  drafters' shape, :data:`PUBLISHED_QWEN3_5` (z-lab/Qwen3.6-27B-DFlash as SpecForge ships its
+  config: 5 layers, 4 sliding-window layers of 2048 then 1 full, 32 heads, 8 KV heads, head_dim
+  128, the target's MLP width, block 16, 5 tapped layers), not the target's gated-attention heads
+  (24 / 4 / 256);
+- any other target: the target's own attention and MLP geometry (left empty: the drafter config
+  copies it), all full attention, :data:`STANDARD` block size, layers and taps (small enough for a
+  CPU run).
+
+Flags given explicitly always win over the rule (and must agree with ``--init-from``). Sliding
+layers without ``--draft-sliding-window`` get :data:`DEFAULT_SLIDING_WINDOW`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from dflash.config import TrainConfig
+
+# The layer_types strings of dflash.modeling_dflash (which imports transformers; this module must not:
+# it runs before the cheap checks of dflash.preflight). tests/unit/test_drafter_shape.py checks they agree.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+#: ``model_type`` of the Qwen3.5/3.6 hybrid targets (the multimodal checkpoint and its text model).
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+#: Window of the published sliding drafter layers, in tokens.
+DEFAULT_SLIDING_WINDOW = 2048
+#: Rule for targets without a published shape: the target's geometry, TrainConfig field -> value.
+STANDARD = {"block_size": 8, "num_draft_layers": 1, "num_target_layers": 3}
+#: The published Qwen3.5/3.6 drafters' shape (layer types: all sliding but the last).
+PUBLISHED_QWEN3_5 = {
+    "block_size": 16,
+    "num_draft_layers": 5,
+    "num_target_layers": 5,
+    "draft_heads": 32,
+    "draft_kv_heads": 8,
+    "draft_head_dim": 128,
+}
+#: The TrainConfig fields :func:`resolve_drafter_shape` fills.
+SHAPE_FIELDS = (
+    "block_size",
+    "num_draft_layers",
+    "draft_layer_types",
+    "draft_sliding_window",
+    "draft_heads",
+    "draft_kv_heads",
+    "draft_head_dim",
+    "draft_intermediate_size",
+    "target_layer_ids",
+    "num_target_layers",
+    "mask_token_id",
+)
+_SHORT_NAMES = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
+# TrainConfig field -> what a drafter's config.json calls it (for --init-from).
+_FROM_DRAFTER = {
+    "block_size": "block_size",
+    "num_draft_layers": "num_hidden_layers",
+    "draft_heads": "num_attention_heads",
+    "draft_kv_heads": "num_key_value_heads",
+    "draft_head_dim": "head_dim",
+    "draft_intermediate_size": "intermediate_size",
+}
+
+
+def parse_layer_types(text: str) -> list[str]:
+    """``--draft-layer-types`` as a list of ``full_attention``/``sliding_attention``.
+
+    Accepts ``full``, ``sliding`` or the full names, separated by commas or spaces.
+
+    Raises:
+        ValueError: an empty list or an unknown entry (names the choices).
+    """
+    entries = text.replace(",", " ").split()
+    unknown = [e for e in entries if e not in _SHORT_NAMES and e not in LAYER_TYPES]
+    if not entries or unknown:
+        raise ValueError(
+            f"draft_layer_types {text!r}: give one of full / sliding per drafter layer, comma-separated "
+            "(e.g. sliding,sliding,sliding,sliding,full)"
+        )
+    return [_SHORT_NAMES.get(e, e) for e in entries]
+
+
+def is_qwen3_5(target_config: dict) -> bool:
+    """Whether a target ``config.json`` (dict) is a Qwen3.5/3.6 hybrid, text-only or multimodal."""
+    text = target_config.get("text_config") or target_config
+    return target_config.get("model_type") in QWEN3_5_MODEL_TYPES or text.get("model_type") in QWEN3_5_MODEL_TYPES
+
+
+def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
+    """``config`` with the drafter's shape filled in by the rule of the module docstring; reads
+    only the target's ``config.json`` (and the ``--init-from`` drafter's config). Idempotent.
+
+    Raises:
+        TargetLoadError: the target directory has no readable ``config.json``.
+        CheckpointError: the ``--init-from`` directory is not a complete drafter.
+        ValueError: flags that contradict each other or the ``--init-from`` drafter, or an
+            ``--init-from`` drafter that does not fit the target (the message names the field).
+    """
+    from dflash.assets import default_target_dir
+    from dflash.target import read_target_config
+
+    target_dir = Path(config.target) if config.target else default_target_dir()
+    target = read_target_config(target_dir)
+    if config.init_from:
+        values = _from_drafter(config, target, target_dir)
+    else:
+        rule = PUBLISHED_QWEN3_5 if is_qwen3_5(target) else STANDARD
+        values = {k: v for k, v in rule.items() if getattr(config, k) is None}
+        values |= _layer_types(config, values, sliding_rule=rule is PUBLISHED_QWEN3_5)
+    return dataclasses.replace(config, **values)
+
+
+def drafter_config(config: TrainConfig, target_config, *, target_layer_ids: list[int], mask_token_id: int):
+    """The config of a new drafter of a resolved ``config`` (:func:`resolve_drafter_shape`) for a
+    target (what ``dflash train`` builds without ``--init-from``).
+
+    Args:
+        config (TrainConfig): resolved.
+        target_config (PretrainedConfig): the target's config (multimodal ones: the text config is used).
+        target_layer_ids (list[int]): the layers the target taps.
+        mask_token_id (int): the resolved mask token (:mod:`dflash.mask_token`).
+
+    Returns:
+        DFlashDraftConfig
+    """
+    from dflash.model import create_drafter_config
+
+    return create_drafter_config(
+        target_config,
+        config.num_draft_layers,
+        block_size=config.block_size,
+        target_layer_ids=target_layer_ids,
+        mask_token_id=mask_token_id,
+        num_attention_heads=config.draft_heads,
+        num_key_value_heads=config.draft_kv_heads,
+        head_dim=config.draft_head_dim,
+        intermediate_size=config.draft_intermediate_size,
+        layer_types=parse_layer_types(config.draft_layer_types) if config.draft_layer_types else None,
+        sliding_window=config.draft_sliding_window,
+    )
+
+
+def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> dict:
+    """``draft_layer_types`` / ``draft_sliding_window`` (and the layer count from the types)."""
+    layers = values.get("num_draft_layers", config.num_draft_layers)
+    if config.draft_layer_types is not None:
+        types = parse_layer_types(config.draft_layer_types)
+        if config.num_draft_layers is not None and len(types) != config.num_draft_layers:
+            raise ValueError(
+                f"--draft-layer-types names {len(types)} layers, --num-draft-layers is {config.num_draft_layers}; "
+                "give one type per drafter layer (or drop --num-draft-layers)"
+            )
+    elif sliding_rule:
+        types = [SLIDING_ATTENTION] * (layers - 1) + [FULL_ATTENTION]
+    else:
+        types = [FULL_ATTENTION] * (config.num_draft_layers or layers)
+    out = {"num_draft_layers": len(types)}
+    if SLIDING_ATTENTION not in types:
+        if config.draft_sliding_window is not None:
+            raise ValueError(
+                f"--draft-sliding-window {config.draft_sliding_window}: no drafter layer is sliding; pass "
+                "--draft-layer-types with sliding layers (e.g. sliding,sliding,sliding,sliding,full)"
+            )
+        if config.draft_layer_types is None:
+            return out  # all full attention: the field stays empty, as in runs saved before it existed
+    else:
+        out["draft_sliding_window"] = config.draft_sliding_window or DEFAULT_SLIDING_WINDOW
+    return out | {"draft_layer_types": ",".join(types)}
+
+
+def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
+    """The shape fields of the ``--init-from`` drafter, refused where they contradict a flag or
+    do not fit the target."""
+    from dflash.drafter_files import read_drafter_config
+
+    drafter = read_drafter_config(config.init_from)
+    values = {field: getattr(drafter, key) for field, key in _FROM_DRAFTER.items()}
+    values |= {
+        "draft_layer_types": ",".join(drafter.layer_types),
+        "draft_sliding_window": drafter.window_of(SLIDING_ATTENTION)
+        if SLIDING_ATTENTION in drafter.layer_types
+        else None,
+        "target_layer_ids": drafter.target_layer_ids,
+        "num_target_layers": len(drafter.target_layer_ids),
+        "mask_token_id": drafter.mask_token_id,
+    }
+    for field, value in values.items():
+        given = getattr(config, field)
+        if field == "draft_layer_types" and given is not None:
+            given = ",".join(parse_layer_types(given))
+        if given is not None and given != value:
+            raise ValueError(
+                f"--{field.replace('_', '-')} {getattr(config, field)} disagrees with the --init-from drafter "
+                f"{config.init_from} ({value}); drop the flag: the drafter's own shape is kept"
+            )
+    text = target.get("text_config") or target
+    fits = {"hidden_size": drafter.hidden_size, "vocab_size": drafter.vocab_size}
+    fits["num_hidden_layers"] = drafter.num_target_layers
+    for key, value in fits.items():
+        if text.get(key) != value:
+            name = "num_target_layers" if key == "num_hidden_layers" else key
+            raise ValueError(
+                f"--init-from {config.init_from}: {name} {value} does not fit the target {target_dir} ({key} "
+                f"{text.get(key)}); this drafter was trained for another target: pass its target, or train a "
+                "new drafter without --init-from"
+            )
+    return values

@@ -1,0 +1,158 @@
+"""``dflash export``: a serving-ready drafter directory from a run's checkpoint.
+
+What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflash.portable`):
+
+- the weights in bf16 by default (published drafters are; SGLang's ``--dtype auto`` would serve a
+  float32 drafter as fp16 next to a bf16 target), checked against the config first
+  (:mod:`dflash.drafter_files`): an export is a complete drafter or nothing;
+- ``config.json`` with RoPE in both transformers forms, ``layer_types`` / ``sliding_window`` /
+  ``is_causal``, ``dflash_config``, ``block_size``, ``auto_map``; ``modeling_dflash.py`` for
+  ``trust_remote_code``; ``manifest.json`` so ``dflash eval`` verifies what it reads;
+- a directory name containing ``dflash``: vLLM recognises a DFlash drafter from its path;
+- ``README.md`` with the vLLM and SGLang launch lines (vLLM ignores ``block_size``:
+  ``num_speculative_tokens = block_size - 1``; SGLang drafts ``--speculative-num-draft-tokens =
+  block_size``) and the acceptance measured for that checkpoint (:mod:`dflash.acceptance_log`).
+
+The directory is written next to its final place and renamed into it, so it is never half there.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import torch
+
+from dflash import acceptance_log
+from dflash.checkpoint import DRAFTER_FILES, find_checkpoint, write_drafter_files
+
+README_NAME = "README.md"
+
+
+def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the newest checkpoint of ``run`` (or the step directory ``run``) as a drafter in ``out``.
+
+    Args:
+        run: a run directory (``--out`` of ``dflash train``), its ``checkpoints/`` or a step directory.
+        out: the new directory; its name must contain ``dflash``; it must not exist (or be empty).
+        dtype (torch.dtype): of the floating weights.
+
+    Returns:
+        Path: ``out``.
+
+    Raises:
+        ValueError: ``out``'s name lacks ``dflash``, or ``out`` holds files.
+        CheckpointError: no checkpoint in ``run``, a corrupt file, or weights that disagree with
+            their config (named), before anything is written.
+    """
+    from safetensors.torch import load_file
+
+    from dflash.drafter_files import check_tensors, read_drafter_config
+
+    out = Path(out)
+    if "dflash" not in out.name.lower():
+        raise ValueError(
+            f"--out {out}: vLLM recognises a DFlash drafter by 'dflash' in its path; name the directory so, "
+            f"e.g. {out.with_name(out.name + '-dflash')}"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} already exists and is not empty; choose a new directory (nothing was written)")
+    step_dir = find_checkpoint(run, files=DRAFTER_FILES)
+    config = read_drafter_config(step_dir)
+    check_tensors(step_dir, config)
+    weights = load_file(str(step_dir / "model.safetensors"))
+    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
+    readme = serving_readme(config, out=out, target=_trained_target(run_dir), step_dir=step_dir, dtype=dtype)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_drafter_files(tmp, weights=weights, drafter_config=config.to_diff_dict(), dtype=dtype)
+        (tmp / README_NAME).write_text(readme)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _trained_target(run_dir: Path | None) -> str:
+    """The target the run trained against (its train_config.json), for the launch lines."""
+    from dflash.config import read_saved_config
+
+    target = read_saved_config(run_dir).get("target") if run_dir is not None else None
+    if target:
+        return target
+    if run_dir is not None and (run_dir / "train_config.json").is_file():
+        from dflash.assets import default_target_dir
+
+        return str(default_target_dir())  # trained on the embedded default target
+    return "TARGET"
+
+
+def serving_readme(config, *, out: Path, target: str, step_dir: Path, dtype: torch.dtype) -> str:
+    """The README of an exported drafter: what it is, its measured acceptance, how to serve it."""
+    block = config.block_size
+    draft_path, target_path = shlex.quote(str(out.resolve())), shlex.quote(target)
+    kinds = list(dict.fromkeys(config.layer_types))
+    layers = ", ".join(f"{config.layer_types.count(k)} x {k}" for k in kinds)
+    window = f"; sliding window {config.sliding_window}" if "sliding_attention" in kinds else ""
+    speculative = json.dumps({"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": block - 1})
+    # vLLM serves a drafter mixing sliding and full layers only with its V2 model runner.
+    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 else ""
+    heads = f"{config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, head dim {config.head_dim}"
+    return f"""# {out.name}
+
+A DFlash drafter (block diffusion speculative decoding, arXiv 2602.06036) for `{target}`,
+exported by `dflash export` from `{step_dir}`.
+
+- {config.num_hidden_layers} layers: {layers}{window}
+- block size {block}; {heads}
+- taps target layers {config.target_layer_ids}; mask token {config.mask_token_id}
+- {str(dtype).removeprefix("torch.")} weights
+
+## Measured acceptance
+
+{_measured(step_dir)}
+
+## Serve it
+
+vLLM (it ignores `block_size`: `num_speculative_tokens` = block size - 1 = {block - 1}):
+
+```bash
+{v2}vllm serve {target_path} \\
+  --speculative-config {shlex.quote(speculative)}
+```
+
+SGLang (drafts `--speculative-num-draft-tokens` = block size = {block} tokens per step):
+
+```bash
+python -m sglang.launch_server --model-path {target_path} \\
+  --speculative-algorithm DFLASH --speculative-draft-model-path {draft_path} \\
+  --speculative-num-draft-tokens {block} --trust-remote-code
+```
+
+transformers: `AutoModel.from_pretrained({str(out.resolve())!r}, trust_remote_code=True)`;
+`dflash eval --drafter {draft_path} --target {target_path}` measures it again.
+"""
+
+
+def _measured(step_dir: Path) -> str:
+    """The acceptance kept for this checkpoint in its run's acceptance.json, in words."""
+    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir
+    found = acceptance_log.latest_for(run_dir, step_dir.name)
+    if found is None:
+        return (
+            f"Not measured: run `dflash eval --drafter {shlex.quote(str(run_dir))}` on held-out conversations "
+            "and export again."
+        )
+    return (
+        f"Acceptance length tau {found['tau_per_prompt']:.3f} per prompt (z-lab's convention, as its benchmark "
+        f"counts it) and {found['tau_per_step']:.3f} per step, greedy, on {found['num_prompts']} held-out prompts "
+        f"of `{found['data']}` ({found['max_new_tokens']} new tokens each); speedup over target-only decoding "
+        f"{found['speedup']:.2f}x on the machine it was measured on ({found['source']})."
+    )

@@ -1,0 +1,142 @@
+"""Hybrid (Qwen3.6) targets on CUDA with flash-linear-attention: its varlen kernels equal the exact
+reference on segments, and a packed row's later conversations differ from each run alone no more
+than packing already differs on a dense Qwen3 target of the same width (bf16 rounding of the two
+attention kernels). Needs a GPU and flash-linear-attention; skipped otherwise (run on the device
+host: ``pytest tests/integration/test_hybrid_cuda.py -s`` prints the measured differences)."""
+
+import pytest
+import torch
+
+from dflash import document_separation
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not document_separation.fla_available(),
+    reason="needs CUDA and flash-linear-attention",
+)
+
+VOCAB = 151936  # token ids valid in both targets' vocabularies
+LAYERS = 4  # one round of Qwen3.6's 3 Gated DeltaNet + 1 gated attention layers
+#: Documents of the two packed rows (tokens), the second row reversed: every size is a later document somewhere.
+SIZES = [700, 300, 513, 64, 400, 70]
+
+
+def test_fla_delta_rule_equals_the_reference_on_segments():
+    torch.manual_seed(0)
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate([100, 37, 1, 200, 62])])[None]
+    segments = document_separation.Segments.of(ids, torch.device("cuda"))
+    tokens = ids.shape[1]
+    q, k = (torch.randn(1, tokens, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, tokens, 4, 64, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(1, tokens, 4, device="cuda").mul(0.5)
+    beta = torch.rand(1, tokens, 4, device="cuda", dtype=torch.bfloat16)
+    out = [
+        kernels.delta_rule(q, k, v, g, beta, segments).float()
+        for kernels in (document_separation.FLA_KERNELS, document_separation.REFERENCE_KERNELS)
+    ]
+    print(f"delta rule: fla vs reference max abs {(out[0] - out[1]).abs().max().item():.3e}")
+    torch.testing.assert_close(out[0], out[1], rtol=3e-2, atol=3e-2)
+
+
+def test_a_changing_segment_count_compiles_no_new_kernels():
+    """Packed batches differ in their number of documents every step; the varlen kernels must not
+    compile (or autotune) again for each count."""
+    import triton
+
+    def compiled_kernels() -> int:
+        import sys
+
+        total = 0
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("fla.ops"):
+                continue
+            for obj in vars(module).values():
+                while hasattr(obj, "fn") and not isinstance(obj, triton.runtime.jit.JITFunction):
+                    obj = obj.fn
+                if isinstance(obj, triton.runtime.jit.JITFunction):
+                    total += sum(len(cache[0]) for cache in obj.device_caches.values())
+        return total
+
+    tokens = 4096
+    args = lambda: (
+        torch.randn(1, tokens, 16, 128, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, tokens, 16, 128, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, tokens, 48, 128, device="cuda", dtype=torch.bfloat16),
+        -torch.rand(1, tokens, 48, device="cuda"),
+        torch.rand(1, tokens, 48, device="cuda", dtype=torch.bfloat16),
+    )
+    counts = []
+    for sizes in ([2048, 2048], [700, 300, 1048, 2048], [100] * 40 + [96], [4096]):
+        ids = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])[None]
+        document_separation.FLA_KERNELS.delta_rule(*args(), document_separation.Segments.of(ids, torch.device("cuda")))
+        torch.cuda.synchronize()
+        counts.append(compiled_kernels())
+    print(f"compiled Triton kernels after 2, 4, 41 and 1 segments: {counts}")
+    assert counts[0] > 0 and len(set(counts[1:])) == 1 and counts[1] == counts[0]
+
+
+def _target(hybrid: bool):
+    """The first 4 layers of Qwen3.6-27B (one round of its layout) or of Qwen3-32B (dense, same width)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from shapes import SHAPES, hybrid_text_config
+    from transformers import Qwen3_5ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.target import Target
+
+    torch.manual_seed(0)
+    if hybrid:
+        config, make = hybrid_text_config("qwen3.6-27b", LAYERS), Qwen3_5ForCausalLM
+    else:
+        fields = {k: v for k, v in SHAPES["qwen3-32b"].items() if k not in ("arch", "num_hidden_layers")}
+        config, make = Qwen3Config(**fields, num_hidden_layers=LAYERS), Qwen3ForCausalLM
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = make(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return Target(model, list(range(LAYERS)))
+
+
+def _worst_later_difference(target, *, mask_only: bool = False) -> float:
+    """Largest |packed - alone| over every tapped layer of every later document; with ``mask_only``
+    the packed forward gets the attention layers' document mask and nothing else."""
+    from tiny import packed_batch
+
+    from dflash.target import TargetStates
+
+    rows = [SIZES, SIZES[::-1]]
+    batch = packed_batch(rows, seq_len=sum(SIZES) + 1, seed=2)
+    batch.input_ids.random_(5, VOCAB)
+    if mask_only:
+        mask = document_separation.attention_mask(batch.document_ids.cuda(), "sdpa", target.dtype)
+        out = target.decoder_forward(
+            batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(), attention_mask=mask
+        )
+        packed = TargetStates(target.select(out.hidden_states), out.hidden_states[-1])
+    else:
+        packed = target.capture(batch.input_ids, batch.position_ids, batch.document_ids)
+    worst = 0.0
+    for row, sizes in enumerate(rows):
+        start = sizes[0]
+        for size in sizes[1:]:
+            alone = target.capture(batch.input_ids[row : row + 1, start : start + size])
+            got = packed.context[row : row + 1, start : start + size]
+            worst = max(worst, (got.float() - alone.context.float()).abs().max().item())
+            start += size
+    return worst
+
+
+def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference():
+    target = _target(hybrid=True)
+    hybrid, leaky = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
+    del target
+    torch.cuda.empty_cache()
+    dense = _worst_later_difference(_target(hybrid=False))
+    print(
+        f"packed vs alone, later documents, every layer, bf16: hybrid {hybrid:.4f} (document mask alone: "
+        f"{leaky:.4f}), dense Qwen3 {dense:.4f}"
+    )
+    assert hybrid <= dense < leaky

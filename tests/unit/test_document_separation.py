@@ -1,0 +1,145 @@
+"""dflash.document_separation: every conversation of a packed row gets, at every layer of a hybrid
+(Qwen3.5 / Qwen3.6: Gated DeltaNet + gated attention) target, the hidden states it gets alone; layer
+types packing cannot keep apart are refused before anything loads."""
+
+import json
+
+import pytest
+import torch
+from tiny import make_target, packed_batch
+
+from dflash import document_separation
+from dflash.target import TargetStates, load_target
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_dir):
+    return load_target(hybrid_dir, layer_ids=list(range(8)), device="cpu")
+
+
+SIZES = [9, 13, 6, 5]
+
+
+def _later_documents(batch):
+    """(row, start, size) of every document after the first of its row: the ones packing can leak into."""
+    for row, sizes in enumerate([SIZES, SIZES[::-1]]):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        yield from ((row, start, size) for start, size in zip(starts[1:], sizes[1:]))
+
+
+def _worst_later_difference(target, states, batch) -> float:
+    worst = 0.0
+    for row, start, size in _later_documents(batch):
+        alone = target.capture(batch.input_ids[row : row + 1, start : start + size])
+        for field in ("context", "last_hidden"):
+            got = getattr(states, field)[row : row + 1, start : start + size]
+            worst = max(worst, (got - getattr(alone, field)).abs().max().item())
+    return worst
+
+
+def test_packed_rows_equal_each_conversation_alone_at_every_layer(hybrid):
+    batch = packed_batch([SIZES, SIZES[::-1]], seq_len=40, seed=3)
+    packed = hybrid.capture(batch.input_ids, batch.position_ids, batch.document_ids)
+    # Every layer is tapped (context holds all 8 layer outputs), and last_hidden is the final norm's.
+    assert packed.context.shape[-1] == 8 * hybrid.hidden_size
+    assert _worst_later_difference(hybrid, packed, batch) <= 1e-4
+
+
+def test_the_document_mask_alone_leaks_through_the_linear_layers(hybrid):
+    # What packing did before linear layers were kept apart: the attention layers masked, the Gated
+    # DeltaNet conv and recurrence running on across documents.
+    batch = packed_batch([SIZES, SIZES[::-1]], seq_len=40, seed=3)
+    mask = document_separation.attention_mask(batch.document_ids, hybrid.config._attn_implementation, hybrid.dtype)
+    out = hybrid.decoder_forward(batch.input_ids, position_ids=batch.position_ids, attention_mask=mask)
+    leaky = TargetStates(hybrid.select(out.hidden_states), out.hidden_states[-1])
+    assert _worst_later_difference(hybrid, leaky, batch) > 1e-3
+
+
+def test_a_packed_row_leaves_the_model_as_it_was(hybrid):
+    batch = packed_batch([SIZES], seq_len=40, seed=5)
+    before = hybrid.capture(batch.input_ids[:, :9])
+    hybrid.capture(batch.input_ids, batch.position_ids, batch.document_ids)
+    assert not any("forward" in vars(m) for m in document_separation.linear_layers(hybrid.model))
+    torch.testing.assert_close(hybrid.capture(batch.input_ids[:, :9]).context, before.context, rtol=0, atol=0)
+
+
+def test_segments_are_every_document_and_each_rows_tail_padding():
+    batch = packed_batch([[3, 2], [4]], seq_len=6, seed=0)  # row 0: 3 + 2 + 1 pad; row 1: 4 + 2 pad
+    segments = document_separation.Segments.of(batch.document_ids, torch.device("cpu"))
+    assert segments.cu_seqlens_cpu.tolist() == [0, 3, 5, 6, 10, 12]
+    assert segments.offsets.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]]
+
+
+@pytest.mark.parametrize("sizes", [[10], [1, 2, 7], [3, 1, 1, 5], [2, 8]])
+def test_segmented_conv_equals_each_segment_convolved_alone(sizes):
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(1, sum(sizes), 6), torch.randn(6, 4), torch.randn(6)
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])[None]
+    got = document_separation.segmented_conv(x, weight, bias, "silu", document_separation.Segments.of(ids, x.device))
+    start = 0
+    for n in sizes:
+        part = x[:, start : start + n].transpose(1, 2)
+        alone = torch.nn.functional.conv1d(part, weight[:, None], bias, padding=3, groups=6)[..., :n]
+        torch.testing.assert_close(
+            got[:, start : start + n], torch.nn.functional.silu(alone).transpose(1, 2), rtol=0, atol=1e-6
+        )
+        start += n
+
+
+def test_layer_types_of_configs_that_do_not_list_them():
+    assert (
+        document_separation.layer_types({"num_hidden_layers": 8, "linear_conv_kernel_dim": 4})
+        == [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ]
+        * 2
+    )
+    assert (
+        document_separation.layer_types({"num_hidden_layers": 2, "sliding_window": 4096}) == ["sliding_attention"] * 2
+    )
+    qwen3 = {"num_hidden_layers": 2, "sliding_window": 4096, "use_sliding_window": False}
+    assert document_separation.layer_types(qwen3) == ["full_attention"] * 2
+
+
+def test_a_layer_type_packing_cannot_keep_apart_is_named_with_no_pack():
+    config = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    with pytest.raises(document_separation.UnknownLayerType, match=r"'sliding_attention'.*--no-pack"):
+        document_separation.check_packable(config, "t/config.json")
+    document_separation.check_packable({"num_hidden_layers": 4, "linear_conv_kernel_dim": 4}, "t/config.json")
+
+
+def test_a_linear_layer_of_another_design_is_refused_for_packing(hybrid, monkeypatch):
+    mixer = document_separation.linear_layers(hybrid.model)[0]
+    monkeypatch.delattr(mixer, "in_proj_qkv")
+    with pytest.raises(document_separation.UnknownLayerType, match=r"no in_proj_qkv.*--no-pack"):
+        document_separation.linear_layers(hybrid.model)
+
+
+def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_before_it_loads(tmp_path):
+    from tiny import write_chat_data
+
+    from dflash.config import TrainConfig
+    from dflash.drafter_shape import resolve_drafter_shape
+    from dflash.preflight import validate_inputs
+
+    target = make_target(tmp_path / "target", num_layers=2)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "layer_types": ["sliding_attention", "full_attention"]}))
+    run = dict(target=str(target), data=str(write_chat_data(tmp_path / "chats.jsonl")), out=str(tmp_path / "run"))
+    run.update(num_target_layers=1)
+    with pytest.raises(document_separation.UnknownLayerType, match=r"'sliding_attention'.*--no-pack"):
+        validate_inputs(resolve_drafter_shape(TrainConfig(**run)))
+    validate_inputs(resolve_drafter_shape(TrainConfig(**run, pack=False)))
+
+
+def test_one_document_rows_take_the_segmented_route_too(hybrid, monkeypatch):
+    # One set of linear-attention kernels for every batch: transformers' own Gated DeltaNet
+    # forward (another kernel path to compile and autotune on CUDA) is never called in training.
+    mixer_class = type(document_separation.linear_layers(hybrid.model)[0])
+    monkeypatch.setattr(mixer_class, "forward", lambda *a, **k: pytest.fail("transformers' own forward ran"))
+    from dflash.engine.step import produce_target_states
+
+    produce_target_states(hybrid, packed_batch([[9], [13]], seq_len=16, seed=1))

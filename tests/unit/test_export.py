@@ -1,0 +1,105 @@
+"""`dflash export RUN --out DIR`: a serving-ready drafter that transformers loads with
+trust_remote_code strictly, in bf16, with the launch lines and the measured acceptance."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from tiny import make_target, train_config, write_chat_data
+
+from dflash.checkpoint import find_checkpoint
+from dflash.cli import main
+from dflash.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(run directory of a 3-step tiny run with sliding layers, evaluated once, its target, held-out data)."""
+    root = tmp_path_factory.mktemp("export")
+    target = make_target(root / "target", num_layers=5)
+    heldout = write_chat_data(root / "heldout.jsonl", repeat=1)
+    config = train_config(
+        target=target,
+        data=write_chat_data(root / "train.jsonl"),
+        out=root / "run",
+        steps=3,
+        draft_layer_types="sliding,full",
+        draft_sliding_window=8,
+    )
+    Trainer(config).train()
+    args = ["eval", "--drafter", str(root / "run"), "--data", str(heldout), "--num-prompts", "2"]
+    assert main([*args, "--max-new-tokens", "8", "--cpu-threads", "1"]) == 0
+    return root / "run", target, heldout
+
+
+def test_the_export_loads_with_trust_remote_code_strictly_in_bf16(run, tmp_path, monkeypatch):
+    import transformers.dynamic_module_utils as dynamic_modules
+    from transformers import AutoModel
+
+    from dflash.evaluate import load_drafter
+
+    run_dir, target_dir, _ = run
+    out = tmp_path / "tiny-dflash"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["dtype"] == "bfloat16" and raw["is_causal"] is False and "auto_map" in raw
+    assert raw["layer_types"] == ["sliding_attention", "full_attention"] and raw["sliding_window"] == 8
+    monkeypatch.setattr(dynamic_modules, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    model, info = AutoModel.from_pretrained(out, trust_remote_code=True, dtype="auto", output_loading_info=True)
+    assert type(model).__module__.startswith("transformers_modules")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # The same drafter as the run's checkpoint, rounded to bf16.
+    trained = load_drafter(run_dir, device=torch.device("cpu"), dtype=torch.float32)
+    exported = load_drafter(out, device=torch.device("cpu"), dtype=torch.float32)  # verified by its manifest
+    for name, value in trained.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], value.to(torch.bfloat16).float()), name
+    context = torch.randn(1, 20, len(raw["dflash_config"]["target_layer_ids"]) * raw["hidden_size"])
+    block = torch.randn(1, raw["block_size"], raw["hidden_size"])
+    with torch.no_grad():
+        served = model.float()(noise_embedding=block, target_hidden=context, position_ids=torch.arange(24)[None])
+        torch.testing.assert_close(served, exported.block_hidden(context, block))
+
+
+def test_the_readme_has_the_launch_lines_and_the_measured_acceptance(run, tmp_path):
+    from dflash import acceptance_log
+
+    run_dir, target_dir, heldout = run
+    out = tmp_path / "my-dflash"
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "float32"]) == 0
+    readme = (out / "README.md").read_text()
+    block = json.loads((out / "config.json").read_text())["block_size"]
+    assert f'"num_speculative_tokens": {block - 1}' in readme and '"method": "dflash"' in readme
+    assert f"vllm serve {target_dir}" in readme and "VLLM_USE_V2_MODEL_RUNNER=1" in readme  # mixed layer types
+    assert "--speculative-algorithm DFLASH" in readme and f"--speculative-num-draft-tokens {block}" in readme
+    measured = acceptance_log.latest_for(run_dir, find_checkpoint(run_dir).name)
+    assert f"tau {measured['tau_per_prompt']:.3f} per prompt" in readme and str(heldout) in readme
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_an_unmeasured_checkpoint_says_how_to_measure_it(run, tmp_path):
+    run_dir = run[0]
+    step = find_checkpoint(run_dir)
+    out = tmp_path / "dflash-unmeasured"
+    (run_dir / "acceptance.json").rename(tmp_path / "kept.json")
+    try:
+        assert main(["export", str(step), "--out", str(out)]) == 0
+    finally:
+        (tmp_path / "kept.json").rename(run_dir / "acceptance.json")
+    assert f"Not measured: run `dflash eval --drafter {run_dir}`" in (out / "README.md").read_text()
+
+
+def test_bad_destinations_are_refused_before_anything_is_written(run, tmp_path, caplog):
+    run_dir = run[0]
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "drafter")]) == 2
+    assert "vLLM recognises a DFlash drafter by 'dflash' in its path" in caplog.text
+    taken = tmp_path / "taken-dflash"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert main(["export", str(run_dir), "--out", str(taken)]) == 2
+    assert "already exists and is not empty" in caplog.text and (taken / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "drafter").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["taken-dflash"]

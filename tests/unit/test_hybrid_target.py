@@ -1,0 +1,71 @@
+"""Hybrid (Qwen3.5 / Qwen3.6) targets before anything loads: a transformers too old for them is named
+with the release that loads them (for real in the transformers-floor venv of .ci/run), the kernels
+they need on CUDA are asked for, and the multimodal checkpoint trains its language model only."""
+
+import json
+
+import pytest
+import torch
+from tiny import make_target
+
+from dflash import document_separation
+from dflash.target import TargetLoadError, load_target
+
+
+def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path, monkeypatch):
+    """Runs for real in the transformers-floor venv (4.57.1, .ci/run); elsewhere the version is faked."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    installed = importlib.metadata.version("transformers")
+    if Version(installed) >= Version("5.2.0"):
+        real = importlib.metadata.version
+        monkeypatch.setattr(
+            importlib.metadata, "version", lambda name: "4.57.1" if name == "transformers" else real(name)
+        )
+        installed = "4.57.1"
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}})
+    )
+    with pytest.raises(TargetLoadError, match=rf"qwen3_5.*transformers 5\.2\.0 or newer.*{installed}.*pip install -U"):
+        load_target(tmp_path, device="cpu")
+
+
+@pytest.fixture
+def on_cuda_without_fla(monkeypatch):
+    """Preflight sees a CUDA host without flash-linear-attention (this machine has neither)."""
+    import dflash.preflight
+    import dflash.target
+
+    monkeypatch.setattr(dflash.preflight, "check_devices", lambda config: None)
+    monkeypatch.setattr(dflash.target, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
+    monkeypatch.setattr(document_separation, "fla_available", lambda: False)
+
+
+def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(
+    hybrid_dir, tmp_path, on_cuda_without_fla, monkeypatch
+):
+    import transformers
+    from tiny import write_chat_data
+
+    from dflash.config import TrainConfig
+    from dflash.drafter_shape import resolve_drafter_shape
+    from dflash.preflight import validate_inputs
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # loading would fail loudly
+    data = write_chat_data(tmp_path / "chats.jsonl")
+    config = dict(target=str(hybrid_dir), data=str(data), out=str(tmp_path / "run"), device="cuda")
+    with pytest.raises(
+        ValueError, match=r"flash-linear-attention.*200 s.*pip install -e '\.\[fla\]'.*--slow-linear-attention"
+    ):
+        validate_inputs(resolve_drafter_shape(TrainConfig(**config)))
+    validate_inputs(resolve_drafter_shape(TrainConfig(**config, slow_linear_attention=True)))
+    validate_inputs(resolve_drafter_shape(TrainConfig(**{**config, "device": "cpu"})))
+
+
+def test_the_multimodal_checkpoint_loads_its_language_model_only(tmp_path):
+    pytest.importorskip("transformers.models.qwen3_5", reason="qwen3_5 needs transformers >= 5.2")
+    target = load_target(make_target(tmp_path, arch="qwen3_5_multimodal", num_layers=4), layer_ids=[1], device="cpu")
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
+    assert not [name for name, _ in target.model.named_parameters() if "visual" in name]
