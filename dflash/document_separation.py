@@ -16,7 +16,7 @@ states the verifier never produces. Each layer type needs its own means:
   the conv window and the recurrent state at every segment start (:func:`linear_layers_apart`):
   the conv is transformers' own op with each segment's first outputs recomputed from its own
   tokens (:func:`segmented_conv`: the document alone's rounding), the delta rule
-  flash-linear-attention's varlen kernel (``cu_seqlens``) on CUDA and an exact PyTorch reference
+  flash-linear-attention's varlen kernel (``cu_seqlens``) on CUDA and transformers' PyTorch reference
   elsewhere. transformers' own route (``cu_seq_lens_q`` / ``seq_idx`` kwargs) needs Dao's
   causal-conv1d, a CUDA source build, for the conv, and raises without it.
 
@@ -27,10 +27,10 @@ refused for packing (:func:`check_packable`), naming the type and ``--no-pack``.
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 import importlib.util
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +41,8 @@ from dflash import masks
 
 logger = logging.getLogger(__name__)
 
-#: Layer types whose documents this module keeps apart, with how (for messages and docs).
-SEPARATION = {
-    "full_attention": "document-causal attention mask",
-    "linear_attention": "conv and recurrence restarted at each document (Gated DeltaNet)",
-}
+#: Layer types whose documents this module keeps apart (module docstring: how).
+PACKABLE_LAYER_TYPES = ("full_attention", "linear_attention")
 
 #: The layer type of a hybrid target's linear-attention layers.
 LINEAR_ATTENTION = "linear_attention"
@@ -115,11 +112,11 @@ def check_packable(config: dict, source: str) -> None:
     Raises:
         UnknownLayerType: names the first unknown layer type, the known ones, and ``--no-pack``.
     """
-    unknown = sorted({t for t in layer_types(config) if t not in SEPARATION})
+    unknown = sorted({t for t in layer_types(config) if t not in PACKABLE_LAYER_TYPES})
     if unknown:
         raise UnknownLayerType(
             f"target {source}: decoder layer type {unknown[0]!r} cannot keep the conversations of a packed row "
-            f"apart (packing knows {', '.join(sorted(SEPARATION))}); train with --no-pack"
+            f"apart (packing knows {', '.join(PACKABLE_LAYER_TYPES)}); train with --no-pack"
         )
 
 
@@ -128,29 +125,51 @@ class Segments:
     """The documents of a packed ``[B, S]`` batch laid end to end as one sequence of ``B * S``
     tokens, in flash-attention's varlen form. Each maximal run of equal ``document_ids`` within a
     row is one segment (a row's tail padding too), so no segment is empty and their count does not
-    change any tensor shape the kernels compile for.
+    change any tensor shape the kernels compile for. Everything is computed on the host once per
+    batch and copied to the device, so the layers index with it without a sync.
 
     Args:
         cu_seqlens (Tensor): int64 ``[N + 1]`` segment boundaries, ``0 .. B * S``, on the target's device.
         cu_seqlens_cpu (Tensor): the same on the host (flash-linear-attention reads it without a sync).
-        offsets (Tensor): int64 ``[1, B * S]``, each token's position within its segment, on the device.
+        conv_width (int): W, the taps of the layers' causal conv.
+        head_index (Tensor): int64 ``[N, W - 1]``, the positions of each segment's first ``W - 1``
+            tokens (clipped to the sequence), on the device.
+        head_inside (Tensor): bool ``[N, W - 1]``, which of those lie inside their segment.
+        head_targets (Tensor): int64 ``[M]``, the positions inside (``head_index[head_inside]``).
+        head_slots (Tensor): int64 ``[M]``, their places in the flattened ``[N * (W - 1)]`` heads.
     """
 
     cu_seqlens: Tensor
     cu_seqlens_cpu: Tensor
-    offsets: Tensor
+    conv_width: int
+    head_index: Tensor
+    head_inside: Tensor
+    head_targets: Tensor
+    head_slots: Tensor
 
     @classmethod
-    def of(cls, document_ids: Tensor, device: torch.device) -> Segments:
+    def of(cls, document_ids: Tensor, device: torch.device, *, conv_width: int = 4) -> Segments:
         """Segments of ``document_ids`` (int ``[B, S]``); computed on the host (pass host ids: no sync)."""
         ids = document_ids.cpu()
         batch, seq_len = ids.shape
-        starts = masks.document_starts(ids)  # [B, S]
-        offsets = torch.arange(seq_len) - starts
-        first = (offsets == 0).reshape(-1).nonzero().squeeze(1)
-        cu = torch.cat([first, torch.tensor([batch * seq_len])]).to(torch.long)
+        tokens = batch * seq_len
+        offsets = (torch.arange(seq_len) - masks.document_starts(ids)).reshape(-1)  # position in segment
+        first = (offsets == 0).nonzero().squeeze(1)
+        cu = torch.cat([first, torch.tensor([tokens])]).to(torch.long)
+        steps = torch.arange(conv_width - 1)
+        index = first[:, None] + steps
+        clipped = index.clamp(max=tokens - 1)
+        inside = (index < tokens) & (offsets[clipped] == steps)
         move = lambda t: t.to(device, non_blocking=True)
-        return cls(move(cu), cu, move(offsets.reshape(1, -1)))
+        return cls(
+            cu_seqlens=move(cu),
+            cu_seqlens_cpu=cu,
+            conv_width=conv_width,
+            head_index=move(clipped),
+            head_inside=move(inside),
+            head_targets=move(index[inside]),
+            head_slots=move(inside.reshape(-1).nonzero().squeeze(1)),
+        )
 
 
 def attention_mask(document_ids: Tensor, backend: str, dtype: torch.dtype):
@@ -220,41 +239,38 @@ def segmented_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: s
     from transformers.activations import ACT2FN
 
     tokens, width = x.shape[1], weight.shape[-1]
+    if width != segments.conv_width:
+        raise ValueError(f"conv of {width} taps over segments laid out for {segments.conv_width}")
     channels = x.transpose(1, 2)  # [1, D, T]
-    kernel, head = weight.unsqueeze(1).to(x.dtype), width - 1
-    out = F.conv1d(channels, kernel, bias, padding=head, groups=weight.shape[0])[..., :tokens]
-    # The first `head` positions of each segment, clipped to the row and to the segment itself.
-    index = segments.cu_seqlens[:-1, None] + torch.arange(head, device=x.device)  # [N, W-1]
-    inside = (index < tokens) & (
-        segments.offsets[0, index.clamp(max=tokens - 1)] == torch.arange(head, device=x.device)
-    )
-    windows = channels[0][:, index.clamp(max=tokens - 1)] * inside  # [D, N, W-1], zero past the segment
-    again = F.conv1d(windows.transpose(0, 1), kernel, bias, padding=head, groups=weight.shape[0])[..., :head]
-    out[0][:, index[inside]] = again.transpose(0, 1)[:, inside]
+    kernel, head, groups = weight.unsqueeze(1).to(x.dtype), width - 1, weight.shape[0]
+    out = F.conv1d(channels, kernel, bias, padding=head, groups=groups)[..., :tokens]
+    windows = channels[0][:, segments.head_index] * segments.head_inside  # [D, N, W-1], zero past each segment
+    again = F.conv1d(windows.transpose(0, 1), kernel, bias, padding=head, groups=groups)[..., :head]
+    out[0][:, segments.head_targets] = again.transpose(0, 1).reshape(groups, -1)[:, segments.head_slots]
     return ACT2FN[activation](out).transpose(1, 2)
 
 
 def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments) -> Tensor:
-    """The gated delta rule token by token in fp32 (transformers' ``torch_recurrent_gated_delta_rule``
-    recurrence), the state zeroed at every segment start: exact, and slow (one step per token)."""
-    heads_v, dtype = v.shape[2], v.dtype
-    q, k = (_l2norm(t.float()).repeat_interleave(heads_v // t.shape[2], dim=2) for t in (q, k))
-    q = q / q.shape[-1] ** 0.5
-    v, beta, decay = v.float(), beta.float(), g.float().exp()
-    keep = (segments.offsets[0] > 0).float()  # [T]: 0 where a segment starts
-    state = q.new_zeros(heads_v, q.shape[-1], v.shape[-1])
-    out = torch.empty_like(v)
-    for t in range(q.shape[1]):
-        state = state * (decay[0, t] * keep[t])[:, None, None]
-        delta = (v[0, t] - (state * k[0, t, :, :, None]).sum(-2)) * beta[0, t, :, None]
-        state = state + k[0, t, :, :, None] * delta[:, None, :]
-        out[0, t] = (state * q[0, t, :, :, None]).sum(-2)
-    return out.to(dtype)
+    """transformers' pure-PyTorch chunked gated delta rule (``torch_chunk_gated_delta_rule``, what a
+    document run alone gets without flash-linear-attention), once per segment from a zero state."""
+    rule = _transformers_chunk_rule()
+    heads_v = v.shape[2]
+    q, k = (t.repeat_interleave(heads_v // t.shape[2], dim=2) for t in (q, k))  # older releases want HV heads
+    bounds = segments.cu_seqlens_cpu.tolist()
+    parts = [
+        rule(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], use_qk_l2norm_in_kernel=True)[0]
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(parts, dim=1)
 
 
-def _l2norm(x: Tensor) -> Tensor:
-    # transformers' and fla's form (eps inside the root), not F.normalize's max(norm, eps).
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+def _transformers_chunk_rule() -> Callable:
+    # The module-level function is wrapped (5.17+) to dispatch to flash-linear-attention when it is
+    # installed; the reference runs on any device, so take the PyTorch function underneath.
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    rule = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    return getattr(rule, "__wrapped__", rule)
 
 
 def _fla_delta_rule(q, k, v, g, beta, segments):
@@ -269,7 +285,9 @@ def _fla_delta_rule(q, k, v, g, beta, segments):
     return out
 
 
-REFERENCE_KERNELS = LinearAttentionKernels("PyTorch reference (exact, slow)", segmented_conv, reference_delta_rule)
+REFERENCE_KERNELS = LinearAttentionKernels(
+    "transformers' PyTorch reference (slow)", segmented_conv, reference_delta_rule
+)
 FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule)
 
 
@@ -283,9 +301,9 @@ def kernels_for(device: torch.device) -> LinearAttentionKernels:
     return FLA_KERNELS if device.type == "cuda" and fla_available() else REFERENCE_KERNELS
 
 
-def linear_layers(model) -> list[torch.nn.Module]:
+def linear_layers(model) -> dict[int, torch.nn.Module]:
     """The linear-attention token mixers of a transformers hybrid causal LM (Qwen3.5's
-    ``decoder.layers[i].linear_attn``), in layer order; empty for a standard-attention model.
+    ``decoder.layers[i].linear_attn``) by decoder layer index; empty for a standard-attention model.
 
     Raises:
         UnknownLayerType: a linear-attention layer whose module lacks what
@@ -294,8 +312,8 @@ def linear_layers(model) -> list[torch.nn.Module]:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = getattr(config, "layer_types", None) or []
     decoder = model.get_decoder()
-    mixers = [decoder.layers[i].linear_attn for i, t in enumerate(types) if t == LINEAR_ATTENTION]
-    for mixer in mixers:
+    mixers = {i: decoder.layers[i].linear_attn for i, t in enumerate(types) if t == LINEAR_ATTENTION}
+    for mixer in mixers.values():
         missing = [name for name in _GATED_DELTANET_PARTS if not hasattr(mixer, name)]
         if missing:
             raise UnknownLayerType(
@@ -305,21 +323,42 @@ def linear_layers(model) -> list[torch.nn.Module]:
     return mixers
 
 
-@contextlib.contextmanager
-def linear_layers_apart(
-    mixers: Sequence[torch.nn.Module], segments: Segments, kernels: LinearAttentionKernels
-) -> Iterator[None]:
-    """Within the block, each of ``mixers`` (:func:`linear_layers`) runs over ``segments``
-    (:func:`_gated_deltanet_forward`) instead of its own forward. The override is on the module
-    instances and lasts only for the block: the model is one target thread's, and its other uses
-    (decoding with a cache, regeneration) run transformers' forward untouched."""
+#: The segments (and kernels) of the packed forward running in this thread, if any.
+_PACKED: contextvars.ContextVar[tuple[Segments, LinearAttentionKernels] | None] = contextvars.ContextVar(
+    "dflash_packed_segments", default=None
+)
+
+
+def install_segmented_forward(mixers: Iterable[torch.nn.Module]) -> None:
+    """Give each of ``mixers`` a forward that runs over the segments of :func:`linear_layers_apart`
+    when the calling thread is inside it, and its own forward (whatever it was: the class's, or
+    one accelerate put on the instance) otherwise. Once per mixer; the per-call cost is one
+    ``ContextVar.get``. Per thread, so another thread using the same model meanwhile (decoding,
+    regeneration) runs transformers' forward untouched."""
     for mixer in mixers:
-        mixer.forward = functools.partial(_gated_deltanet_forward, mixer, segments=segments, kernels=kernels)
+        if getattr(mixer.forward, "dflash_segmented", False):
+            continue
+        own = mixer.forward
+
+        def forward(*args, _mixer=mixer, _own=own, **kwargs):
+            packed = _PACKED.get()
+            if packed is None:
+                return _own(*args, **kwargs)
+            return _gated_deltanet_forward(_mixer, *args, segments=packed[0], kernels=packed[1], **kwargs)
+
+        forward.dflash_segmented = True
+        mixer.forward = forward
+
+
+@contextlib.contextmanager
+def linear_layers_apart(segments: Segments, kernels: LinearAttentionKernels) -> Iterator[None]:
+    """Within the block, in this thread, mixers given :func:`install_segmented_forward` run over
+    ``segments`` (:func:`_gated_deltanet_forward`) with ``kernels``."""
+    token = _PACKED.set((segments, kernels))
     try:
         yield
     finally:
-        for mixer in mixers:
-            del mixer.forward
+        _PACKED.reset(token)
 
 
 def _gated_deltanet_forward(

@@ -319,8 +319,9 @@ class Target:
             # own path too: a 60 s stall measured at the 64-layer shape); attention layers need
             # the mask only where a row holds several documents (else SDPA's causal fast path).
             if self._linear_mixers:
-                segments = document_separation.Segments.of(document_ids, self.device)
-                apart = document_separation.linear_layers_apart(self._linear_mixers, segments, self._linear_kernels)
+                width = self.config.get_text_config().linear_conv_kernel_dim
+                segments = document_separation.Segments.of(document_ids, self.device, conv_width=width)
+                apart = document_separation.linear_layers_apart(segments, self._linear_kernels)
             several = bool(document_ids.max() > 0)
             document_ids = document_ids.to(self.device)
             if position_ids is None:
@@ -338,8 +339,10 @@ class Target:
         return TargetStates(context=self.select(out.hidden_states), last_hidden=out.hidden_states[-1])
 
     @functools.cached_property
-    def _linear_mixers(self) -> list[torch.nn.Module]:
-        return document_separation.linear_layers(self.model)
+    def _linear_mixers(self) -> dict[int, torch.nn.Module]:
+        mixers = document_separation.linear_layers(self.model)
+        document_separation.install_segmented_forward(mixers.values())
+        return mixers
 
     @functools.cached_property
     def _linear_kernels(self) -> document_separation.LinearAttentionKernels:

@@ -55,19 +55,41 @@ def test_the_document_mask_alone_leaks_through_the_linear_layers(hybrid):
     assert _worst_later_difference(hybrid, leaky, batch) > 1e-3
 
 
-def test_a_packed_row_leaves_the_model_as_it_was(hybrid):
+def test_another_threads_forward_during_a_packed_capture_is_untouched(hybrid):
+    # The segmented forward is the packing thread's alone: a target thread's packed capture must
+    # not change what another thread (decoding, regeneration, an acceptance check) computes.
+    import threading
+
+    from tiny import in_thread
+
     batch = packed_batch([SIZES], seq_len=40, seed=5)
+    hybrid.capture(batch.input_ids, batch.position_ids, batch.document_ids)  # installs the segmented forward
     before = hybrid.capture(batch.input_ids[:, :9])
-    hybrid.capture(batch.input_ids, batch.position_ids, batch.document_ids)
-    assert not any("forward" in vars(m) for m in document_separation.linear_layers(hybrid.model))
-    torch.testing.assert_close(hybrid.capture(batch.input_ids[:, :9]).context, before.context, rtol=0, atol=0)
+    inside, release = threading.Event(), threading.Event()
+    segments = document_separation.Segments.of(batch.document_ids, torch.device("cpu"))
+
+    def packed_capture_in_flight():
+        with document_separation.linear_layers_apart(segments, document_separation.REFERENCE_KERNELS):
+            inside.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=packed_capture_in_flight)
+    holder.start()
+    try:
+        assert inside.wait(30)
+        during = in_thread(lambda: hybrid.capture(batch.input_ids[:, :9]))
+    finally:
+        release.set()
+        holder.join()
+    torch.testing.assert_close(during.context, before.context, rtol=0, atol=0)
 
 
 def test_segments_are_every_document_and_each_rows_tail_padding():
     batch = packed_batch([[3, 2], [4]], seq_len=6, seed=0)  # row 0: 3 + 2 + 1 pad; row 1: 4 + 2 pad
-    segments = document_separation.Segments.of(batch.document_ids, torch.device("cpu"))
+    segments = document_separation.Segments.of(batch.document_ids, torch.device("cpu"), conv_width=3)
     assert segments.cu_seqlens_cpu.tolist() == [0, 3, 5, 6, 10, 12]
-    assert segments.offsets.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]]
+    # The first 2 (= W - 1) tokens of each segment that lie inside it: the pad segment at 5 has one.
+    assert segments.head_targets.tolist() == [0, 1, 3, 4, 5, 6, 7, 10, 11]
 
 
 @pytest.mark.parametrize("sizes", [[10], [1, 2, 7], [3, 1, 1, 5], [2, 8]])
@@ -112,7 +134,7 @@ def test_a_layer_type_packing_cannot_keep_apart_is_named_with_no_pack():
 
 
 def test_a_linear_layer_of_another_design_is_refused_for_packing(hybrid, monkeypatch):
-    mixer = document_separation.linear_layers(hybrid.model)[0]
+    mixer = next(iter(document_separation.linear_layers(hybrid.model).values()))
     monkeypatch.delattr(mixer, "in_proj_qkv")
     with pytest.raises(document_separation.UnknownLayerType, match=r"no in_proj_qkv.*--no-pack"):
         document_separation.linear_layers(hybrid.model)
@@ -138,8 +160,25 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
 def test_one_document_rows_take_the_segmented_route_too(hybrid, monkeypatch):
     # One set of linear-attention kernels for every batch: transformers' own Gated DeltaNet
     # forward (another kernel path to compile and autotune on CUDA) is never called in training.
-    mixer_class = type(document_separation.linear_layers(hybrid.model)[0])
-    monkeypatch.setattr(mixer_class, "forward", lambda *a, **k: pytest.fail("transformers' own forward ran"))
     from dflash.engine.step import produce_target_states
 
+    segmented = []
+    original = document_separation._gated_deltanet_forward
+    monkeypatch.setattr(
+        document_separation, "_gated_deltanet_forward", lambda *a, **k: segmented.append(1) or original(*a, **k)
+    )
     produce_target_states(hybrid, packed_batch([[9], [13]], seq_len=16, seed=1))
+    assert len(segmented) == len(document_separation.linear_layers(hybrid.model))
+
+
+def test_the_segmented_conv_indexes_without_a_host_sync():
+    # Boolean indexing (aten::nonzero) waits for the GPU; the layers index with what Segments.of
+    # computed on the host once per batch. The profiler sees the same ops on CPU.
+    from torch.profiler import profile
+
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate([5, 1, 9])])[None]
+    segments = document_separation.Segments.of(ids, torch.device("cpu"))
+    x, weight = torch.randn(1, ids.shape[1], 8), torch.randn(8, 4)
+    with profile() as prof:
+        document_separation.segmented_conv(x, weight, None, "silu", segments)
+    assert not [e.key for e in prof.key_averages() if "nonzero" in e.key]
