@@ -15,8 +15,10 @@ them and advances them by the kept tokens, in one of two ways (:data:`STRATEGIES
   tokens alone would feed it). Reads the mixer weights only (a quarter of Qwen3.6-27B's).
 - ``forward``: re-run the kept tokens through the whole target (KV cropped to before the block).
 
-Reads transformers 5.x's cache layout (``cache.layers[i].conv_states[0]``/``recurrent_states[0]``,
-5.2-5.24).
+Reads transformers 5.x's cache layout: ``cache.layers[i].conv_states`` / ``recurrent_states``, a
+tensor each (5.7-5.14) or a dict of them by state index (5.15-5.24). Older releases verify a block
+from a zero state (:data:`dflash.target.FIRST_TRANSFORMERS_FOR_DECODING`; ``dflash eval`` refuses
+them before loading).
 """
 
 from __future__ import annotations
@@ -26,18 +28,19 @@ from collections.abc import Iterator
 
 import torch
 
-from dflash.document_separation import LINEAR_ATTENTION
+from dflash import document_separation
 
 #: How a rejected block's linear-attention states are advanced by the kept tokens (module docstring).
 STRATEGIES = ("mixers", "forward")
 
 
 def new_cache(target):
-    """An empty cache for ``target``'s decoder: built from its config, so a hybrid target gets its
-    linear-attention layers' state slots (a bare ``DynamicCache()`` gives it none)."""
+    """An empty decoding cache for ``target``: a hybrid target's is built from its config, which gives
+    its linear-attention layers their state slots; a standard target's is a bare ``DynamicCache()``
+    (built from the config, a sliding-window target's layers refuse to be cropped)."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=target.config)
+    return DynamicCache(config=target.config) if document_separation.linear_layers(target.model) else DynamicCache()
 
 
 def crop(cache, keep: int, *, skip: frozenset[int] = frozenset()) -> None:
@@ -70,19 +73,14 @@ class StateRollback:
         if strategy not in STRATEGIES:
             raise ValueError(f"rollback strategy {strategy!r}: use one of {STRATEGIES}")
         self.target, self.cache, self.strategy = target, cache, strategy
-        decoder = target.model.get_decoder()
-        types = target.config.get_text_config().layer_types
-        self.mixers = {i: decoder.layers[i].linear_attn for i, t in enumerate(types) if t == LINEAR_ATTENTION}
+        self.mixers = document_separation.linear_layers(target.model)
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._inputs: dict[int, torch.Tensor] = {}
 
     @classmethod
     def for_target(cls, target, cache, strategy: str = "mixers") -> StateRollback | None:
         """A rollback for ``target`` when it has linear-attention layers, else None (KV crop suffices)."""
-        config = target.config.get_text_config()
-        return (
-            cls(target, cache, strategy) if LINEAR_ATTENTION in (getattr(config, "layer_types", None) or []) else None
-        )
+        return cls(target, cache, strategy) if document_separation.linear_layers(target.model) else None
 
     @property
     def linear_layers(self) -> frozenset[int]:
@@ -125,7 +123,15 @@ class StateRollback:
 
     def _states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.cache.layers[index]
-        return layer.conv_states[0], layer.recurrent_states[0]
+        states = getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)
+        states = tuple(state[0] if isinstance(state, dict) else state for state in states)
+        if not all(isinstance(state, torch.Tensor) for state in states):
+            raise RuntimeError(
+                f"cache layer {index} ({type(layer).__name__}) holds no conv and recurrent state tensors after the "
+                "prompt: this transformers release lays its cache out otherwise; dflash eval reads the layouts of "
+                "transformers 5.7-5.24"
+            )
+        return states
 
     def _recorder(self, index: int):
         def record(module, args, kwargs):

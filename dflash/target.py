@@ -31,32 +31,41 @@ class TargetLoadError(ValueError):
     """The target directory cannot be loaded as a causal LM."""
 
 
+_QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
 #: The first transformers release with each model type that older releases cannot load (Qwen3.5 and
 #: Qwen3.6, dense and MoE, came with 5.2.0; transformers 4.x maps them to nothing).
-FIRST_TRANSFORMERS = {"qwen3_5": "5.2.0", "qwen3_5_text": "5.2.0", "qwen3_5_moe": "5.2.0", "qwen3_5_moe_text": "5.2.0"}
+FIRST_TRANSFORMERS = dict.fromkeys(_QWEN3_5_TYPES, "5.2.0")
+
+#: The first release whose Gated DeltaNet resumes a multi-token forward from the cache's recurrent
+#: state (speculative verification; 5.2-5.6 start every chunked forward from a zero state).
+FIRST_TRANSFORMERS_FOR_DECODING = dict.fromkeys(_QWEN3_5_TYPES, "5.7.0")
 
 
-def require_transformers_for(config: dict, source: str | Path) -> None:
-    """Refuse a target whose ``model_type`` the installed transformers cannot load, before it loads.
+def require_transformers_for(config: dict, source: str | Path, *, decoding: bool = False) -> None:
+    """Refuse a target whose ``model_type`` the installed transformers cannot load (or, with
+    ``decoding``, cannot verify speculative drafts with), before it loads.
 
     Args:
         config (dict): the target's ``config.json``.
         source: the file, for the message.
+        decoding (bool): the target decodes with a cache (``dflash eval``).
 
     Raises:
-        TargetLoadError: names the model type, the transformers release that loads it, the installed
-            one, and the upgrade command.
+        TargetLoadError: names the model type, the transformers release needed, the installed one,
+            and the upgrade command.
     """
     from importlib.metadata import version
 
     from packaging.version import Version
 
     model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
-    first = FIRST_TRANSFORMERS.get(model_type)
+    first = (FIRST_TRANSFORMERS_FOR_DECODING if decoding else FIRST_TRANSFORMERS).get(model_type)
     installed = version("transformers")
     if first and Version(installed) < Version(first):
+        what = "verifies speculative drafts from its cache" if decoding else "loads"
         raise TargetLoadError(
-            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) loads with transformers {first} or "
+            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) {what} with transformers {first} or "
             f"newer; this environment has {installed}: pip install -U 'transformers>={first}'"
         )
 

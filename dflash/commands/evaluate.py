@@ -165,7 +165,14 @@ def _evaluate(args: argparse.Namespace):
     from dflash.compatibility import check_drafter_fits_target
     from dflash.devices import check_cpu_threads
     from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
-    from dflash.target import context_length, load_target, load_tokenizer, resolve_device
+    from dflash.target import (
+        context_length,
+        load_target,
+        load_tokenizer,
+        read_target_config,
+        require_transformers_for,
+        resolve_device,
+    )
     from dflash.weight_files import check_weight_files
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
@@ -184,6 +191,7 @@ def _evaluate(args: argparse.Namespace):
     # From the two config.json files and the weight headers, before anything loads (minutes for a large target).
     step_dir = find_checkpoint(args.drafter, verify=False, files=DRAFTER_FILES)
     check_drafter_fits_target(step_dir, target_dir, trained_on=run[1].get("target") if run else None)
+    require_transformers_for(read_target_config(target_dir), target_dir / "config.json", decoding=True)
     check_weight_files(target_dir)
     data = _held_out_data(args.data, run)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -69,3 +69,20 @@ def test_the_multimodal_checkpoint_loads_its_language_model_only(tmp_path):
     target = load_target(make_target(tmp_path, arch="qwen3_5_multimodal", num_layers=4), layer_ids=[1], device="cpu")
     assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
     assert not [name for name, _ in target.model.named_parameters() if "visual" in name]
+
+
+@pytest.mark.parametrize(("installed", "refused"), [("5.5.0", True), ("5.7.0", False)])
+def test_decoding_a_hybrid_target_names_the_release_that_verifies_from_the_cache(monkeypatch, installed, refused):
+    import importlib.metadata
+
+    from dflash.target import require_transformers_for
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "transformers" else real(name))
+    config = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}
+    require_transformers_for(config, "t/config.json")  # 5.2.0 loads it
+    if refused:
+        with pytest.raises(TargetLoadError, match=r"verifies speculative drafts.*5\.7\.0 or newer.*5\.5\.0"):
+            require_transformers_for(config, "t/config.json", decoding=True)
+    else:
+        require_transformers_for(config, "t/config.json", decoding=True)
