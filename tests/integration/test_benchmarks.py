@@ -34,3 +34,18 @@ def test_lm_head_loss_smoke_on_cpu():
     assert done.returncode == 0, done.stderr[-3000:]
     difference = float(done.stdout.split("gradient relative difference ")[1].split()[0])
     assert difference < 1e-5 and "fused / checkpointed time:" in done.stdout
+
+
+def test_compile_after_trace_counts_the_same_instructions_patched_and_plain():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "compile_after_trace.py"), "--rounds", "1", "--blocks", "4"]
+        + ["--wall-blocks", "2", "--modules", "6", "--calls", "5", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["module_call_is_original_after_trace"] == {"plain": True, "patched": True}
+    assert result["dynamo_instructions"]["ratio_median"] == 1.0, result
+    assert result["eager_instructions"]["ratio_median"] == 1.0, result
