@@ -67,21 +67,12 @@ def _ends(message: str) -> str:
 
 
 def _module_patches_left() -> list[str]:
-    """nn.Module methods still replaced by an FX patch in force.
-
-    With the fx-patcher-thread-isolation patch, an idle dispatcher (no thread
-    holds a patch through it; it calls the original) stays in place on purpose.
-    """
-
-    def in_force(value, method) -> bool:
-        slot = getattr(value, "_fx_slot", None)
-        idle = slot is not None and slot.holders == 0 and slot.original is method
-        return value is not method and not idle
-
+    """nn.Module methods not the originals while no thread traces (an FX patch, or a dispatcher of
+    the fx-patcher-thread-isolation patch, left in place)."""
     return [
         f"torch.nn.Module.{name}"
         for name, method in _MODULE_METHODS.items()
-        if in_force(getattr(torch.nn.Module, name), method)
+        if getattr(torch.nn.Module, name) is not method
     ]
 
 

@@ -1,6 +1,7 @@
 """Tiny stand-ins for the tests: a byte-level BPE tokenizer with a ChatML template and a
 mask token, random Qwen3 / Llama / Qwen3.5 (hybrid) targets saved as HF directories, a JSONL writer, a tokenizer
-that records what it rendered, and a run-in-a-thread helper.
+that records what it rendered, a run-in-a-thread helper, and one to run a script in a fresh
+interpreter on plain or patched torch.
 
 Built in a temp dir in well under a second each; no network.
 """
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -374,6 +378,21 @@ def in_thread(fn, timeout_s: float = 60):
     if errors:
         raise errors[0]
     return out[0]
+
+
+def run_script(script: str, *, patched: bool, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """``python -c script`` in a fresh interpreter, with the patch series (``DFLASH_PATCHES=1``) or on
+    plain torch (``DFLASH_PATCHES=0``); output captured as text."""
+    env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0")
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def script_result(script: str, *, patched: bool, timeout_s: float = 240):
+    """The JSON value ``script`` prints on its last line (:func:`run_script`); its stderr if it fails."""
+    done = run_script(script, patched=patched, timeout_s=timeout_s)
+    side = "patched" if patched else "plain"
+    assert done.returncode == 0, f"the script failed on {side} torch:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def supervised_text(tokenizer, example) -> str:

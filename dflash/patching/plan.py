@@ -4,7 +4,7 @@ A :class:`Plan` is plain data (JSON round-trips it), so the import hook can
 cache it and skip reading the series on every ``import torch``. Building one
 (:func:`make_plan`) needs the series parser and ``packaging``; those are
 imported inside it, because this module is imported while ``torch`` itself is
-being imported.
+being imported (the records and the series folder are cheap to import).
 
 States of a concern:
 
@@ -21,19 +21,20 @@ States of a concern:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
 import threading
 from pathlib import Path
 
+from dflash.patching.records import load_record, verified_diff
+from dflash.patching.series_path import series_dir
+
 APPLIED, PENDING, UPSTREAM, BUILT_IN = "applied", "pending", "upstream", "built-in"
 NOT_APPLICABLE, FAILED = "not-applicable", "failed"
 ALLOW_UNVERIFIED_ENV = "DFLASH_PATCHES_ALLOW_UNVERIFIED"
 # Written into torch/ by `dflash patches build-wheel`: the fix is in the files already.
 WHEEL_MARKER = "_dflash_patches.json"
-SERIES_PACKAGE = "dflash.patch_series"
 
 
 @dataclasses.dataclass
@@ -109,18 +110,6 @@ class Plan:
             self._waiting = {}
 
 
-def series_dir() -> Path:
-    """The folder holding ``series`` and the patches.
-
-    Installed (regular or editable): the ``dflash.patch_series`` package. From a
-    source checkout on ``sys.path`` without installing: ``patches/`` beside ``dflash/``.
-    """
-    spec = importlib.util.find_spec(SERIES_PACKAGE)
-    if spec is not None and spec.origin is not None:
-        return Path(spec.origin).parent
-    return Path(__file__).resolve().parents[2] / "patches"
-
-
 def torch_release(torch_dir: Path) -> str:
     """The torch release string (``2.13.0+cpu``) from ``torch/version.py``, without importing torch.
 
@@ -140,8 +129,6 @@ def choose_variant(name, variants, release, allow_unverified: bool, record: dict
     ``record`` is the verification record of ``release`` (:mod:`dflash.patching.records`); the
     chosen variant counts as verified when the record names its diff's sha256.
     """
-    from dflash.patching.records import verified_diff
-
     upstream = next((p.applied_upstream for p in variants if p.applied_upstream), None)
     if upstream is not None and release >= upstream:
         return Outcome(name, UPSTREAM, f"torch {release} has this fix upstream (since {upstream})")
@@ -196,7 +183,6 @@ def make_plan(torch_dir: Path, *, allow_unverified: bool) -> Plan:
     """
     from packaging.version import Version
 
-    from dflash.patching.records import load_record
     from dflash.patching.series import concerns
 
     version = torch_release(torch_dir)

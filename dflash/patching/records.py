@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from dflash.patching.plan import series_dir
+from dflash.patching.series_path import series_dir
 
 RECORDS_DIR = "records"
 

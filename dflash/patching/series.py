@@ -26,7 +26,7 @@ import unidiff
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from dflash.patching.plan import series_dir
+from dflash.patching.series_path import series_dir
 
 #: Fields that explain a concern; they live in its canonical file only.
 TEXT_FIELDS = ("Description", "Bug", "Origin", "Forwarded", "Applied-Upstream", "Affects-Versions")

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from dflash.patching.plan import FAILED, PENDING, choose_variant, series_dir, torch_release
+from dflash.patching.plan import FAILED, PENDING, choose_variant, torch_release
 from dflash.patching.records import all_records, load_record, verified_diff
 from dflash.patching.series import GENERATED_DIR, concerns, read_lines
+from dflash.patching.series_path import series_dir
 
 FIRST = Version("2.5")
 RELEASES_FILE = f"{GENERATED_DIR}/releases"

@@ -32,7 +32,6 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from dflash.patching.hunks import PatchDoesNotFit, apply_hunks
-from dflash.patching.plan import series_dir
 from dflash.patching.series import (
     GENERATED_DIR,
     Patch,
@@ -41,6 +40,7 @@ from dflash.patching.series import (
     load_sources,
     split_patch,
 )
+from dflash.patching.series_path import series_dir
 
 CONTEXT_LINES = 3
 GENERATED_BY = "python -m dflash.patchtools.refresh (generated: edit the source file named below, then refresh)"

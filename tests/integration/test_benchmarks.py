@@ -60,3 +60,18 @@ def test_tokenize_cache_smoke_on_cpu():
     assert set(rows) == {"before (1 process, no cache)", "after (workers, cache in --out)", "after / before"}
     first, resume = (float(value.rstrip("x")) for value in rows["after / before"])
     assert first > 0 and 0 < resume < 1  # the resume reads the cache instead of tokenizing
+
+
+def test_compile_after_trace_counts_the_same_instructions_patched_and_plain():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "compile_after_trace.py"), "--rounds", "1", "--blocks", "4"]
+        + ["--wall-blocks", "2", "--modules", "6", "--calls", "5", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["module_call_is_original_after_trace"] == {"plain": True, "patched": True}
+    assert result["dynamo_instructions"]["ratio_median"] == 1.0, result
+    assert result["eager_instructions"]["ratio_median"] == 1.0, result

@@ -170,7 +170,7 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert re.search(r"fx-tracing-flag-legacy-attribute\s+kept-out", printed)
     patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
-    assert len(patches) == 6
+    assert len(patches) == 7
     # The checkout is untouched.
     assert _git(tree, "rev-parse", "HEAD").strip() == head and _git(tree, "status", "--porcelain") == ""
 
@@ -179,6 +179,7 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
     _git(stacked, "am", "-q", "--keep-non-patch", *map(str, patches))
     subjects = _git(stacked, "log", "--format=%s", f"{head}..HEAD").splitlines()[::-1]
     assert [s.split("] ")[0] + "]" for s in subjects] == [
+        "[autograd]",
         "[fx]",
         "[fx]",
         "[dynamo]",
@@ -187,7 +188,7 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
         "[dynamo]",
     ]
     # The internal overrides come before the config change that would otherwise leak them.
-    assert "config.patch for torch's own" in subjects[3] and "process-wide" in subjects[4]
+    assert "config.patch for torch's own" in subjects[4] and "process-wide" in subjects[5]
     for patch in patches:
         message = patch.read_text().split("\n---\n")[0]
         assert "\nTest Plan:\npython test/" in message
@@ -215,14 +216,14 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
         compile((stacked / test_file).read_text(), test_file, "exec")
 
     kit = tmp_path / "kit"
-    assert len(list((kit / "pr").glob("*.md"))) == 6
+    assert len(list((kit / "pr").glob("*.md"))) == 7
     for description in (kit / "pr").glob("*.md"):
         body = description.read_text()
         for section in ("## Summary", "## Test plan", "## BC-breaking notes", "## Benchmark", "## Related"):
             assert section in body, (description.name, section)
     cover = (kit / "COVER.md").read_text()
     assert "#196637" in cover and "#187589" in cover
-    assert "#186537" in (kit / "patches" / patches[4].name).read_text()
+    assert "#186537" in (kit / "patches" / patches[5].name).read_text()
     assert {name: found for name, body in _written_text(kit).items() if (found := internal_references(body))} == {}
 
 
@@ -350,7 +351,7 @@ def test_kit_detects_fixes_already_in_the_tree(tree, tmp_path):
     _git(tree, "am", "-q", "--keep-non-patch", *map(str, sorted((tmp_path / "kit" / "patches").glob("*.patch"))))
     reports = make_kit(tree, tmp_path / "again", run=False)
     assert not [r for r in reports if r.state == REBASED]
-    assert len([r for r in reports if r.state == PRESENT]) == 6
+    assert len([r for r in reports if r.state == PRESENT]) == 7
 
 
 def test_verdicts():

@@ -114,6 +114,29 @@ def _fx_test(stem: str) -> TestPlacement:
 # In stack order: a commit never depends on a later one.
 CONCERNS: tuple[UpstreamConcern, ...] = (
     UpstreamConcern(
+        name="autograd-launch-context",
+        area="autograd",
+        title="Read unset ContextVars through the launching thread's context on a traced backward's threads",
+        problem=(
+            "AOTAutograd's joint trace and non-strict export call `torch.autograd.grad` under `make_fx`. "
+            "The autograd engine runs the CUDA nodes of that backward on its per-device threads, which "
+            "carry the launching thread's ATen thread-local state, where `_engine_run_backward` stashes "
+            "its `contextvars.Context`, but do not run in that context. Per-thread state kept in "
+            "ContextVars (config overrides today; the compile and FX state of the next commits) reads its "
+            "defaults there, while the backward formulas work for the launching thread's trace."
+        ),
+        tests=(
+            TestPlacement("autograd/test_launch_context.py", "test/autograd/test_launch_context.py", new_file=True),
+        ),
+        see_also=(173568, 191777),
+        related=(
+            "#173568 added the stash of the launching context that AOTAutograd's compiled backward runs "
+            "under. #191777 (open) proposes `AutogradContextVar`, an opt-in ContextVar that reads that "
+            "snapshot; this commit gives existing ContextVars' readers the same fallback as one function, "
+            "counting traced backwards so that code outside them pays one global compare."
+        ),
+    ),
+    UpstreamConcern(
         name="fx-tracing-flag-thread-local",
         area="fx",
         title="Make the FX tracing flag thread-local",
@@ -161,15 +184,15 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
         tests=(_fx_test("test_fx_patcher_threads"),),
         bc=(
-            "After the first trace, `torch.nn.Module.__call__` and `torch.nn.Module.__getattr__` stay "
-            "replaced by dispatchers for the life of the process (a compile in another thread may hold a "
-            "guard on the value it read), so `torch.nn.Module.__call__ is original` becomes False; code "
-            "that compares them by identity sees the change. Each eager module call pays one thread-local "
-            "read (see Benchmark).",
+            "While a thread traces, `torch.nn.Module.__call__` and `torch.nn.Module.__getattr__` are "
+            "dispatchers that call the tracing thread's wrappers there and the originals elsewhere; the "
+            "originals are put back when the last trace ends. Dynamo takes a dispatcher it reads for the "
+            "original (`fx_unpatched`), so a compile during another thread's trace takes its fast paths "
+            "and its guards hold once the original is back.",
             "`CURRENT_PATCHER`, `_use_lazy_graph_module_flag` and `_force_skip_lazy_graph_module_flag` are "
-            "read through a module `__getattr__` and answer for the calling thread; assigning them no longer "
-            "changes what tracing uses. Work the autograd engine runs on its device threads reads the lazy "
-            "flags False (graph modules made there generate their code up front).",
+            "properties of their module's class: reading and assigning them act on the calling thread's "
+            "value, which tracing uses. They are ContextVars, which the autograd engine's device threads "
+            "running a backward this thread traces read through the launching thread's context.",
         ),
         see_also=(187589,),
         related=(
@@ -288,8 +311,9 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             TestPlacement("dynamo/test_eval_frame_settings_threads.py", "test/dynamo/test_compile.py"),
         ),
         bc=(
-            "`torch._dynamo.error_on_graph_break(...)` applies to the calling thread only (the private "
-            "global `torch._dynamo.utils._error_on_graph_break` is gone; use `_get_error_on_graph_break()`).",
+            "`torch._dynamo.error_on_graph_break(...)` applies to the calling thread only; the private "
+            "module attribute `torch._dynamo.utils._error_on_graph_break` reads and assigns the calling "
+            "thread's value.",
             "A thread whose compiled call needs other eval-frame values than the ones in force (a stance "
             "change, `isolate_recompiles=True`) waits until no other thread is inside a compiled call, "
             "for at most `_GATE_TIMEOUT_S` (2 s); a thread inside a compiled call may be waiting for it, so "
@@ -318,7 +342,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "`error_on_graph_break(...)` enters its one instance from every thread that calls it)."
         ),
         how=(
-            "The flag moves to a `threading.local`; `_get_error_on_graph_break()` and "
+            "The flag moves to a ContextVar; `_get_error_on_graph_break()` and "
             "`_set_error_on_graph_break()` keep their signatures and are its only readers and writers. "
             "`ErrorOnGraphBreakDecoratorContextManager` keeps the values it saves on entry per thread too "
             "(`prev_error_on_graph_break` becomes a view of the calling thread's stack); a copy or pickle "
@@ -330,8 +354,9 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
         tests=(TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),),
         bc=(
-            "`torch._dynamo.error_on_graph_break(...)` applies to the calling thread only (the private "
-            "global `torch._dynamo.utils._error_on_graph_break` is gone; use `_get_error_on_graph_break()`).",
+            "`torch._dynamo.error_on_graph_break(...)` applies to the calling thread only; the private "
+            "module attribute `torch._dynamo.utils._error_on_graph_break` reads and assigns the calling "
+            "thread's value.",
         ),
         see_also=(196637,),
         related=(

@@ -1,0 +1,140 @@
+"""FX's thread-scoped patches leave no trace once the last trace ends (patch 0003).
+
+While a thread traces, a dispatcher holds the place of ``nn.Module.__call__``/``__getattr__`` (and
+of each autowrapped global) so that only the tracing thread sees the tracer's wrappers. The series
+used to keep the two ``nn.Module`` dispatchers installed for the life of the process, which defeated
+dynamo's identity checks against the original methods (``torch/_dynamo/utils.py`` keeps them): later
+compiles took their slow paths (5.5x the bytecode on a 30-block ``nn.Sequential``), and PyTorch's
+``test/dynamo/test_compile.py::InPlaceCompilationTests::test_inline_script_module_graph_break``
+failed patched after an earlier trace (``IndexError: pop from empty list``). Now the originals come
+back when the last trace ends, and a dynamo compile that reads a dispatcher while another thread
+traces takes it for the original (``torch._dynamo.utils.fx_unpatched``), so that its guards still
+hold once the original is back.
+
+Integration tier: fresh interpreters, plain (``DFLASH_PATCHES=0``) and patched.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tiny import script_result
+
+pytest.importorskip("torch")
+
+ORIGINALS_AFTER_TRACES = """
+import json, math
+import torch, torch.fx
+from torch._dynamo.utils import unpatched_nn_module_call, unpatched_nn_module_getattr
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def originals():
+    return (
+        torch.nn.Module.__call__ is unpatched_nn_module_call
+        and torch.nn.Module.__getattr__ is unpatched_nn_module_getattr
+        and math.__dict__["sqrt"] is sqrt
+    )
+
+
+sqrt = math.sqrt
+
+
+class Root(torch.nn.Module):
+    def forward(self, x):
+        return math.sqrt(2.0) * torch.nn.functional.relu(x)
+
+
+seen = {"before": originals()}
+torch.fx.symbolic_trace(Root())
+seen["after symbolic_trace"] = originals()
+make_fx(lambda x: Root()(x))(torch.randn(2))
+seen["after make_fx"] = originals()
+torch.compile(Root(), backend="aot_eager")(torch.randn(2))
+seen["after an aot_eager compile"] = originals()
+print(json.dumps(seen))
+"""
+
+# PyTorch's test (test/dynamo/test_compile.py, v2.13.0), after one earlier trace in the process and
+# with torch._dynamo.test_case's default nested_graph_breaks=True.
+SCRIPT_MODULE_GRAPH_BREAK = """
+import json
+import torch, torch._dynamo.testing
+
+torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+class OuterModule(torch.nn.Module):
+    def __init__(self, sub):
+        super().__init__()
+        self.sub = sub
+
+    def forward(self, x):
+        return self.sub(x)
+
+
+outer = OuterModule(torch.jit.script(torch.nn.Linear(3, 3)))
+cnt = torch._dynamo.testing.CompileCounter()
+with torch._dynamo.config.patch(nested_graph_breaks=True):
+    torch.compile(outer, backend=cnt)(torch.randn(2, 3))
+print(json.dumps(cnt.frame_count))
+"""
+
+# Thread B's symbolic_trace stays open (its dispatchers installed) while thread A's dynamo traces a
+# model; A's backend lets B's trace end (the originals come back) before dynamo builds A's guards,
+# then A calls the compiled model again, which must run the same graph.
+COMPILE_DURING_ANOTHER_THREADS_TRACE = """
+import json, threading
+import torch, torch.fx
+
+opened, release = threading.Event(), threading.Event()
+
+
+class Holding(torch.nn.Module):
+    def forward(self, x):
+        opened.set()
+        release.wait(60)
+        return x
+
+
+b = threading.Thread(target=lambda: torch.fx.symbolic_trace(Holding()), daemon=True)
+b.start()
+opened.wait(60)
+frames = []
+
+
+def ending_backend(gm, example_inputs):
+    frames.append(gm)
+    release.set()
+    b.join(60)
+    return gm.forward
+
+
+model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(3)])
+compiled = torch.compile(model, backend=ending_backend)
+x = torch.randn(2, 4)
+try:
+    right = all(torch.allclose(compiled(x), model(x)) for _ in range(2))
+    result = {"right": right, "frames": len(frames)}
+except Exception as e:
+    result = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+print(json.dumps(result))
+"""
+
+
+def test_module_methods_and_globals_are_the_originals_once_traces_end():
+    plain = script_result(ORIGINALS_AFTER_TRACES, patched=False)
+    assert all(plain.values()), plain
+    patched = script_result(ORIGINALS_AFTER_TRACES, patched=True)
+    assert all(patched.values()), f"a dispatcher stayed after the traces ended: {patched}"
+
+
+def test_pytorchs_inline_script_module_graph_break_after_a_trace():
+    assert script_result(SCRIPT_MODULE_GRAPH_BREAK, patched=False) == 0
+    assert script_result(SCRIPT_MODULE_GRAPH_BREAK, patched=True) == 0
+
+
+def test_a_compile_during_another_threads_trace_keeps_its_guards_when_the_trace_ends():
+    plain = script_result(COMPILE_DURING_ANOTHER_THREADS_TRACE, patched=False)
+    assert "error" in plain, f"plain torch compiled through the other thread's tracer: {plain}"
+    patched = script_result(COMPILE_DURING_ANOTHER_THREADS_TRACE, patched=True)
+    assert patched == {"right": True, "frames": 1}, patched
