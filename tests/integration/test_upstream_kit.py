@@ -273,7 +273,7 @@ def test_development_tree_and_crlf_files_are_reported(tmp_path):
     # --keep-cr: git am drops the CRs of CRLF lines unless told not to.
     _git(stacked, "am", "-q", "--keep-non-patch", "--keep-cr", *map(str, patches))
     utils = (stacked / "torch" / "_dynamo" / "utils.py").read_bytes()
-    assert b"_error_on_graph_break_state" in utils and b"\r\n" in utils and b"\n" not in utils.replace(b"\r\n", b"")
+    assert b"_error_on_graph_break_var" in utils and b"\r\n" in utils and b"\n" not in utils.replace(b"\r\n", b"")
 
 
 def _compile_wrapper_commit(kit: Path) -> tuple[str, str]:
