@@ -11,10 +11,10 @@ fit; they load no weights and never import transformers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dflash.checkpoint import CONFIG_NAME, CheckpointError
+from dflash.json_files import read_json_object
 
 #: Fields of a drafter's config.json the comparison needs (z-lab's layout, :mod:`dflash.checkpoint`).
 _DRAFTER_FIELDS = ("hidden_size", "num_target_layers", "vocab_size")
@@ -29,11 +29,9 @@ def drafter_geometry(step_dir: Path) -> dict:
             from at some default size); names the file and the fields.
     """
     path = step_dir / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"--drafter {path}: unreadable ({e}); restore it from the drafter's source") from None
-    config = config if isinstance(config, dict) else {}
+    config = read_json_object(
+        path, error=CheckpointError, name=f"--drafter {path}", fix="restore it from the drafter's source"
+    )
     dflash_config = config.get("dflash_config")
     ids = dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None
     missing = [name for name in _DRAFTER_FIELDS if not isinstance(config.get(name), int)]

@@ -19,13 +19,13 @@ each step before anything is allocated:
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
 from dflash.checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
+from dflash.json_files import read_json_object
 
 #: Fields a drafter's ``config.json`` must carry itself (their class defaults would build another model).
 REQUIRED_FIELDS = (
@@ -79,12 +79,9 @@ def read_raw_config(directory: str | Path) -> dict:
     """
     directory = Path(directory)
     path = directory / CONFIG_NAME
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: missing or unreadable ({e}); a drafter directory holds {CONFIG_NAME}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(
+        path, error=CheckpointError, name=str(path), fix=f"a drafter directory holds its {CONFIG_NAME} as saved"
+    )
     if not (directory / WEIGHTS_NAME).is_file():
         raise CheckpointError(f"{directory / WEIGHTS_NAME}: missing; a drafter needs {CONFIG_NAME} and {WEIGHTS_NAME}")
     if "DFlashDraftModel" not in (raw.get("architectures") or []):

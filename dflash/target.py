@@ -90,13 +90,11 @@ def read_target_config(path: str | Path) -> dict:
             f"target {path}: no config.json; this is not a Hugging Face model "
             "directory (save one with model.save_pretrained)"
         )
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TargetLoadError(f"target {config_file}: unreadable ({e}); restore it from the model's source") from None
-    if not isinstance(config, dict):
-        raise TargetLoadError(f"target {config_file}: expected a JSON object, got {type(config).__name__}")
-    return config
+    from dflash.json_files import read_json_object
+
+    return read_json_object(
+        config_file, error=TargetLoadError, name=f"target {config_file}", fix="restore it from the model's source"
+    )
 
 
 def context_length(path: str | Path) -> int:
