@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if i:
             for name, run in runs.items():
                 ms[name].append(1e3 * run.seconds / len(run.tokens))
-            taus.append(statistics.mean(runs["mixers"].full_accept_lengths))
+            taus.append(statistics.mean(runs["mixers"].accept_lengths))
     median = {name: statistics.median(values) for name, values in ms.items()}
     print(f"tau (accepted + 1 per step): {statistics.mean(taus):.2f}")
     for name in ms:

@@ -88,6 +88,15 @@ QWEN36_VISION = dict(
 )
 
 
+def dense_text_config(shape: str, layers: int):
+    """A transformers ``Qwen3Config`` of a dense ``shape``, its first ``layers`` layers, untied."""
+    from transformers import Qwen3Config
+
+    fields = {k: v for k, v in SHAPES[shape].items() if k != "arch"}
+    fields.update(num_hidden_layers=layers, tie_word_embeddings=False)
+    return Qwen3Config(**fields)
+
+
 def hybrid_text_config(shape: str, layers: int):
     """A transformers ``Qwen3_5TextConfig`` of a hybrid ``shape``, its first ``layers`` layers."""
     from transformers import Qwen3_5TextConfig

@@ -68,21 +68,21 @@ class TrainConfig:
     """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel; empty = 8, 16 (the published
     drafters') for Qwen3.5/3.6 targets."""
     num_draft_layers: int | None = None
-    """Decoder layers of the drafter; empty = 1, 5 for Qwen3.5/3.6 targets (published drafters: 5)."""
+    """Decoder layers of the drafter; empty = 1, 5 for Qwen3.5/3.6 targets, 8 for their MoE ones (as published)."""
     draft_layer_types: str | None = None
     """Attention of each drafter layer, comma-separated `full`/`sliding` (e.g. sliding,sliding,sliding,sliding,full);
-    empty = all full, all sliding but the last for Qwen3.5/3.6 targets."""
+    empty = all full, all sliding but the last for dense Qwen3.5/3.6 targets."""
     draft_sliding_window: int | None = None
     """Window of the sliding layers in tokens (>= block size; a draft slot sees the window ending at itself, as
     flash-attention serves it); empty = 2048 where a layer is sliding."""
     draft_heads: int | None = None
     """Attention heads of the drafter; empty = the target's, 32 for Qwen3.5/3.6 targets."""
     draft_kv_heads: int | None = None
-    """KV heads of the drafter; empty = the target's, 8 for Qwen3.5/3.6 targets."""
+    """KV heads of the drafter; empty = the target's, 8 for Qwen3.5/3.6 targets, 4 for their MoE ones."""
     draft_head_dim: int | None = None
     """Head dim of the drafter; empty = the target's, 128 for Qwen3.5/3.6 targets."""
     draft_intermediate_size: int | None = None
-    """MLP width of the drafter; empty = the target's."""
+    """MLP width of the drafter; empty = the target's, 6144 for Qwen3.5/3.6 MoE targets (as published)."""
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs feed the drafter (id k = output of layer k); empty = the DFlash default
     spread."""

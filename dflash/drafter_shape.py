@@ -5,11 +5,14 @@ fills them, before the target loads, by one of three rules:
 
 - ``--init-from DIR``: the published drafter's own (``config.json``), checked to fit the target
   (hidden size, vocabulary, number of target layers); a flag that disagrees with it is refused;
-- a Qwen3.5/3.6 target (``model_type`` ``qwen3_5``, text-only or multimodal): the published
-  drafters' shape, :data:`PUBLISHED_QWEN3_5` (z-lab/Qwen3.6-27B-DFlash as SpecForge ships its
-  config: 5 layers, 4 sliding-window layers of 2048 then 1 full, 32 heads, 8 KV heads, head_dim
-  128, the target's MLP width, block 16, 5 tapped layers), not the target's gated-attention heads
-  (24 / 4 / 256);
+- a Qwen3.5/3.6 target (:func:`qwen3_5_family`): the published drafters' shape, not the
+  target's gated-attention heads (24 / 4 / 256 for the 27B). Dense (``model_type`` ``qwen3_5``,
+  text-only or multimodal): :data:`PUBLISHED_QWEN3_5` (z-lab/Qwen3.6-27B-DFlash as SpecForge ships
+  its config: 5 layers, 4 sliding-window layers of 2048 then 1 full, 32 heads, 8 KV heads,
+  head_dim 128, the target's MLP width, block 16, 5 tapped layers). MoE (``qwen3_5_moe``, e.g.
+  Qwen3.5/3.6-35B-A3B): :data:`PUBLISHED_QWEN3_5_MOE` (z-lab/Qwen3.5-35B-A3B-DFlash: 8 full
+  layers, 32 heads, 4 KV heads, head_dim 128, MLP width 6144, block 16, 5 tapped layers), whose
+  experts have no single MLP width to copy;
 - any other target: the target's own attention and MLP geometry (left empty: the drafter config
   copies it), all full attention, :data:`STANDARD` block size, layers and taps (small enough for a
   CPU run).
@@ -30,8 +33,9 @@ from dflash.config import TrainConfig
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
-#: ``model_type`` of the Qwen3.5/3.6 hybrid targets (the multimodal checkpoint and its text model).
-QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+#: ``model_type`` of the Qwen3.5/3.6 hybrid targets (the multimodal checkpoint and its text model),
+#: dense and mixture-of-experts.
+QWEN3_5_MODEL_TYPES = {"dense": ("qwen3_5", "qwen3_5_text"), "moe": ("qwen3_5_moe", "qwen3_5_moe_text")}
 #: Window of the published sliding drafter layers, in tokens.
 DEFAULT_SLIDING_WINDOW = 2048
 #: Rule for targets without a published shape: the target's geometry, TrainConfig field -> value.
@@ -44,6 +48,18 @@ PUBLISHED_QWEN3_5 = {
     "draft_heads": 32,
     "draft_kv_heads": 8,
     "draft_head_dim": 128,
+}
+#: The published Qwen3.5/3.6 MoE drafters' shape (z-lab/Qwen3.5-35B-A3B-DFlash, for a 40-layer target:
+#: taps [1, 10, 19, 28, 37]; all full attention; the MLP width of its config, feed_forward_length 6144
+#: in the GGUF conversions of the 35B-A3B drafters, as its 905 MB of bf16 weights imply).
+PUBLISHED_QWEN3_5_MOE = {
+    "block_size": 16,
+    "num_draft_layers": 8,
+    "num_target_layers": 5,
+    "draft_heads": 32,
+    "draft_kv_heads": 4,
+    "draft_head_dim": 128,
+    "draft_intermediate_size": 6144,
 }
 #: The TrainConfig fields :func:`resolve_drafter_shape` fills.
 SHAPE_FIELDS = (
@@ -89,10 +105,14 @@ def parse_layer_types(text: str) -> list[str]:
     return [_SHORT_NAMES.get(e, e) for e in entries]
 
 
-def is_qwen3_5(target_config: dict) -> bool:
-    """Whether a target ``config.json`` (dict) is a Qwen3.5/3.6 hybrid, text-only or multimodal."""
+def qwen3_5_family(target_config: dict) -> str | None:
+    """``"dense"`` or ``"moe"`` for a Qwen3.5/3.6 hybrid target ``config.json`` (dict), text-only or
+    multimodal; None for any other target."""
     text = target_config.get("text_config") or target_config
-    return target_config.get("model_type") in QWEN3_5_MODEL_TYPES or text.get("model_type") in QWEN3_5_MODEL_TYPES
+    for family, model_types in QWEN3_5_MODEL_TYPES.items():
+        if target_config.get("model_type") in model_types or text.get("model_type") in model_types:
+            return family
+    return None
 
 
 def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
@@ -113,13 +133,21 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
     if config.init_from:
         values = _from_drafter(config, target, target_dir)
     else:
-        rule = PUBLISHED_QWEN3_5 if is_qwen3_5(target) else STANDARD
+        family = qwen3_5_family(target)
+        rule = {"dense": PUBLISHED_QWEN3_5, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
         values = {k: v for k, v in rule.items() if getattr(config, k) is None}
-        values |= _layer_types(config, values, sliding_rule=rule is PUBLISHED_QWEN3_5)
+        values |= _layer_types(config, values, sliding_rule=family == "dense")
     return dataclasses.replace(config, **values)
 
 
-def drafter_config(config: TrainConfig, target_config, *, target_layer_ids: list[int], mask_token_id: int):
+def drafter_config(
+    config: TrainConfig,
+    target_config,
+    *,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    is_causal: bool | None = None,
+):
     """The config of a new drafter of a resolved ``config`` (:func:`resolve_drafter_shape`) for a
     target (what ``dflash train`` builds without ``--init-from``).
 
@@ -128,6 +156,8 @@ def drafter_config(config: TrainConfig, target_config, *, target_layer_ids: list
         target_config (PretrainedConfig): the target's config (multimodal ones: the text config is used).
         target_layer_ids (list[int]): the layers the target taps.
         mask_token_id (int): the resolved mask token (:mod:`dflash.mask_token`).
+        is_causal (bool, optional): causality within the draft block; None = the engines' rule for
+            a config without it (sliding layers causal), the published drafters'.
 
     Returns:
         DFlashDraftConfig
@@ -146,6 +176,7 @@ def drafter_config(config: TrainConfig, target_config, *, target_layer_ids: list
         intermediate_size=config.draft_intermediate_size,
         layer_types=parse_layer_types(config.draft_layer_types) if config.draft_layer_types else None,
         sliding_window=config.draft_sliding_window,
+        is_causal=is_causal,
     )
 
 

@@ -13,10 +13,17 @@ with the published ones (z-lab/dflash ``benchmark.py``, whose numbers the DFlash
 
 - tau per step: mean of ``accepted + 1`` over all steps of all prompts, the last step of a prompt
   cut at EOS / the token budget (it counts only tokens the step really emitted).
-- tau per prompt (z-lab): mean over prompts of each prompt's mean ``accepted + 1``, exactly as
-  z-lab's loop counts it: the last step counted in full, and one more step when a generation ends
-  exactly at the token budget (or at the prefill token), which z-lab's loop runs and counts. It is
-  higher on short generations, where the last steps weigh more.
+- tau per prompt (z-lab): mean over prompts of each prompt's mean ``accepted + 1``, counted as
+  z-lab/dflash's ``dflash_generate`` counts it at commit 10129599 (``dflash/model.py``): it steps
+  while ``start + 1 < max_length`` and no stop token was written, records ``produced = min(accepted
+  + 1, max_length - start - 1)`` cut after the first stop token, and takes no step when the
+  prefill token is a stop token (nor when the budget is that token alone). Those are exactly the
+  steps and cut counts of tau per step; a prompt without steps has no mean and is left out (z-lab's
+  ``np.mean`` of it would be NaN). One difference remains: near the budget z-lab drafts a shorter
+  last block (``verify_size = min(block_size, max_length - start)``), so with bidirectional layers
+  its last drafts, and that step's count, can differ from ours, which drafts the whole block and
+  cuts. (Its older loop, at 44947fb, also counted the last step uncut and ran one more step at the
+  budget.)
 - speedup with prefill: (target-only seconds per output token) / (speculative seconds per output
   token), whole generations, summed over prompts.
 - decoding speedup (z-lab): the same ratio of per-prompt decoding time per output token, prefill
@@ -49,20 +56,14 @@ class Generation:
     Args:
         tokens (list[int]): generated ids (prompt excluded), ending at the first EOS if any.
         accept_lengths (list[int]): per speculative step, accepted drafts + 1, cut at EOS and at
-            ``max_new_tokens`` (empty for greedy).
-        full_accept_lengths (list[int]): z-lab's count: accepted drafts + 1 of every step with no
-            cut, and of the one more step z-lab's loop runs when the output ends exactly at
-            ``max_new_tokens`` or at the prefill token (differs from ``accept_lengths`` in the last
-            step or two).
-        seconds (float): wall time of the generation (to its last output token: z-lab's extra
-            step is not timed).
+            ``max_new_tokens`` (empty for greedy); z-lab's ``acceptance_lengths`` (module docstring).
+        seconds (float): wall time of the generation.
         prefill_seconds (float): the part of ``seconds`` spent on the prompt forward and the
             first token.
     """
 
     tokens: list[int]
     accept_lengths: list[int] = field(default_factory=list)  # sum + 1 (prefill token) == len(tokens)
-    full_accept_lengths: list[int] = field(default_factory=list)
     seconds: float = 0.0
     prefill_seconds: float = 0.0
 
@@ -78,7 +79,7 @@ class EvalReport:
 
     Args:
         tau_per_step (float): mean emitted tokens per step, last step cut at EOS/budget.
-        tau_per_prompt (float): z-lab's: mean over prompts of the per-prompt mean, last step in full.
+        tau_per_prompt (float): z-lab's: mean over prompts of the per-prompt mean (module docstring).
         histogram (dict[int, int]): steps by emitted tokens (``accepted + 1``, cut), 1..block_size.
         speedup (float): target-only / speculative time per output token, prefill included.
         decode_speedup (float): the same after prefill, per-prompt times averaged (z-lab's).
@@ -196,22 +197,10 @@ def speculative_generate(
     rollback = state_rollback.StateRollback.for_target(target, cache, rollback_strategy)
     context = target.select(out.hidden_states)  # [1, P, K*H]: states of every verified token
     last = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1], no target state yet
-    tokens, accept_lengths, full_accept_lengths = [int(last)], [], []  # int() waits for the device
+    tokens, accept_lengths = [int(last)], []  # int() waits for the device
     prefill_seconds = time.perf_counter() - start
     masks = torch.full((1, block_size - 1), mask_id, dtype=torch.long, device=device)
-    seconds = None
-    while True:
-        done = len(tokens) >= max_new_tokens or tokens[-1] in eos_ids
-        if done:
-            if seconds is None:  # the output is complete: our timings end here
-                _sync(device)
-                seconds = time.perf_counter() - start
-            # z-lab's loop (dflash/model.py dflash_generate) checks after each step, and steps on while
-            # the tokens it wrote (the prefill token and every step's accepted + 1, uncut) are at most
-            # max_new_tokens and hold no stop token: one more step when the output ends exactly at the
-            # budget or at the prefill token. Its acceptance counts that step; the output does not.
-            if full_accept_lengths and (tokens[-1] in eos_ids or 1 + sum(full_accept_lengths) > max_new_tokens):
-                break
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
         block = torch.cat([last[:, None], masks], dim=1)  # [1, Bs]
         draft = drafter.draft_block(context, target.embed_tokens(block), target.lm_head)  # [1, Bs-1]
         verified = context.shape[1]
@@ -224,11 +213,9 @@ def speculative_generate(
         # Emit the accepted drafts and the bonus token, but nothing past EOS or the token budget:
         # tau counts tokens the step really contributed, so sum(accept_lengths) + 1 == len(tokens).
         proposed = draft[0, :accepted].tolist() + [int(greedy[accepted])]
-        emitted = [] if done else _finish(proposed, max_new_tokens - len(tokens), eos_ids)
+        emitted = _finish(proposed, max_new_tokens - len(tokens), eos_ids)
         tokens.extend(emitted)
-        if emitted:
-            accept_lengths.append(len(emitted))
-        full_accept_lengths.append(accepted + 1)
+        accept_lengths.append(len(emitted))
         # Keep target states/cache for the block's first token and the accepted drafts only.
         context = torch.cat([context, target.select(out.hidden_states)[:, : accepted + 1]], dim=1)
         if rollback:
@@ -236,11 +223,11 @@ def speculative_generate(
         else:
             state_rollback.crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
+    _sync(device)
     return Generation(
         tokens=tokens,
         accept_lengths=accept_lengths,
-        full_accept_lengths=full_accept_lengths,
-        seconds=seconds,
+        seconds=time.perf_counter() - start,
         prefill_seconds=prefill_seconds,
     )
 
@@ -461,12 +448,11 @@ def summarize(plains: list[Generation], specs: list[Generation], *, block_size: 
     """The report of target-only (``plains``) and speculative (``specs``) generations of the same
     prompts, in both conventions of the module docstring.
 
-    A generation without z-lab steps (none of :func:`speculative_generate`'s: z-lab's loop steps at
-    least once) has no per-prompt tau and is left out of ``tau_per_prompt``; a figure with
-    nothing to average is NaN.
+    A generation without steps (its prefill token was a stop token, or the whole budget) has no
+    per-prompt tau and is left out of ``tau_per_prompt``; a figure with nothing to average is NaN.
     """
     lengths = [n for spec in specs for n in spec.accept_lengths]
-    per_prompt = [_mean(spec.full_accept_lengths) for spec in specs if spec.full_accept_lengths]
+    per_prompt = [_mean(spec.accept_lengths) for spec in specs if spec.accept_lengths]
     target_ms = 1e3 * sum(p.seconds for p in plains) / sum(len(p.tokens) for p in plains)
     spec_ms = 1e3 * sum(s.seconds for s in specs) / sum(len(s.tokens) for s in specs)
     target_decode_ms = _mean([p.decode_ms_per_token for p in plains])
@@ -514,7 +500,7 @@ def bootstrap_intervals(
         "plain_decode": [p.decode_ms_per_token for p in plains],
         "spec_decode": [s.decode_ms_per_token for s in specs],
     }
-    per_prompt = [_mean(s.full_accept_lengths) if s.full_accept_lengths else None for s in specs]
+    per_prompt = [_mean(s.accept_lengths) if s.accept_lengths else None for s in specs]
 
     def figures(pick: list[int]) -> dict[str, float]:
         total = {name: sum(column[j] for j in pick) for name, column in columns.items()}

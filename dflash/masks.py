@@ -3,9 +3,10 @@
 One training sequence of S tokens becomes N draft blocks of ``block_size`` (Bs) slots each. Block b
 starts at an *anchor* position a_b: its input is ``[x[a_b], MASK x (Bs - 1)]`` and slot k predicts
 ``x[a_b + k]`` (same position, no ``+1`` shift). Its queries attend to the target's context features
-at positions strictly before the anchor (``kv < a_b``) and to its own block bidirectionally; they see
-no other block. Both ``kv <= a_b`` and the ``+1`` label shift were real bugs in a public trainer
-(training accuracy ~70%, serving acceptance ~1.0): the tests pin both.
+at positions strictly before the anchor (``kv < a_b``) and to its own block (bidirectionally, or
+causally on causal layers, below); they see no other block. Both ``kv <= a_b`` and the ``+1``
+label shift were real bugs in a public trainer (training accuracy ~70%, serving acceptance ~1.0):
+the tests pin both.
 
 Layout used everywhere in this package:
 
@@ -29,10 +30,15 @@ target's side of the same rule: causal attention within each document.
 Sliding-window drafter layers (``sliding_window=W``, :mod:`dflash.modeling_dflash`) see less
 context: slot k of the block anchored at a sits at position ``a + k`` and sees the W positions
 ending there, so its context is ``max(start, a + k - W + 1) <= kv < a``; ``W >= Bs``, so it still
-sees its whole block. That is what flash-attention's window ``(W - 1, W - 1)`` gives the same slot
-at inference (transformers, z-lab/dflash) and SpecForge's sliding DFlash mask, so a drafter is
-trained on the context it is served with. Every function taking ``sliding_window`` treats None as
-full attention.
+sees its block. That is what flash-attention's window gives the same slot at inference
+(transformers, z-lab/dflash) and SpecForge's sliding DFlash mask, so a drafter is trained on the
+context it is served with. Every function taking ``sliding_window`` treats None as full attention.
+
+Causal layers (``causal=True``, :meth:`dflash.modeling_dflash.DFlashDraftConfig.layer_is_causal`:
+the sliding layers of a config without ``is_causal``, as vLLM, SGLang, TensorRT-LLM and z-lab's
+newer loader serve them) see their block causally: slot k sees slots ``0..k`` of its own block
+instead of all of it; the context is the same. Every function taking ``causal`` treats False
+(the default) as a bidirectional block.
 """
 
 from __future__ import annotations
@@ -278,16 +284,26 @@ def visible_pairs(
     block_size: int,
     document_ids: Tensor | None = None,
     sliding_window: int | None = None,
+    *,
+    causal: bool = False,
 ) -> Tensor:
     """Visible (query, key) pairs of the DFlash mask of one layer: over the valid blocks and their
     slots, the slot's context keys (``end_b - start_b``, fewer within a ``sliding_window``) plus
-    the Bs keys of its own block.
+    the keys of its own block it sees (Bs; ``k + 1`` for slot k of a ``causal`` layer).
 
     Returns:
         Tensor: int64 scalar on ``anchors.device`` (no host sync), for attention FLOPs / MFU.
     """
     context_start, end = _slot_context(anchors, valid, block_size, document_ids, sliding_window)
-    return (((end - context_start).clamp(min=0) + block_size) * valid[:, :, None]).sum()
+    return (
+        ((end - context_start).clamp(min=0) + _own_block_keys(block_size, causal, anchors.device)) * valid[:, :, None]
+    ).sum()
+
+
+def _own_block_keys(block_size: int, causal: bool, device) -> Tensor:
+    """Keys of its own block each slot sees, int64 ``[Bs]``: all Bs, or ``k + 1`` for slot k when causal."""
+    slots = torch.arange(block_size, device=device)
+    return slots + 1 if causal else torch.full_like(slots, block_size)
 
 
 def _slot_context(
@@ -309,6 +325,8 @@ def dflash_mask_mod(
     block_size: int,
     document_ids: Tensor | None = None,
     sliding_window: int | None = None,
+    *,
+    causal: bool = False,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The DFlash ``mask_mod`` for flex_attention: True where query ``q`` may attend to key ``kv``.
 
@@ -316,9 +334,9 @@ def dflash_mask_mod(
     ``start_b <= kv < anchors[batch, b]`` (strict: the anchor's own target hidden state is not yet
     known at inference; ``start_b`` is the first position of the anchor's document, 0 without
     documents), and draft key ``kv >= S`` iff it belongs to block b; nothing if ``valid[batch, b]``
-    is False. With ``sliding_window`` W, slot k also needs ``kv > anchors[batch, b] + k - W``
-    (module docstring). Elementwise with broadcasting, so it also evaluates on index grids
-    (:func:`dense_attention_mask`).
+    is False. With ``sliding_window`` W, slot k also needs ``kv > anchors[batch, b] + k - W``;
+    with ``causal``, slot k sees slots ``0..k`` of its block only (module docstring). Elementwise
+    with broadcasting, so it also evaluates on index grids (:func:`dense_attention_mask`).
 
     Args:
         anchors (Tensor): int64 ``[B, N]``.
@@ -330,6 +348,8 @@ def dflash_mask_mod(
             mask_mod has the same structure (one compiled graph).
         sliding_window (int, optional): W of a sliding-window layer (``>= block_size``); None =
             full attention. A Python int, fixed for a run (a constant of the compiled graph).
+        causal (bool): the block is seen causally (a constant of the compiled graph, fixed per
+            layer type).
 
     Returns:
         Callable: ``mask_mod(batch, head, q_idx, kv_idx) -> bool Tensor``; ``head`` is ignored
@@ -351,6 +371,8 @@ def dflash_mask_mod(
         if sliding_window is not None:
             sees_context = sees_context & (kv_idx > anchor + q_idx % block_size - sliding_window)
         sees_own_block = ~in_context & ((kv_idx - context_len) // block_size == block)
+        if causal:
+            sees_own_block = sees_own_block & ((kv_idx - context_len) % block_size <= q_idx % block_size)
         return valid[batch, block] & (sees_context | sees_own_block)
 
     return mask_mod
@@ -371,6 +393,8 @@ def dense_attention_mask(
     block_size: int,
     document_ids: Tensor | None = None,
     sliding_window: int | None = None,
+    *,
+    causal: bool = False,
 ) -> Tensor:
     """The DFlash mask as a dense bool tensor for SDPA (CPU and small cases only).
 
@@ -384,7 +408,7 @@ def dense_attention_mask(
     """
     batch, num_blocks = anchors.shape
     q_len = num_blocks * block_size
-    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids, sliding_window)
+    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids, sliding_window, causal=causal)
     return _evaluate_on_grid(mask_mod, batch, q_len, context_len + q_len, anchors.device)
 
 
@@ -396,6 +420,7 @@ def build_block_mask(
     document_ids: Tensor | None = None,
     sliding_window: int | None = None,
     *,
+    causal: bool = False,
     tile: int | tuple[int, int] = DEFAULT_TILE,
 ) -> BlockMask:
     """The DFlash BlockMask (``H=None``), built from tile indices without a dense Q x KV grid.
@@ -404,7 +429,8 @@ def build_block_mask(
     rather than ``create_block_mask``. ``create_block_mask`` evaluates the ``mask_mod`` on every
     (q, kv) pair (B * N*Bs * (S + N*Bs) booleans, ~100 MB per sample at S=4k, N=512, Bs=16, unless
     compiled); the closed form (:func:`interval_block_mask`, each query row sees its slot's context
-    interval ``[start_b, a_b)``, cut to the window with ``sliding_window``, and its own block) costs
+    interval ``[start_b, a_b)``, cut to the window with ``sliding_window``, and its own block, up to
+    its own slot when ``causal``) costs
     O(B * N*Bs + B * #q-tiles * #kv-tiles) and has no compile step, so it runs on any device,
     outside the compiled training step. Tests check it equals ``create_block_mask`` tile for tile,
     with and without documents and windows.
@@ -417,6 +443,7 @@ def build_block_mask(
         block_size (int): Bs.
         document_ids (Tensor, optional): int ``[B, S]``; None = one document per row.
         sliding_window (int, optional): W of a sliding-window layer; None = full attention.
+        causal (bool): slot k sees slots ``0..k`` of its block (module docstring).
         tile (int | tuple[int, int]): BlockMask tile (Q rows, KV columns); flex's default is 128.
 
     Returns:
@@ -428,14 +455,16 @@ def build_block_mask(
     """
     _check_anchors(anchors, valid, anchors.shape[0])
     _check_documents(document_ids, (anchors.shape[0], context_len))
-    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids, sliding_window)
+    mask_mod = dflash_mask_mod(anchors, valid, context_len, block_size, document_ids, sliding_window, causal=causal)
     batch, num_blocks = anchors.shape
     q_len = num_blocks * block_size
     block = torch.arange(q_len, device=anchors.device) // block_size
     row_valid = valid[:, block]  # [B, Q]
     start, end = _slot_context(anchors, valid, block_size, document_ids, sliding_window)
     own_start = torch.where(row_valid, context_len + block * block_size, 0)
-    own_end = torch.where(row_valid, own_start + block_size, 0)
+    own_end = torch.where(
+        row_valid, own_start + _own_block_keys(block_size, causal, anchors.device).repeat(num_blocks), 0
+    )
     return interval_block_mask(
         [(start.reshape(batch, q_len), end.reshape(batch, q_len)), (own_start, own_end)],
         kv_len=context_len + q_len,

@@ -56,6 +56,7 @@ def create_drafter_config(
     intermediate_size: int | None = None,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    is_causal: bool | None = None,
 ) -> DFlashDraftConfig:
     """Drafter config for a target (Qwen3, Llama, Qwen3.5/3.6 configs), in the target's geometry
     unless told otherwise.
@@ -80,13 +81,17 @@ def create_drafter_config(
         layer_types (list[str], optional): ``full_attention`` / ``sliding_attention`` per drafter
             layer; None = all full attention.
         sliding_window (int, optional): window of the sliding layers in tokens (>= block_size).
+        is_causal (bool, optional): causality within the draft block (:class:`DFlashDraftConfig`);
+            None = the engines' rule for a config without it: sliding layers causal, full
+            layers bidirectional.
 
     Returns:
         DFlashDraftConfig
 
     Raises:
-        ValueError: ``num_draft_layers < 1``, a window without sliding layers, or an invalid field
-            (see :class:`DFlashDraftConfig`).
+        ValueError: ``num_draft_layers < 1``, a window without sliding layers, no
+            ``intermediate_size`` given for a target without one (mixture of experts), or an invalid
+            field (see :class:`DFlashDraftConfig`).
     """
     if num_draft_layers < 1:
         raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
@@ -103,6 +108,12 @@ def create_drafter_config(
             )
         target_layer_ids = default_target_layer_ids(num_target_layers, captured)
     target_heads = text.num_attention_heads
+    intermediate_size = intermediate_size or getattr(text, "intermediate_size", None)
+    if intermediate_size is None:
+        raise ValueError(
+            f"intermediate_size: the target ({text.model_type}) has no single MLP width to copy (a mixture of "
+            "experts?); give the drafter's (dflash train: --draft-intermediate-size)"
+        )
     layer_types = list(layer_types or [modeling_dflash.FULL_ATTENTION] * num_draft_layers)
     sliding = modeling_dflash.SLIDING_ATTENTION in layer_types
     if sliding_window is not None and not sliding:
@@ -112,7 +123,7 @@ def create_drafter_config(
         num_attention_heads=num_attention_heads or target_heads,
         num_key_value_heads=num_key_value_heads or getattr(text, "num_key_value_heads", None) or target_heads,
         head_dim=head_dim or getattr(text, "head_dim", None) or text.hidden_size // target_heads,
-        intermediate_size=intermediate_size or text.intermediate_size,
+        intermediate_size=intermediate_size,
         layer_types=layer_types,
         use_sliding_window=sliding,
         sliding_window=sliding_window if sliding else None,
@@ -126,6 +137,7 @@ def create_drafter_config(
         block_size=block_size,
         num_target_layers=num_target_layers,
         dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        is_causal=is_causal,
         tie_word_embeddings=False,
         use_cache=False,
     )
@@ -154,25 +166,44 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
         """The DFlash masks of this drafter's layer types, in the form the configured backend takes.
 
         Returns ``{layer type: mask}`` for each type in ``config.layer_types`` (sliding layers get
-        their window, :mod:`dflash.masks`): a :class:`~torch.nn.attention.flex_attention.BlockMask`
-        for "flex_attention" (see :func:`dflash.masks.build_block_mask`) or a dense bool
-        ``[B, 1, Q, S + Q]`` tensor for "sdpa". ``document_ids`` (int ``[B, S]``, packed rows) limits
-        each block to its anchor's document. The trainer calls this outside its compiled step and
-        passes the result to :meth:`forward`, so the compiled step sees one structure.
+        their window, causal ones their causal block, :mod:`dflash.masks`): a
+        :class:`~torch.nn.attention.flex_attention.BlockMask` for "flex_attention" (see
+        :func:`dflash.masks.build_block_mask`) or a dense bool ``[B, 1, Q, S + Q]`` tensor for
+        "sdpa". ``document_ids`` (int ``[B, S]``, packed rows) limits each block to its anchor's
+        document. The trainer calls this outside its compiled step and passes the result to
+        :meth:`forward`, so the compiled step sees one structure.
         """
         impl = self._attention_backend()
         build = masks.build_block_mask if impl == "flex_attention" else masks.dense_attention_mask
+        config = self.config
         return {
-            kind: build(anchors, valid, context_len, self.config.block_size, document_ids, self.config.window_of(kind))
-            for kind in dict.fromkeys(self.config.layer_types)
+            kind: build(
+                anchors,
+                valid,
+                context_len,
+                config.block_size,
+                document_ids,
+                config.window_of(kind),
+                causal=config.layer_is_causal(kind),
+            )
+            for kind in dict.fromkeys(config.layer_types)
         }
 
     def attention_pairs(self, anchors: Tensor, valid: Tensor, document_ids: Tensor | None = None) -> Tensor:
-        """Visible (query, key) pairs summed over the drafter's layers (each with its window), for
-        the FLOP estimate (:func:`dflash.masks.visible_pairs`); an int64 device scalar, no host sync."""
+        """Visible (query, key) pairs summed over the drafter's layers (each with its window and
+        causality), for the FLOP estimate (:func:`dflash.masks.visible_pairs`); an int64 device
+        scalar, no host sync."""
+        config = self.config
         pairs = {
-            kind: masks.visible_pairs(anchors, valid, self.config.block_size, document_ids, self.config.window_of(kind))
-            for kind in set(self.config.layer_types)
+            kind: masks.visible_pairs(
+                anchors,
+                valid,
+                config.block_size,
+                document_ids,
+                config.window_of(kind),
+                causal=config.layer_is_causal(kind),
+            )
+            for kind in set(config.layer_types)
         }
         return sum(pairs[kind] for kind in self.config.layer_types)
 
@@ -250,9 +281,10 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
         computed yet). That last accepted token is slot 0 of the block, at position S (the anchor),
         followed by Bs-1 mask tokens; all context is visible (``kv < S``). This is exactly what
         :meth:`forward` computes for a block anchored at S, so training and inference agree
-        (``tests/unit/test_model.py`` checks it); sliding layers see the window before each slot,
-        as in training. No KV cache: the context keys/values are recomputed
-        on every call, O(S * layers) per step, acceptable for small drafters and short prompts.
+        (``tests/unit/test_model.py`` checks it); sliding layers see the window before each slot
+        and causal layers the block up to each slot, as in training. No KV cache: the context
+        keys/values are recomputed on every call, O(S * layers) per step, acceptable for small
+        drafters and short prompts.
 
         Args:
             target_hidden (Tensor): ``[B, S, K*H]`` tapped target states of positions 0..S-1.
@@ -269,7 +301,8 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
             raise ValueError(f"block_embeds has {bs} slots, the drafter's block_size is {self.config.block_size}")
         context_len = target_hidden.shape[1]
         positions = torch.arange(context_len, context_len + bs, device=block_embeds.device).expand(batch, bs)
-        # attention_mask=None: every draft slot sees all context (its window on sliding layers) and its block.
+        # attention_mask=None: every draft slot sees all context (its window on sliding layers) and its
+        # block (up to itself on causal layers).
         return self._run(block_embeds, target_hidden, positions, None, None)
 
     def _run(

@@ -18,15 +18,21 @@ target's frozen ``lm_head``. It is conditioned on K hidden states tapped from th
 axis and fused once, ``hidden_norm(fc(x))``, into one context sequence every layer attends to.
 Queries come only from draft-block tokens; keys/values are the same ``k_proj``/``v_proj`` over
 ``[context ; draft tokens]`` with ``k_norm`` on both; RoPE (neox style, ``rotate_half``) on Q and
-K; GQA; non-causal (z-lab/dflash ``model.py``; vLLM ``qwen3_dflash.py``).
+K; GQA (z-lab/dflash ``model.py``; vLLM ``qwen3_dflash.py``).
 
 Layers are ``full_attention`` or ``sliding_attention`` (``layer_types``, as the published
 Qwen3.5/3.6 drafters: 4 sliding layers with ``sliding_window`` 2048, then 1 full). A sliding layer
 limits what a draft token at position p sees to the ``sliding_window`` positions ending at p: keys
-at positions ``> p - sliding_window`` (flash-attention's window ``(W - 1, W - 1)`` of transformers,
-z-lab/dflash and SGLang's left bound). The window is at least ``block_size``, so a draft token always
-sees its whole block (engines disagree on a right bound, which then never bites). The config says
-``is_causal: false``: vLLM and SGLang treat sliding DFlash layers as causal unless told otherwise.
+at positions ``> p - sliding_window`` (flash-attention's left bound in transformers, z-lab/dflash
+and SGLang). The window is at least ``block_size``, so a draft token always sees its block
+(engines disagree on a right bound, which then never bites).
+
+Causality within the draft block follows vLLM main (``qwen3_dflash.py::_dflash_layer_causal``),
+read from the config: a top-level ``is_causal`` true or false makes every layer causal or
+bidirectional; without it ``dflash_config.causal`` does the same; without either (the published
+configs) sliding layers are causal (a draft token sees the slots of its block up to its own) and
+full-attention layers bidirectional, the default SGLang (PR #34524), TensorRT-LLM (PR #16914) and
+z-lab/dflash's newer ``model.py`` share. See :meth:`DFlashDraftConfig.layer_is_causal`.
 
 Checkpoint layout (what vLLM and SGLang load): a Qwen3 ``config.json`` (``model_type`` ``qwen3``)
 plus ``architectures=["DFlashDraftModel"]``, top-level ``block_size`` and ``num_target_layers``,
@@ -127,17 +133,21 @@ class DFlashDraftConfig(Qwen3Config):
     Args:
         block_size (int): tokens per draft block (anchor + block_size-1 predictions); >= 2.
         num_target_layers (int): L, decoder layers of the target model.
-        dflash_config (dict): ``{"mask_token_id": int, "target_layer_ids": list[int]}``; the mask
-            token must be a row of the target embedding (``< vocab_size``), the ids in ``[0, L)``,
-            distinct. None gives the Qwen3 defaults (mask 151669, the default ids for L).
-        is_causal (bool): False, the only kind DFlash drafters are (draft blocks are bidirectional);
-            written so that vLLM and SGLang do not take sliding layers for causal ones.
+        dflash_config (dict): ``{"mask_token_id": int, "target_layer_ids": list[int]}`` and
+            optionally ``"causal": bool``; the mask token must be a row of the target embedding
+            (``< vocab_size``), the ids in ``[0, L)``, distinct. None gives the Qwen3 defaults
+            (mask 151669, the default ids for L).
+        is_causal (bool, optional): True / False: every layer sees its draft block causally /
+            bidirectionally; None (the published drafters): ``dflash_config.causal`` if given, else
+            sliding layers causal and full-attention layers bidirectional (module docstring). Kept
+            in ``is_causal`` and ``dflash_config.causal`` alike.
         **kwargs: Qwen3Config fields (hidden_size, num_attention_heads, rope_parameters,
             layer_types, sliding_window, ...). ``use_sliding_window`` defaults to True when a layer
             is ``sliding_attention`` (Qwen3Config drops ``sliding_window`` without it).
 
     Raises:
-        ValueError: naming the field that is out of range.
+        ValueError: naming the field that is out of range, or ``is_causal`` and
+            ``dflash_config.causal`` that disagree (engines differ on which one wins).
     """
 
     def __init__(
@@ -145,13 +155,9 @@ class DFlashDraftConfig(Qwen3Config):
         block_size: int = 16,
         num_target_layers: int = 36,
         dflash_config: dict | None = None,
-        is_causal: bool = False,
+        is_causal: bool | None = None,
         **kwargs,
     ):
-        if is_causal:
-            raise ValueError(
-                "is_causal: true (causal draft blocks) is not a DFlash drafter; draft blocks are bidirectional"
-            )
         if SLIDING_ATTENTION in (kwargs.get("layer_types") or ()):
             kwargs.setdefault("use_sliding_window", True)
         if block_size < 2:
@@ -172,8 +178,10 @@ class DFlashDraftConfig(Qwen3Config):
             }
         self.block_size = block_size
         self.num_target_layers = num_target_layers
-        self.dflash_config = dflash_config
-        self.is_causal = False
+        self.is_causal = _causality(is_causal, dflash_config.get("causal"))
+        self.dflash_config = {k: v for k, v in dflash_config.items() if k != "causal"}
+        if self.is_causal is not None:
+            self.dflash_config["causal"] = self.is_causal
         super().__init__(**kwargs)
         self._validate_dflash_config()
         self._validate_attention()
@@ -238,6 +246,24 @@ class DFlashDraftConfig(Qwen3Config):
         """The sliding window of layers of ``layer_type`` in tokens; None for full attention."""
         return self.sliding_window if layer_type == SLIDING_ATTENTION else None
 
+    def layer_is_causal(self, layer_type: str) -> bool:
+        """Whether layers of ``layer_type`` see their draft block causally (slot k sees slots
+        ``0..k``): ``is_causal`` when set, else sliding layers only (module docstring)."""
+        return layer_type == SLIDING_ATTENTION if self.is_causal is None else self.is_causal
+
+
+def _causality(is_causal, dflash_causal) -> bool | None:
+    """The one causality of a config that may say it in ``is_causal`` and ``dflash_config.causal``."""
+    for name, value in (("is_causal", is_causal), ("dflash_config.causal", dflash_causal)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be true, false or absent, got {value!r}")
+    if is_causal is not None and dflash_causal is not None and is_causal != dflash_causal:
+        raise ValueError(
+            f"is_causal {is_causal} and dflash_config.causal {dflash_causal} disagree (vLLM releases before "
+            "#52816 read only dflash_config.causal, later ones and SGLang is_causal first); make them equal"
+        )
+    return dflash_causal if is_causal is None else is_causal
+
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Neox-style RoPE on ``x`` [B, heads, T, D] with ``cos``/``sin`` [B, T, D]."""
@@ -246,7 +272,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class DFlashAttention(nn.Module):
-    """Queries from the draft tokens, keys/values over ``[context ; draft tokens]``, non-causal, GQA."""
+    """Queries from the draft tokens, keys/values over ``[context ; draft tokens]``, GQA; what a
+    draft token sees (window, causality) comes with the mask."""
 
     def __init__(self, config: DFlashDraftConfig, layer_idx: int):
         super().__init__()
@@ -258,7 +285,8 @@ class DFlashAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
-        # Read by transformers' sdpa_attention_forward: never add a causal mask of its own.
+        # Read by transformers' sdpa_attention_forward: never add a causal mask of its own (it
+        # would align queries to the end of [context ; block]); causal layers get theirs in the mask.
         self.is_causal = False
         hidden, q_dim, kv_dim = (
             config.hidden_size,
@@ -377,7 +405,8 @@ class DFlashDraftModel(PreTrainedModel):
                 (``{"full_attention": ..., "sliding_attention": ...}``; a single mask only when every
                 layer is full attention). None is the inference form: every draft token sees all of
                 it, within the window on sliding layers (by position: key positions
-                ``> position - sliding_window``).
+                ``> position - sliding_window``), and on causal layers
+                (:meth:`DFlashDraftConfig.layer_is_causal`) only key positions ``<= position``.
             query_valid (Tensor, optional): bool ``[B, Q, 1]``, False on draft tokens of padding
                 blocks (training), whose attention output is zeroed; None: all real.
 
@@ -424,20 +453,29 @@ class DFlashDraftModel(PreTrainedModel):
         return {kind: self._inference_mask(kind, position_ids, context_len) for kind in types}
 
     def _inference_mask(self, layer_type: str, position_ids: Tensor, context_len: int):
-        """None (all visible) for full attention; the window by position for sliding layers."""
+        """None (all visible) for bidirectional full attention; else the window and causality by
+        position: a draft token at position p sees keys at ``p - window < position <= p``."""
         window = self.config.window_of(layer_type)
-        if window is None:
+        causal = self.config.layer_is_causal(layer_type)
+        if window is None and not causal:
             return None
         query_positions = position_ids[:, context_len:]
+
+        def visible(query_position: Tensor, key_position: Tensor) -> Tensor:
+            distance = query_position - key_position
+            if window is None:  # causal full attention
+                return distance >= 0
+            return (distance < window) & (distance >= 0) if causal else distance < window
+
         if self.config._attn_implementation != "flex_attention":
-            return ((query_positions[:, :, None] - position_ids[:, None, :]) < window)[:, None]
+            return visible(query_positions[:, :, None], position_ids[:, None, :])[:, None]
         from torch.nn.attention.flex_attention import create_block_mask
 
-        def in_window(batch, head, q_idx, kv_idx):
-            return query_positions[batch, q_idx] - position_ids[batch, kv_idx] < window
+        def mask_mod(batch, head, q_idx, kv_idx):
+            return visible(query_positions[batch, q_idx], position_ids[batch, kv_idx])
 
         batch, kv_len = position_ids.shape
-        return create_block_mask(in_window, batch, None, kv_len - context_len, kv_len, device=position_ids.device)
+        return create_block_mask(mask_mod, batch, None, kv_len - context_len, kv_len, device=position_ids.device)
 
     def _check_context_width(self, target_hidden: Tensor) -> None:
         width = target_hidden.shape[-1]

@@ -90,10 +90,16 @@ def drafter_rope_parameters(target_config: dict) -> dict:
 
 
 def portable_config(config: dict, *, dtype: torch.dtype | None) -> dict:
-    """``config`` with the keys every loader needs: RoPE in both forms, ``auto_map``, ``dtype``,
-    and ``is_causal: false`` (vLLM and SGLang take sliding DFlash layers for causal ones without it;
-    ``layer_types``, ``sliding_window``, ``use_sliding_window`` and ``max_window_layers`` are Qwen3
-    fields every config dict carries).
+    """``config`` with the keys every loader needs: RoPE in both forms, ``auto_map``, ``dtype``
+    (``layer_types``, ``sliding_window``, ``use_sliding_window`` and ``max_window_layers`` are Qwen3
+    fields every config dict carries), and the drafter's causality as every engine reads it.
+
+    Causality: a config without ``is_causal`` (the published drafters') has causal sliding layers
+    and bidirectional full layers in vLLM, SGLang, TensorRT-LLM and z-lab/dflash, and so in
+    :class:`~dflash.modeling_dflash.DFlashDraftConfig`; such a config gets neither key. One that
+    deviates (``is_causal`` true or false: every layer alike) gets both ``is_causal`` and
+    ``dflash_config.causal``: vLLM before #52816 reads only the latter, later vLLM, SGLang and
+    z-lab the former.
 
     Args:
         config (dict): the drafter config (``DFlashDraftConfig.to_diff_dict()`` of 4.x or 5.x).
@@ -108,15 +114,22 @@ def portable_config(config: dict, *, dtype: torch.dtype | None) -> dict:
     """
     rope = rope_parameters_of(config)
     rope_theta, rope_scaling = legacy_rope(rope)
+    dflash_config = {k: v for k, v in (config.get("dflash_config") or {}).items() if k != "causal"}
+    causal = config.get("is_causal")
+    if causal is None:  # a dict whose is_causal was left out as a default keeps it here
+        causal = (config.get("dflash_config") or {}).get("causal")
     out = {
-        **config,
+        **{k: v for k, v in config.items() if k not in ("is_causal", "dflash_config")},
         "rope_parameters": rope,
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         "architectures": ["DFlashDraftModel"],
         "auto_map": dict(AUTO_MAP),
-        "is_causal": False,
     }
+    if causal is not None:
+        out |= {"is_causal": causal, "dflash_config": {**dflash_config, "causal": causal}}
+    elif "dflash_config" in config:
+        out["dflash_config"] = dflash_config
     if dtype is not None:
         out["dtype"] = str(dtype).removeprefix("torch.")
     return out

@@ -8,6 +8,13 @@ well under a second. It changes nothing on disk.
 
 Numbers (``--lr nan``, ``--steps 0``, ...) are checked earlier still, when the
 :class:`~dflash.config.TrainConfig` is built.
+
+:func:`check_drafter_config` comes next (the trainer runs it right after): it builds the config
+of the drafter the run will train from the target's ``config.json``, no weights, so a drafter
+shape that does not work (a window smaller than the block, heads that do not group over the KV
+heads, a target with no MLP width to copy) is named before the target loads. It needs
+transformers' config classes, a few seconds to import, which is why it is not part of
+:func:`validate_inputs`.
 """
 
 from __future__ import annotations
@@ -59,6 +66,53 @@ def validate_inputs(config: TrainConfig) -> None:
     target_config = check_target_fits(target_dir, config)
     check_devices(config)
     check_linear_attention_kernels(target_config, target_dir, config)
+
+
+#: Drafter config fields and the ``dflash train`` flags that set them, for :func:`check_drafter_config`'s errors.
+DRAFTER_FLAGS = {
+    "block_size": "--block-size",
+    "num_hidden_layers": "--num-draft-layers",
+    "layer_types": "--draft-layer-types",
+    "sliding_window": "--draft-sliding-window",
+    "num_attention_heads": "--draft-heads",
+    "num_key_value_heads": "--draft-kv-heads",
+    "head_dim": "--draft-head-dim",
+    "intermediate_size": "--draft-intermediate-size",
+}
+
+
+def check_drafter_config(config: TrainConfig) -> None:
+    """The drafter of ``config`` (resolved, :func:`dflash.drafter_shape.resolve_drafter_shape`)
+    builds for its target: its config, without weights, from the target's ``config.json``, as the
+    trainer builds it once the target has loaded (module docstring). An ``--init-from`` drafter was
+    read and checked whole when the shape was resolved.
+
+    Raises:
+        ValueError: the drafter config is invalid; the message names the field, the problem and
+            the flags that set it.
+    """
+    if config.init_from:
+        return
+    from transformers import AutoConfig
+
+    from dflash.assets import default_target_dir
+    from dflash.drafter_shape import drafter_config
+    from dflash.layer_taps import check_taps
+
+    target_dir = Path(config.target) if config.target else default_target_dir()
+    target = AutoConfig.from_pretrained(target_dir)
+    text = target.get_text_config()
+    ids = check_taps(text.num_hidden_layers, layer_ids=config.target_layer_ids, num_captured=config.num_target_layers)
+    try:
+        # The mask token is resolved from the tokenizer when the run starts; any row stands in for it
+        # here (an explicit --mask-token-id was checked against the vocabulary by validate_inputs).
+        drafter_config(config, target, target_layer_ids=ids, mask_token_id=config.mask_token_id or 0)
+    except ValueError as e:
+        flags = [flag for field, flag in DRAFTER_FLAGS.items() if field in str(e)]
+        raise ValueError(
+            f"the drafter this run would train does not build: {e}"
+            + (f" (set by {', '.join(flags)}, or by the rule of dflash.drafter_shape where empty)" if flags else "")
+        ) from None
 
 
 def check_anchor_budget(config: TrainConfig) -> None:

@@ -43,7 +43,7 @@ from dflash.engine.step import LossSettings, detect_peak_tflops
 from dflash.engine.threaded import ThreadedEngine, bottleneck
 from dflash.mask_token import resolve_mask_token_id
 from dflash.packing import row_packer
-from dflash.preflight import validate_inputs
+from dflash.preflight import check_drafter_config, validate_inputs
 from dflash.progress_logging import log_above_progress_bars
 from dflash.resume import check_process_count, check_resume_config
 from dflash.run_dir import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
@@ -190,6 +190,7 @@ class Trainer:
         logger.debug("config: %s", json.dumps(config.to_dict(), sort_keys=True))
         self.out = Path(config.out)
         validate_inputs(config)  # before anything slow: arguments, files, devices
+        check_drafter_config(config)  # the drafter's config from the target's config.json, before the target loads
         self.process = ProcessInfo.from_env()
         self.layout, self.threaded = resolve_layout(config, self.process)
         init_process_group(self.process, self.layout.drafters[0].device)
@@ -366,16 +367,19 @@ class Trainer:
             progress=cfg.progress and self.process.is_main,
         )
 
-    def _mask_token_id(self, target) -> int:
-        """``--mask-token-id``, else the resumed drafter's, else the target tokenizer's choice
+    def _resumed_drafter_config(self) -> dict:
+        """``config.json`` of the checkpoint ``--resume`` continues; {} for a new run."""
+        if not self.config.resume:
+            return {}
+        step_dir = checkpoint.find_checkpoint(self.out, verify=False)
+        return json.loads((step_dir / checkpoint.CONFIG_NAME).read_text())
+
+    def _mask_token_id(self, target, resumed: dict) -> int:
+        """``--mask-token-id``, else the ``resumed`` drafter's, else the target tokenizer's choice
         (:func:`dflash.mask_token.resolve_mask_token_id`; logged with its source)."""
-        resumed = None
-        if self.config.resume:
-            step_dir = checkpoint.find_checkpoint(self.out, verify=False)
-            resumed = json.loads((step_dir / checkpoint.CONFIG_NAME).read_text()).get("dflash_config")
         mask_id, _ = resolve_mask_token_id(
             explicit=self.config.mask_token_id,
-            drafter_config=resumed,
+            drafter_config=resumed.get("dflash_config"),
             tokenizer=self.tokenizer,
             vocab_size=target.embed_tokens.num_embeddings,
         )
@@ -392,8 +396,15 @@ class Trainer:
 
             logger.info("drafter: starting from %s (its shape, RoPE and weights)", cfg.init_from)
             return load_drafter_dir(cfg.init_from, dtype=torch.float32, attn_implementation=attention).train()
+        resumed = self._resumed_drafter_config()
+        # A resumed run keeps the causality it was trained with (runs saved before the engines' rule
+        # was followed say is_causal false); a new one takes the rule (dflash.modeling_dflash).
         config = drafter_config(
-            cfg, target.config, target_layer_ids=target.layer_ids, mask_token_id=self._mask_token_id(target)
+            cfg,
+            target.config,
+            target_layer_ids=target.layer_ids,
+            mask_token_id=self._mask_token_id(target, resumed),
+            is_causal=resumed.get("is_causal"),
         )
         # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
         return DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()

@@ -1,7 +1,7 @@
 """Tiny stand-ins for the tests: a byte-level BPE tokenizer with a ChatML template and a
-mask token, random Qwen3 / Llama / Qwen3.5 (hybrid) targets saved as HF directories, a JSONL writer, a tokenizer
-that records what it rendered, a run-in-a-thread helper, and one to run a script in a fresh
-interpreter on plain or patched torch.
+mask token, random Qwen3 / Llama / Qwen3.5 (hybrid) targets saved as HF directories, a scripted drafter for
+speculative decoding, a JSONL writer, a tokenizer that records what it rendered, a run-in-a-thread
+helper, and one to run a script in a fresh interpreter on plain or patched torch.
 
 Built in a temp dir in well under a second each; no network.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -83,6 +84,8 @@ def make_tokenizer(directory: Path):
 #: The hybrid (qwen3_5) architectures: Qwen3.5 / Qwen3.6, text-only and as the multimodal
 #: checkpoint Qwen3.6-27B ships (a vision tower around the language model, ``text_config`` nested).
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_multimodal")
+#: The mixture-of-experts hybrid (qwen3_5_moe, Qwen3.5/3.6-35B-A3B's text model), text-only.
+MOE_ARCH = "qwen3_5_moe"
 
 
 def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32, seed: int = 0):
@@ -90,7 +93,8 @@ def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hi
 
     ``arch``: ``qwen3`` or ``llama`` (dense), or one of :data:`HYBRID_ARCHS`: Qwen3.6's layout
     (3 Gated DeltaNet layers then 1 gated full-attention layer, repeated; partial rotary with
-    M-RoPE sections), transformers 5 only.
+    M-RoPE sections), or :data:`MOE_ARCH` (the same layout with 4 experts of which 2 are active, no
+    single MLP width), transformers 5 only.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -114,7 +118,7 @@ def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hi
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch in HYBRID_ARCHS:
+    elif arch in (*HYBRID_ARCHS, MOE_ARCH):
         model = _hybrid_model(arch, common, hidden)
     else:
         raise ValueError(arch)
@@ -142,6 +146,14 @@ def _hybrid_model(arch: str, common: dict, hidden: int):
     )
     if arch == "qwen3_5":
         return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    if arch == MOE_ARCH:
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
+        text = {k: v for k, v in text.items() if k != "intermediate_size"}
+        return Qwen3_5MoeForCausalLM(
+            Qwen3_5MoeTextConfig(**text, **experts, shared_expert_intermediate_size=hidden // 2)
+        )
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4)
     return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
 
@@ -163,9 +175,10 @@ def tiny_target_config(**overrides):
     return Qwen3Config(**{**fields, **overrides})
 
 
-def tiny_drafter(layer_types=None, *, sliding_window=None, seed: int = 0):
+def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed: int = 0):
     """A random SDPA drafter (eval mode) of block size 4 tapping 3 layers of :func:`tiny_target_config`:
-    2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63."""
+    2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63; ``is_causal``
+    as in its config (None: the engines' rule, sliding layers causal)."""
     from dflash.model import DFlashDraftModel, create_drafter_config
 
     layers = len(layer_types) if layer_types else 2
@@ -177,9 +190,31 @@ def tiny_drafter(layer_types=None, *, sliding_window=None, seed: int = 0):
         mask_token_id=63,
         layer_types=layer_types,
         sliding_window=sliding_window,
+        is_causal=is_causal,
     )
     torch.manual_seed(seed)
     return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+class ScriptedDrafter:
+    """Stands in for a drafter in :func:`dflash.evaluate.speculative_generate`: proposes the target's
+    greedy continuation ``reference`` (generated tokens, prompt excluded) with the first ``correct``
+    drafts of every block right and the rest wrong (the right token - 1, or 1 for token 0), or, with
+    ``correct=None``, a count drawn uniformly from 0..Bs-1 per block (``seed``), so every rejection
+    point and the whole block occur. ``config`` needs ``block_size``, ``mask_token_id`` and
+    ``target_layer_ids`` (a real drafter's, or a SimpleNamespace)."""
+
+    def __init__(self, config, reference: list[int], prompt_len: int, *, correct: int | None = None, seed: int = 0):
+        self.config, self.reference, self.prompt_len, self.correct = config, reference, prompt_len, correct
+        self.rng = random.Random(seed)
+
+    def draft_block(self, target_hidden, block_embeds, lm_head):
+        start = target_hidden.shape[1] - self.prompt_len + 1  # index of the first drafted token
+        n = self.config.block_size - 1
+        truth = (self.reference + [0] * (start + n))[start : start + n]
+        right = self.rng.randint(0, n) if self.correct is None else self.correct
+        drafts = truth[:right] + [t - 1 if t else 1 for t in truth[right:]]
+        return torch.tensor([drafts], device=target_hidden.device)
 
 
 def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:

@@ -133,8 +133,8 @@ def _print_report(report) -> None:
     )
     print(
         f"  {report.tau_per_prompt:.3f}{_interval(report, 'tau_per_prompt')} per prompt (z-lab's published "
-        "convention, as its loop counts: mean of per-prompt means; last step counted in full, plus the one more step "
-        "z-lab runs when a generation ends exactly at the token budget)"
+        "convention, counted as its dflash_generate at 10129599 counts: mean of per-prompt means, last step cut "
+        "at EOS/token budget)"
     )
     print("accepted+1 per step (last step cut):")
     for length in range(1, report.block_size + 1):

@@ -1,7 +1,8 @@
 """The drafter shapes at a public model's width on one GPU (skipped without CUDA): random targets
 built from the public configs of Qwen3-8B (dense) and Qwen3.6-27B (hybrid qwen3_5), cut to 8 decoder
 layers, trained a few compiled bf16 steps with the drafter each rule gives them (the published
-Qwen3.6 drafter: 5 layers, 4 sliding, 32 / 8 / 128, block 16); one compile, finite loss.
+Qwen3.6 drafter: 5 layers, 4 sliding and causal within the block, 32 / 8 / 128, block 16); one
+compile, finite loss.
 
     python -m pytest tests/integration/test_drafter_shapes_gpu.py -q -s
 """
@@ -9,6 +10,8 @@ Qwen3.6 drafter: 5 layers, 4 sliding, 32 / 8 / 128, block 16); one compile, fini
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,65 +22,29 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="a public 
 LAYERS = 8  # enough for 5 distinct default taps
 
 
-def _qwen3_8b_cut():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _cut(shape: str):
+    """The first LAYERS layers of a public shape of benchmarks/shapes.py: (model class, config)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from shapes import SHAPES, dense_text_config, hybrid_text_config
+    from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM, config
-
-
-def _qwen3_6_27b_cut():
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    config = Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=262144,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-    )
-    return Qwen3_5ForCausalLM, config
+    if SHAPES[shape]["arch"] == "qwen3_5":
+        return Qwen3_5ForCausalLM, hybrid_text_config(shape, LAYERS)
+    return Qwen3ForCausalLM, dense_text_config(shape, LAYERS)
 
 
 @pytest.mark.parametrize(
-    ("build", "flags", "expected"),
+    ("shape", "flags", "expected"),
     [
-        (_qwen3_8b_cut, dict(block_size=16, num_draft_layers=5, num_target_layers=5), (5, 32, 8, 128, None)),
-        (_qwen3_6_27b_cut, dict(pack=False), (5, 32, 8, 128, 2048)),
+        ("qwen3-8b", dict(block_size=16, num_draft_layers=5, num_target_layers=5), (5, 32, 8, 128, None)),
+        ("qwen3.6-27b", dict(pack=False), (5, 32, 8, 128, 2048)),
     ],
     ids=["qwen3-8b-width", "qwen3.6-27b-width"],
 )
-def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, build, flags, expected):
+def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, shape, flags, expected):
     from dflash.trainer import Trainer
 
-    model_cls, config = build()
+    model_cls, config = _cut(shape)
     tokenizer = make_tokenizer(tmp_path / "target")
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     with torch.device("cuda"):
@@ -93,6 +60,10 @@ def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, build,
     layers, heads, kv_heads, head_dim, window = expected
     geometry = (drafter.num_hidden_layers, drafter.num_attention_heads, drafter.num_key_value_heads, drafter.head_dim)
     assert geometry == (layers, heads, kv_heads, head_dim) and drafter.sliding_window == window
+    # The engines' rule (no is_causal): the sliding layers see their block causally, the full one whole.
+    assert [drafter.layer_is_causal(kind) for kind in drafter.layer_types] == [
+        kind == "sliding_attention" for kind in drafter.layer_types
+    ]
     assert drafter.block_size == 16 and not {"partial_rotary_factor", "mrope_section"} & set(drafter.rope_parameters)
     metrics = trainer.train()
     assert math.isfinite(metrics["loss"])

@@ -80,8 +80,8 @@ def _target(hybrid: bool):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from shapes import SHAPES, hybrid_text_config
-    from transformers import Qwen3_5ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from shapes import dense_text_config, hybrid_text_config
+    from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
 
     from dflash.target import Target
 
@@ -89,8 +89,7 @@ def _target(hybrid: bool):
     if hybrid:
         config, make = hybrid_text_config("qwen3.6-27b", LAYERS), Qwen3_5ForCausalLM
     else:
-        fields = {k: v for k, v in SHAPES["qwen3-32b"].items() if k not in ("arch", "num_hidden_layers")}
-        config, make = Qwen3Config(**fields, num_hidden_layers=LAYERS), Qwen3ForCausalLM
+        config, make = dense_text_config("qwen3-32b", LAYERS), Qwen3ForCausalLM
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):

@@ -322,9 +322,11 @@ def test_modeling_file_imports_only_torch_and_transformers(trained):
     assert modules <= {"__future__", "inspect", "torch", "transformers"}, modules
 
 
-@pytest.fixture(scope="module")
-def sliding(trained, tmp_path_factory):
-    """(target, a random drafter of 2 sliding layers (window 6) then 1 full, its step directory)."""
+@pytest.fixture(scope="module", params=[None, False], ids=["default-rule", "is_causal-false"])
+def sliding(trained, tmp_path_factory, request):
+    """(target, a random drafter of 2 sliding layers (window 6) then 1 full, its step directory), on
+    the engines' default causality (no is_causal, as the published drafters) or all bidirectional
+    (is_causal false: an --init-from drafter or a run saved so)."""
     target = trained[0]
     config = create_drafter_config(
         target.config,
@@ -333,6 +335,7 @@ def sliding(trained, tmp_path_factory):
         mask_token_id=300,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=6,
+        is_causal=request.param,
     )
     torch.manual_seed(1)
     drafter = DFlashDraftModel._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
@@ -343,28 +346,43 @@ def sliding(trained, tmp_path_factory):
     return target, drafter, step_dir
 
 
-def _engine_causal(config: dict, layer: int) -> bool:
-    """vLLM's ``qwen3_dflash.py`` and SGLang's DFlash model resolve a layer's causality so: an
-    explicit ``is_causal`` wins, else sliding layers are causal (a stand-in of that rule)."""
-    if config.get("is_causal") is not None:
+def _engine_causal(config: dict, layer: int, *, reads_is_causal: bool = True) -> bool:
+    """A stand-in of vLLM main's ``qwen3_dflash.py::_dflash_layer_causal``: a top-level
+    ``is_causal`` wins, else ``dflash_config.causal``, else sliding layers are causal (SGLang PR
+    #34524 and TensorRT-LLM PR #16914 default alike). ``reads_is_causal=False``: vLLM releases
+    before #52816, which read only ``dflash_config.causal``."""
+    if reads_is_causal and config.get("is_causal") is not None:
         return bool(config["is_causal"])
+    override = (config.get("dflash_config") or {}).get("causal")
+    if override is not None:
+        return bool(override)
     return config["layer_types"][layer] == "sliding_attention"
 
 
-def test_a_sliding_drafter_says_its_window_the_way_every_loader_reads_it(sliding):
+def test_a_sliding_drafter_says_its_window_and_causality_the_way_every_loader_reads_it(sliding):
     from transformers import Qwen3Config
 
     _, drafter, step_dir = sliding
     raw = json.loads((step_dir / "config.json").read_text())
     assert raw["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
     assert raw["sliding_window"] == 6 and raw["use_sliding_window"] is True and raw["max_window_layers"] == 3
-    # z-lab/dflash builds each layer from a stock Qwen3Config: window = sliding_window on sliding layers.
+    # z-lab/dflash builds each layer from a stock Qwen3Config: window = sliding_window on sliding layers,
+    # and (its newer model.py) causal = the sliding layers when is_causal is absent, else is_causal.
     stock = Qwen3Config.from_pretrained(step_dir)
     z_lab_windows = [stock.sliding_window if kind == "sliding_attention" else None for kind in stock.layer_types]
     assert z_lab_windows == [layer.self_attn.sliding_window for layer in drafter.layers] == [6, 6, None]
-    # vLLM and SGLang: bidirectional draft blocks on every layer only because the config says so.
-    assert raw["is_causal"] is False and not any(_engine_causal(raw, i) for i in range(3))
-    assert _engine_causal({k: v for k, v in raw.items() if k != "is_causal"}, 0)
+    stock_causal = getattr(stock, "is_causal", None)
+    z_lab_causal = [kind == "sliding_attention" if stock_causal is None else stock_causal for kind in stock.layer_types]
+    ours = [drafter.config.layer_is_causal(kind) for kind in drafter.config.layer_types]
+    assert ours == ([True, True, False] if drafter.config.is_causal is None else [False] * 3)
+    # Every engine serves each layer as trained, whichever key its release reads.
+    assert z_lab_causal == ours
+    assert [_engine_causal(raw, i) for i in range(3)] == ours
+    assert [_engine_causal(raw, i, reads_is_causal=False) for i in range(3)] == ours
+    if drafter.config.is_causal is None:  # the published drafters' form: neither key
+        assert "is_causal" not in raw and "causal" not in raw["dflash_config"]
+    else:
+        assert raw["is_causal"] is raw["dflash_config"]["causal"] is False
 
 
 def test_trust_remote_code_applies_the_window(sliding, tmp_path, monkeypatch):
@@ -381,6 +399,13 @@ def test_trust_remote_code_applies_the_window(sliding, tmp_path, monkeypatch):
     with torch.no_grad():
         served = model.eval()(noise_embedding=block, target_hidden=context, position_ids=positions)
         torch.testing.assert_close(served, drafter.block_hidden(context, block), rtol=1e-5, atol=1e-5)
+        # The served file applies the config's causality: made bidirectional it serves another
+        # function unless the config already was.
+        causal = model.config.is_causal
+        model.config.is_causal = False
+        bidirectional = model(noise_embedding=block, target_hidden=context, position_ids=positions)
+        assert ((bidirectional - served).abs().max() > 1e-4) == (causal is None)
+        model.config.is_causal = causal
         # Served with full attention on every layer (what an engine ignoring the window does): not the same.
         model.config.layer_types = ["full_attention"] * 3
         for layer in model.layers:

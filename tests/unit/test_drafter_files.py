@@ -112,3 +112,19 @@ def test_the_tapped_layer_count_is_checked_against_fc(shipped, tmp_path):
 
     with pytest.raises(CheckpointError, match=r"len\(dflash_config.target_layer_ids\) x hidden_size"):
         load_drafter_dir(_copy(shipped, tmp_path, config=one_more_tap), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_a_config_json_that_is_not_an_object_is_named_for_drafters_and_targets(shipped, tmp_path, text):
+    from dflash.drafter_files import read_raw_config
+    from dflash.target import TargetLoadError, read_target_config
+
+    drafter = _copy(shipped, tmp_path)
+    (drafter / "config.json").write_text(text)
+    why = "missing or unreadable" if text.startswith("{") else "expected a JSON object, got list"
+    with pytest.raises(CheckpointError, match=f"{drafter / 'config.json'}: {why}.*holds its config.json"):
+        read_raw_config(drafter)
+    target = shutil.copytree(shipped, tmp_path / "target")
+    (target / "config.json").write_text(text)
+    with pytest.raises(TargetLoadError, match=f"target {target / 'config.json'}: {why}.*from the model's source"):
+        read_target_config(target)

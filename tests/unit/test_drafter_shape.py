@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny import HYBRID_ARCHS, make_target
+from tiny import HYBRID_ARCHS, MOE_ARCH, make_target, write_chat_data
 
 from dflash import modeling_dflash
 from dflash.config import TrainConfig
@@ -129,13 +129,73 @@ def test_a_qwen3_6_27b_target_gets_the_published_drafter_config(tmp_path, capsys
     with capsys.disabled():  # the field-by-field comparison, for the record
         print(f"\npublished field: (published, ours) differing: {diff or 'none'}; fields we add: {extra}")
     assert not diff
-    assert written["is_causal"] is False and written["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
+    # No is_causal, as published: every engine (and our drafter) runs the 4 sliding layers causally.
+    assert "is_causal" not in written and written["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
     assert not _keys(written) & {"partial_rotary_factor", "mrope_section", "mrope_interleaved"}
     from dflash.modeling_dflash import DFlashDraftConfig, DFlashDraftModel
 
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDraftModel(DFlashDraftConfig.from_dict(written)).parameters())
     assert 1.65e9 < params < 1.8e9  # about 1.7B, as published
+
+
+def _qwen3_5_35b_a3b_config() -> dict:
+    """Qwen3.5-35B-A3B's config.json (multimodal, mixture of experts): config only, the fields
+    the drafter reads from its public values (hidden 2048, 40 layers, 256 experts of width 512)."""
+    text = {
+        "model_type": "qwen3_5_moe_text",
+        "num_hidden_layers": 40,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+        "hidden_size": 2048,
+        "vocab_size": 248320,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": _qwen3_6_27b_config()["text_config"]["rope_parameters"],
+    }
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": text}
+
+
+@needs_qwen3_5
+def test_a_qwen3_5_moe_target_gets_the_published_moe_drafter_shape(tmp_path):
+    """z-lab/Qwen3.5-35B-A3B-DFlash's shape: 8 full layers, 32 / 4 heads of 128, MLP width 6144
+    (the experts have no one width to copy), block 16, taps [1, 10, 19, 28, 37]."""
+    target_dir = tmp_path / "Qwen3.5-35B-A3B"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text(json.dumps(_qwen3_5_35b_a3b_config()))
+    written = _config_json_of(TrainConfig(target=str(target_dir)), target_dir, 248070)
+    shape = {k: written[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")}
+    assert shape == {"num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}
+    assert written["intermediate_size"] == 6144 and written["hidden_size"] == 2048 and written["block_size"] == 16
+    assert written["layer_types"] == [FULL_ATTENTION] * 8 and written["dflash_config"]["target_layer_ids"] == [
+        1,
+        10,
+        19,
+        28,
+        37,
+    ]
+
+
+@needs_qwen3_5
+def test_a_qwen3_5_moe_target_trains(tmp_path):
+    """A tiny qwen3_5_moe target passes preflight, loads and trains with the published MoE shape (it
+    crashed after loading: the standard rule copies the target's intermediate_size, which MoE lacks)."""
+    from dflash.cli import main
+
+    target = make_target(tmp_path / "moe", arch=MOE_ARCH, num_layers=8)
+    data = write_chat_data(tmp_path / "chats.jsonl")
+    flags = ["--target", str(target), "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu"]
+    flags += ["--steps", "1", "--seq-len", "48", "--batch-size", "2", "--num-target-layers", "2"]
+    assert main(["train", *flags, "--cpu-threads", "1", "--no-progress"]) == 0
+    raw = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "config.json").read_text())
+    assert raw["num_hidden_layers"] == 8 and raw["layer_types"] == [FULL_ATTENTION] * 8 and raw["block_size"] == 16
 
 
 @needs_qwen3_5

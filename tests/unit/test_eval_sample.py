@@ -59,7 +59,7 @@ def test_a_sample_is_said_to_be_one_with_each_figures_interval(run, tmp_path, ca
 def test_bootstrap_intervals_resample_prompts():
     def prompt(lengths, seconds=1.0):
         tokens = list(range(sum(lengths) + 1))
-        spec = Generation(tokens, lengths, lengths, seconds=seconds, prefill_seconds=0.1)
+        spec = Generation(tokens, lengths, seconds=seconds, prefill_seconds=0.1)
         return Generation(tokens, seconds=2 * seconds, prefill_seconds=0.1), spec
 
     alike = [prompt([4, 4])] * 10

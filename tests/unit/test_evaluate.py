@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import make_target, write_chat_data
+from tiny import ScriptedDrafter, make_target, write_chat_data
 
 from dflash.evaluate import Generation, evaluate, greedy_generate, load_prompts, speculative_generate, summarize
 from dflash.model import DFlashDraftModel, create_drafter_config
@@ -39,20 +39,6 @@ def _random_drafter(target, tokenizer, block_size=4, seed=0):
     return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
 
 
-class _ScriptedDrafter:
-    """Proposes the target's greedy continuation for the first `correct` slots, then junk."""
-
-    def __init__(self, real, reference, prompt_len, correct):
-        self.config, self.reference, self.prompt_len, self.correct = real.config, reference, prompt_len, correct
-
-    def draft_block(self, target_hidden, block_embeds, lm_head):
-        start = target_hidden.shape[1] - self.prompt_len + 1  # index of the first drafted token
-        n = self.config.block_size - 1
-        truth = (self.reference + [0] * (start + n))[start : start + n]
-        junk = [(t + 1) % self.config.vocab_size for t in truth]  # differs from the greedy token
-        return torch.tensor([truth[: self.correct] + junk[self.correct :]])
-
-
 def test_speculative_output_equals_greedy_output(setup):
     target, tokenizer, prompts = setup
     drafter = _random_drafter(target, tokenizer)
@@ -69,7 +55,7 @@ def test_acceptance_length_counts_accepted_drafts_plus_the_bonus(setup, correct)
     target, tokenizer, prompts = setup
     prompt = prompts[0]
     reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
-    drafter = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompt.shape[1], correct)
+    drafter = ScriptedDrafter(_random_drafter(target, tokenizer).config, reference, prompt.shape[1], correct=correct)
     spec = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
     assert spec.tokens == reference[:MAX_NEW]
     assert spec.accept_lengths[:-1] == [correct + 1] * (len(spec.accept_lengths) - 1)
@@ -85,37 +71,36 @@ def test_generation_stops_at_eos_like_greedy(setup):
     )
     assert spec.tokens == plain.tokens == reference[: reference.index(reference[5]) + 1]
     assert sum(spec.accept_lengths) + 1 == len(spec.tokens)  # nothing counted past EOS
-    oracle = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompts[1].shape[1], correct=3)
+    oracle = ScriptedDrafter(_random_drafter(target, tokenizer).config, reference, prompts[1].shape[1], correct=3)
     spec = speculative_generate(target, oracle, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos)
     assert spec.tokens == plain.tokens and sum(spec.accept_lengths) + 1 == len(spec.tokens)
 
 
-def test_last_step_is_cut_for_tau_per_step_and_kept_whole_for_z_lab(setup):
+def test_the_last_step_is_cut_at_the_budget(setup):
     target, tokenizer, prompts = setup
     prompt = prompts[0]
     reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
-    oracle = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompt.shape[1], correct=3)
+    oracle = ScriptedDrafter(_random_drafter(target, tokenizer).config, reference, prompt.shape[1], correct=3)
     # 1 prefill token + 2 full steps of 4 + a last step cut from 4 to 2 tokens by the budget.
     spec = speculative_generate(target, oracle, prompt, max_new_tokens=11, eos_ids=set())
     assert spec.tokens == reference[:11]
     assert spec.accept_lengths == [4, 4, 2]
-    assert spec.full_accept_lengths == [4, 4, 4]
     assert 0 < spec.prefill_seconds < spec.seconds
 
 
-def _generation(tokens, seconds, prefill, cut=(), full=()):
-    return Generation(list(range(tokens)), list(cut), list(full), seconds=seconds, prefill_seconds=prefill)
+def _generation(tokens, seconds, prefill, lengths=()):
+    return Generation(list(range(tokens)), list(lengths), seconds=seconds, prefill_seconds=prefill)
 
 
 def test_summarize_reports_both_conventions():
     plains = [_generation(10, 2.0, 0.2), _generation(4, 1.0, 0.2)]
     specs = [
-        _generation(10, 1.0, 0.5, cut=[3, 2, 4], full=[3, 2, 6]),  # last step cut at EOS
-        _generation(4, 0.5, 0.1, cut=[3], full=[3]),
+        _generation(10, 1.0, 0.5, [3, 2, 4]),  # last step cut at EOS
+        _generation(4, 0.5, 0.1, [3]),
     ]
     report = summarize(plains, specs, block_size=8)
     assert report.tau_per_step == pytest.approx((3 + 2 + 4 + 3) / 4)
-    assert report.tau_per_prompt == pytest.approx(((3 + 2 + 6) / 3 + 3) / 2)
+    assert report.tau_per_prompt == pytest.approx(((3 + 2 + 4) / 3 + 3) / 2)
     assert report.histogram == {2: 1, 3: 2, 4: 1}
     assert report.target_ms_per_token == pytest.approx(1e3 * 3.0 / 14)
     assert report.speculative_ms_per_token == pytest.approx(1e3 * 1.5 / 14)
@@ -126,7 +111,7 @@ def test_summarize_reports_both_conventions():
     assert report.decode_speedup == pytest.approx((1.8 / 10 + 0.8 / 4) / (0.5 / 10 + 0.4 / 4))
     # A prompt that ended at the prefill token has no steps: left out of the per-prompt mean.
     report = summarize(plains + [_generation(1, 0.1, 0.1)], specs + [_generation(1, 0.1, 0.1)], block_size=8)
-    assert report.tau_per_prompt == pytest.approx(((3 + 2 + 6) / 3 + 3) / 2)
+    assert report.tau_per_prompt == pytest.approx(((3 + 2 + 4) / 3 + 3) / 2)
 
 
 def test_evaluate_reports_tau_histogram_and_speedup(setup, capsys):
@@ -200,30 +185,38 @@ def test_a_missing_drafter_is_named_before_the_held_out_data_is_read(tmp_path, c
     assert "nope: no checkpoint here (no such directory)" in caplog.text
 
 
-def _z_lab_acceptance_lengths(reference: list[int], accepted: int, *, max_new_tokens: int, stop_ids: set[int]):
-    """A stand-in of z-lab/dflash's ``dflash_generate`` bookkeeping (dflash/model.py, as
-    ``benchmark.py`` runs it), for a target whose greedy continuation is ``reference`` and a drafter
-    that gets ``accepted`` drafts of every block right: ``start`` indexes the last written token
-    (the prefill token is written first), the loop runs while ``start < max_length``, writes
-    ``accepted + 1`` tokens per step, records ``accepted + 1`` and stops after a step whose written
-    tokens hold a stop token."""
-    written, start, lengths = [reference[0]], 0, []
-    while start < max_new_tokens:
-        written = reference[: start + accepted + 2]
-        start += accepted + 1
-        lengths.append(accepted + 1)
-        if stop_ids & set(written):
-            break
+def _z_lab_acceptance_lengths(
+    reference: list[int], accepted: int, *, max_new_tokens: int, block_size: int, stop_ids: set[int]
+) -> list[int]:
+    """A stand-in of z-lab/dflash's ``dflash_generate`` bookkeeping at commit 10129599
+    (``dflash/model.py``, as ``benchmark.py`` runs it), for a target whose greedy continuation is
+    ``reference`` and a drafter that gets ``accepted`` drafts of every block right. Indices count
+    from the prompt's end: ``start`` is the last written token (0: the prefill token) and
+    ``max_length`` is ``max_new_tokens``. It steps while ``start + 1 < max_length`` and no stop token
+    was written (none at all when the prefill token is one), verifies ``verify_size = min(block_size,
+    max_length - start)`` tokens, records ``produced = min(accepted + 1, max_length - start - 1)``,
+    cut after the first stop token among the tokens it wrote."""
+    start, lengths = 0, []
+    stopped = reference[0] in stop_ids
+    while start + 1 < max_new_tokens and not stopped:
+        verify_size = min(block_size, max_new_tokens - start)
+        produced = min(min(accepted, verify_size - 1) + 1, max_new_tokens - start - 1)
+        written = reference[start + 1 : start + produced + 1]
+        stop = next((i for i, token in enumerate(written) if token in stop_ids), None)
+        if stop is not None:
+            produced, stopped = stop + 1, True
+        start += produced
+        lengths.append(produced)
     return lengths
 
 
 @pytest.mark.parametrize(
     ("max_new_tokens", "stop_at"),
     [
-        (9, None),  # 1 prefill token + 2 steps of 4: ends exactly at the budget, z-lab steps once more
+        (9, None),  # 1 prefill token + 2 steps of 4: ends exactly at the budget, no step more
         (11, None),  # the last step cut by the budget
-        (1, None),  # the budget is the prefill token alone: z-lab still steps once
-        (24, 0),  # the prefill token is a stop token: z-lab still steps once
+        (1, None),  # the budget is the prefill token alone: no step
+        (24, 0),  # the prefill token is a stop token: no step
         (24, 6),  # a stop token inside a step
         (24, 4),  # a stop token as a step's bonus token
     ],
@@ -233,12 +226,20 @@ def test_tau_per_prompt_counts_exactly_what_z_lab_s_loop_counts(setup, max_new_t
     prompt = prompts[0]
     reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
     stop_ids = set() if stop_at is None else {reference[stop_at]}
-    oracle = _ScriptedDrafter(_random_drafter(target, tokenizer), reference, prompt.shape[1], correct=3)
+    drafter = _random_drafter(target, tokenizer)
+    oracle = ScriptedDrafter(drafter.config, reference, prompt.shape[1], correct=3)
     spec = speculative_generate(target, oracle, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids)
     plain = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids)
-    assert spec.tokens == plain.tokens  # the extra step changes no output
+    assert spec.tokens == plain.tokens
     assert sum(spec.accept_lengths) + 1 == len(spec.tokens)
-    z_lab = _z_lab_acceptance_lengths(reference, 3, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    assert spec.full_accept_lengths == z_lab
-    if (max_new_tokens, stop_at) == (9, None):
-        assert spec.accept_lengths == [4, 4] and spec.full_accept_lengths == [4, 4, 4]
+    z_lab = _z_lab_acceptance_lengths(
+        reference, 3, max_new_tokens=max_new_tokens, block_size=drafter.config.block_size, stop_ids=stop_ids
+    )
+    assert spec.accept_lengths == z_lab
+    report = summarize([plain], [spec], block_size=drafter.config.block_size)
+    if z_lab:
+        assert report.tau_per_prompt == pytest.approx(sum(z_lab) / len(z_lab))
+    else:  # z-lab's mean of no steps is NaN; the prompt is left out
+        assert report.tau_per_prompt != report.tau_per_prompt
+    if (max_new_tokens, stop_at) == (11, None):
+        assert z_lab == [4, 4, 2] and report.tau_per_prompt == pytest.approx(10 / 3)

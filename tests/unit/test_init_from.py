@@ -116,6 +116,31 @@ def test_the_run_starts_from_the_drafter_s_weights(assets, tmp_path):
         assert torch.equal(state[name], value.float()), name
 
 
+@pytest.mark.parametrize("is_causal", [None, False, True])
+def test_the_fine_tuned_drafter_keeps_the_source_drafter_s_causality(assets, tmp_path, is_causal):
+    """A published config without is_causal keeps the engines' rule (causal sliding layers, and no
+    key written); one that says is_causal keeps it, written as every engine reads it."""
+    from dflash.trainer import Trainer
+
+    changes = {} if is_causal is None else {"is_causal": is_causal}
+    source = _published_drafter(assets["target"], tmp_path / "source-dflash", **changes)
+    config = train_config(
+        target=assets["target"], data=assets["data"], out=tmp_path / "run", init_from=str(source), steps=1
+    )
+    trainer = Trainer(
+        dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4)
+    )
+    assert trainer.drafter.config.is_causal is is_causal
+    expected = [kind == "sliding_attention" if is_causal is None else is_causal for kind in LAYER_TYPES]
+    assert [trainer.drafter.config.layer_is_causal(kind) for kind in LAYER_TYPES] == expected
+    trainer.train()
+    raw = json.loads((find_checkpoint(tmp_path / "run") / "config.json").read_text())
+    if is_causal is None:
+        assert "is_causal" not in raw and "causal" not in raw["dflash_config"]
+    else:
+        assert raw["is_causal"] is raw["dflash_config"]["causal"] is is_causal
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [

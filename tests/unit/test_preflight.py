@@ -124,6 +124,38 @@ def test_validation_never_imports_transformers(inputs, tmp_path):
     assert imported == "False" and float(seconds) < 0.5
 
 
+@pytest.mark.parametrize(
+    ("arch", "flags", "named"),
+    [
+        ("qwen3_5", ["--draft-sliding-window", "8"], "at least block_size=16 .*set by --block-size, --draft-sliding"),
+        (
+            "qwen3",
+            ["--draft-heads", "6", "--draft-kv-heads", "4"],
+            "not a multiple of .*set by --draft-heads, --draft-kv",
+        ),
+    ],
+    ids=["window-under-the-block", "heads-over-kv-heads"],
+)
+def test_a_drafter_that_does_not_build_is_refused_before_the_target_loads(
+    tmp_path, caplog, monkeypatch, arch, flags, named
+):
+    """A bad drafter shape used to pass validate_inputs and fail in the trainer's _build_drafter,
+    after the target had loaded (55 GB for Qwen3.6-27B); its config is built first now."""
+    from dflash.cli import main
+
+    if arch == "qwen3_5" and not hasattr(__import__("transformers"), "Qwen3_5Config"):
+        pytest.skip("Qwen3.5 needs transformers 5")
+    target = make_target(tmp_path / "target", arch=arch, num_layers=8)
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    run = ["train", "--target", str(target), "--data", str(write_chat_data(tmp_path / "c.jsonl")), "--steps", "1"]
+    assert main([*run, "--out", str(tmp_path / "run"), "--num-target-layers", "2", "--no-progress", *flags]) == 2
+    assert caplog.records and __import__("re").search(named, caplog.text), caplog.text
+
+
 def test_load_tokenizer_names_missing_tokenizer_files(inputs, tmp_path):
     assert load_tokenizer(inputs["target"]).chat_template
     bare = tmp_path / "bare"

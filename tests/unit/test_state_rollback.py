@@ -1,28 +1,11 @@
 """dflash.state_rollback: greedy speculative decoding against a hybrid (Qwen3.5 / Qwen3.6) target
 equals target-only greedy decoding, its linear-attention states rolled back after every rejection."""
 
-import random
-
 import pytest
 import torch
+from tiny import ScriptedDrafter
 
 from dflash.target import load_target
-
-
-class _OracleWithErrors:
-    """Drafts the target's greedy continuation with a random number of correct slots per block
-    (0 to all), so every rollback length and the whole-block case occur."""
-
-    def __init__(self, config, reference: list[int], prompt_len: int, seed: int):
-        self.config, self.reference, self.prompt_len = config, reference, prompt_len
-        self.rng = random.Random(seed)
-
-    def draft_block(self, target_hidden, block_embeds, lm_head):
-        start = target_hidden.shape[1] - self.prompt_len + 1
-        n = self.config.block_size - 1
-        truth = (self.reference + [0] * (start + n))[start : start + n]
-        correct = self.rng.randint(0, n)
-        return torch.tensor([truth[:correct] + [(t + 1) % 200 for t in truth[correct:]]])
 
 
 @pytest.mark.parametrize("strategy", ["mixers", "forward"])
@@ -37,12 +20,12 @@ def test_speculative_decoding_equals_greedy_decoding(hybrid_dir, strategy):
     for seed in range(3):
         prompt = torch.randint(5, 200, (1, 7 + 3 * seed), generator=torch.Generator().manual_seed(seed))
         greedy = greedy_generate(target, prompt, max_new_tokens=40, eos_ids=set())
-        drafter = _OracleWithErrors(config, greedy.tokens, prompt.shape[1], seed)
+        drafter = ScriptedDrafter(config, greedy.tokens, prompt.shape[1], seed=seed)
         spec = speculative_generate(
             target, drafter, prompt, max_new_tokens=40, eos_ids=set(), rollback_strategy=strategy
         )
         assert spec.tokens == greedy.tokens
-        lengths += spec.full_accept_lengths
+        lengths += spec.accept_lengths
     assert set(lengths) == set(range(1, config.block_size + 1))  # every rejection point, and whole blocks
 
 
@@ -81,7 +64,7 @@ def test_a_sliding_window_target_decodes_past_its_window(tmp_path):
     target = load_target(tmp_path, layer_ids=[1, 2], device="cpu")
     prompt = torch.randint(5, 200, (1, 12), generator=torch.Generator().manual_seed(0))
     greedy = greedy_generate(target, prompt, max_new_tokens=30, eos_ids=set())
-    drafter = _OracleWithErrors(
+    drafter = ScriptedDrafter(
         SimpleNamespace(block_size=4, mask_token_id=3, target_layer_ids=[1, 2]), greedy.tokens, prompt.shape[1], seed=0
     )
     assert speculative_generate(target, drafter, prompt, max_new_tokens=30, eos_ids=set()).tokens == greedy.tokens

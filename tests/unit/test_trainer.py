@@ -48,6 +48,29 @@ def test_resume_continues_exactly(assets, tmp_path):
         assert torch.equal(param, final[name]), name
 
 
+def test_a_run_saved_with_every_layer_bidirectional_resumes_so_exactly(assets, tmp_path, monkeypatch):
+    """Runs saved before the engines' causality rule was followed say is_causal false (every
+    layer bidirectional, as they trained); a resume keeps that, not today's default rule."""
+    import dflash.drafter_shape as shape
+
+    sliding = dict(draft_layer_types="sliding,full", draft_sliding_window=8)
+    rule = shape.drafter_config
+    with monkeypatch.context() as legacy:
+        legacy.setattr(shape, "drafter_config", lambda *a, **k: rule(*a, **{**k, "is_causal": False}))
+        reference = record_losses(Trainer(_config(assets, tmp_path / "full", **sliding)))
+        reference.train()
+        first = record_losses(Trainer(_config(assets, tmp_path / "split", **sliding)), crash_after=3)
+        with pytest.raises(KeyboardInterrupt):
+            first.train()
+    assert json.loads((find_checkpoint(tmp_path / "split") / "config.json").read_text())["is_causal"] is False
+    resumed = record_losses(Trainer(_config(assets, tmp_path / "split", resume=True, **sliding)))
+    assert resumed.drafter.config.is_causal is False
+    resumed.train()
+    assert first.losses + resumed.losses == reference.losses
+    # A new run of the same flags takes the default rule: its sliding layer is causal.
+    assert Trainer(_config(assets, tmp_path / "new", **sliding)).drafter.config.layer_is_causal("sliding_attention")
+
+
 def test_resume_with_a_different_config_is_refused(assets, tmp_path):
     Trainer(_config(assets, tmp_path / "run", steps=1)).train()
     with pytest.raises(CheckpointError, match=r"different config \(lr: 0\.01 -> 0\.02\).*same flags"):
