@@ -241,9 +241,12 @@ class PatchFinder:
 
     def find_spec(self, fullname, path=None, target=None):
         if self.plan is None:
-            if fullname == "torch" and self.error is None:
-                self._prepare()
-            return None
+            if fullname != "torch" or self.error is not None:
+                return None
+            self._prepare()
+            if self.plan is None:
+                return None
+        # torch itself too: its package __init__ is settled by the plan made just above.
         if fullname not in self.plan.module_patches:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
