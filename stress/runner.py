@@ -30,9 +30,17 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dflash.compile_watch import CountingBackend, fresh_function
 from dflash.masks import dflash_mask_mod
-from dflash.patchtools.verify.workloads import sin_plus_one, sin_with_graph_break, traced_net
+from dflash.patchtools.verify.cold_start import race_in_fresh_interpreter
+from dflash.patchtools.verify.workloads import (
+    export_load_step,
+    hold_node_meta_step,
+    sin_plus_one,
+    sin_with_graph_break,
+    trace_with_own_node_meta_step,
+    traced_net,
+)
 
-from .strategies import WIDTH, MaskSpec, Schedule
+from .strategies import COLD_ACTIONS, WIDTH, MaskSpec, Schedule
 
 #: (rtol, atol) of compiled-vs-eager comparisons per dtype.
 TOLERANCES = {"float32": (1e-5, 1e-5), "float64": (1e-10, 1e-10), "bfloat16": (2e-2, 2e-2)}
@@ -82,6 +90,7 @@ def _flags_set() -> list[str]:
         "is_compiling()": torch.compiler.is_compiling(),
         "is_exporting()": torch.compiler.is_exporting(),
         "is_fx_symbolic_tracing()": torch.fx._symbolic_trace.is_fx_symbolic_tracing(),
+        "has_preserved_node_meta()": torch.fx.traceback.has_preserved_node_meta(),
     }
     return [name for name, value in flags.items() if value]
 
@@ -110,7 +119,11 @@ def _mask_mod(spec: MaskSpec, device: torch.device):
 
 def _has_flex(schedule: Schedule) -> bool:
     """Whether a step calls flex_attention (then the setup compiles it once before the race)."""
-    return any("flex" in step.action for step in itertools.chain.from_iterable(schedule.threads))
+    return _has_action(schedule, "flex")
+
+
+def _has_action(schedule: Schedule, part: str) -> bool:
+    return any(part in step.action for step in itertools.chain.from_iterable(schedule.threads))
 
 
 class _Setup:
@@ -137,6 +150,8 @@ class _Setup:
             self.eager_outputs = {n: self.eager_module(x) for n, x in self.inputs.items()}
         if _has_flex(schedule):
             self._setup_flex(schedule.mask)
+        if _has_action(schedule, "export_load"):
+            self.export_load = export_load_step()
 
     def compile(self, fn, backend=None, dynamic="schedule"):
         return torch.compile(
@@ -231,6 +246,12 @@ def _step(setup: _Setup, action: str, length: int, thread_index: int) -> str | N
             warnings.simplefilter("ignore")
             out = flex_attention(setup.q, setup.k, setup.v, block_mask=setup.block_mask)
         return None if setup.close(out, setup.flex_reference) else "eager flex_attention output differs"
+    if action == "own_node_meta_trace":
+        return trace_with_own_node_meta_step(f"thread {thread_index}")()
+    if action == "hold_node_meta":
+        return hold_node_meta_step(f"thread {thread_index}")()
+    if action == "export_load":
+        return setup.export_load()
     raise ValueError(f"unknown action {action!r}; see stress.strategies.ACTIONS")
 
 
@@ -248,6 +269,8 @@ def unsupported(schedule: Schedule, device: torch.device | str) -> str | None:
 
 def run_schedule(schedule: Schedule, device: torch.device | str = "cpu") -> list[str]:
     """Run ``schedule`` on ``device``; returns one line per failure (empty: all properties held)."""
+    if _has_action(schedule, "cold_"):
+        return _run_cold(schedule)
     device = torch.device(device)
     failures: list[str] = []
     lock = threading.Lock()
@@ -292,6 +315,22 @@ def run_schedule(schedule: Schedule, device: torch.device | str = "cpu") -> list
     return failures
 
 
+#: What each first call of a cold schedule is to ``dflash.patchtools.verify.cold_start``.
+_FIRST_CALLS = {
+    "cold_export": "export",
+    "cold_compile_eager": "compile:eager",
+    "cold_compile_aot_eager": "compile:aot_eager",
+}
+
+
+def _run_cold(schedule: Schedule) -> list[str]:
+    """A schedule of first calls (``COLD_ACTIONS``, one per thread) in a fresh interpreter: its
+    imports are what races, which this process did long ago."""
+    first_calls = tuple(_FIRST_CALLS[steps[0].action] for steps in schedule.threads)
+    problems = race_in_fresh_interpreter(first_calls)
+    return [f"thread {index}: {problem}" for index, problem in enumerate(problems) if problem is not None]
+
+
 @contextlib.contextmanager
 def _main_thread_config(recompile_limit: int | None):
     """Assign ``recompile_limit`` plainly on this thread for the duration (class F), then restore it."""
@@ -316,6 +355,8 @@ def warm_imports(device: str = "cpu") -> None:
 
     spec = MaskSpec("causal", 4, 0, 8, 32, (1,))
     for action in ACTIONS:
+        if action in COLD_ACTIONS:
+            continue  # each of their schedules runs in a fresh interpreter
         failures = run_schedule(Schedule(((Step(action, 2),),), "float32", None, spec), device)
         if failures:
             raise RuntimeError(f"warm-up of {action} failed single-threaded: {failures}")

@@ -1,4 +1,4 @@
-"""The stress scenarios: which schedules each draws and which bug classes (A-H) it targets."""
+"""The stress scenarios: which schedules each draws and which bug classes (A-K) it targets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from .strategies import GENERIC_ACTIONS, Schedule, schedules
+from .strategies import GENERIC_ACTIONS, Schedule, cold_schedules, schedules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,5 +41,24 @@ SCENARIOS: dict[str, Scenario] = {
             max_length=12,
             recompile_limits=st.just(64),
         ),
+    ),
+    "node_meta": Scenario(
+        "make_fx traces under each thread's own node metadata (stack trace, annotate() tag) against "
+        "threads holding theirs, AOT compiles (joint traces under preserve_node_meta) and plain traces",
+        ("I",),
+        schedules(
+            st.sampled_from(("own_node_meta_trace", "hold_node_meta", "first_compile", "make_fx", "symbolic_trace"))
+        ),
+    ),
+    "export_load": Scenario(
+        "torch.export.load (and a call of the loaded program) in several threads, with compiles and make_fx traces",
+        ("J",),
+        schedules(st.sampled_from(("export_load", "first_compile", "make_fx", "warm_call"))),
+    ),
+    "cold_start": Scenario(
+        "a fresh process's first torch.export.export and first torch.compile calls (eager, aot_eager) "
+        "started together, one fresh interpreter per schedule",
+        ("K",),
+        cold_schedules(),
     ),
 }

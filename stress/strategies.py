@@ -36,10 +36,21 @@ ACTIONS = (
     "error_on_graph_break",  # hold torch._dynamo.error_on_graph_break(True) around a compiled call
     "flex_attention",  # compiled flex_attention with the schedule's mask_mod
     "eager_flex_attention",  # flex_attention without torch.compile
+    "own_node_meta_trace",  # make_fx under this thread's own stack trace and annotate() tag
+    "hold_node_meta",  # hold preserve_node_meta() with this thread's stack trace and tag, tracing nothing
+    "export_load",  # torch.export.load of a saved program, and a call of it
+    "cold_export",  # a fresh process's first torch.export.export (every step of a COLD_ACTIONS schedule is
+    "cold_compile_eager",  # a first call, each thread's only step, in one fresh interpreter per schedule)
+    "cold_compile_aot_eager",
 )
 
-#: The actions of ``threads`` scenario schedules; flex_attention has its own scenario.
-GENERIC_ACTIONS = tuple(action for action in ACTIONS if "flex" not in action)
+#: The actions of ``threads`` scenario schedules; flex_attention, node metadata, export.load and
+#: first calls have their own scenarios.
+GENERIC_ACTIONS = ACTIONS[: ACTIONS.index("flex_attention")]
+#: First calls of a fresh process: a schedule of these runs in one (``stress/runner.py``).
+COLD_ACTIONS = ("cold_export", "cold_compile_eager", "cold_compile_aot_eager")
+#: What threads of a schedule run in the process that runs the schedule.
+IN_PROCESS_ACTIONS = tuple(action for action in ACTIONS if action not in COLD_ACTIONS)
 
 MIN_THREADS, MAX_THREADS = 2, 8
 MAX_STEPS_PER_THREAD = 3
@@ -98,8 +109,8 @@ class Schedule:
 
 
 def actions() -> st.SearchStrategy[str]:
-    """Any of ``ACTIONS``; shrinks towards ``first_compile``."""
-    return st.sampled_from(ACTIONS)
+    """Any of ``IN_PROCESS_ACTIONS``; shrinks towards ``first_compile``."""
+    return st.sampled_from(IN_PROCESS_ACTIONS)
 
 
 def lengths(*, min_value: int = 1, max_value: int = MAX_DISTINCT_LENGTHS) -> st.SearchStrategy[int]:
@@ -151,6 +162,16 @@ def mask_specs(draw, *, kinds: st.SearchStrategy[str] | None = None) -> MaskSpec
 def steps(draw, elements: st.SearchStrategy[str] | None = None, *, max_length: int = MAX_DISTINCT_LENGTHS) -> Step:
     """A ``Step``: an action from ``elements`` (default ``actions()``) and a length."""
     return Step(draw(actions() if elements is None else elements), draw(lengths(max_value=max_length)))
+
+
+@st.composite
+def cold_schedules(draw, *, max_compiles: int = 3) -> Schedule:
+    """A fresh process's first calls, started together: one ``cold_export`` thread and 1 to
+    ``max_compiles`` first compiles (two exports at once would also meet export's own process-wide
+    state, out of scope)."""
+    compiles = draw(st.lists(st.sampled_from(COLD_ACTIONS[1:]), min_size=1, max_size=max_compiles))
+    threads = tuple((Step(action, 1),) for action in ("cold_export", *compiles))
+    return Schedule(threads=threads, dtype="float32", dynamic=None, mask=draw(mask_specs(kinds=st.just("causal"))))
 
 
 @st.composite

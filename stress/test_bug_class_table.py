@@ -1,4 +1,4 @@
-"""The eight two-thread bug-class checks, plain and patched, for the end-of-run table."""
+"""The two-thread bug-class checks, plain and patched, for the end-of-run table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One regression test per torch race class A-H (see ``dflash.patchtools.verify``).
+"""One regression test per torch race class A-K (see ``dflash.patchtools.verify``).
 
 Each check runs in a fresh interpreter: with ``DFLASH_PATCHES=0`` (plain torch) it
 must show failures wherever the installed torch version has the bug, and with the

@@ -1,4 +1,4 @@
-"""The thread-safety bug classes A-H of torch.compile / FX, and which torch releases have each.
+"""The thread-safety bug classes A-K of torch.compile / FX, and which torch releases have each.
 
 The classes, their symptoms, causes and upstream links are described in ``docs/bug-classes.md``;
 the version facts below were measured with :mod:`dflash.patchtools.verify` on plain torch.
@@ -29,6 +29,13 @@ BUG_CLASSES: dict[str, str] = {
     "threads (a decorated function) leaves a thread with the other thread's value",
     "H": "eager flex_attention (its _set_compilation_env saves and restores the FX tracing flag) "
     "in one thread races with FX traces in another",
+    "I": "torch.fx.traceback's node metadata is process-wide: a graph traced in one thread carries the stack "
+    "traces and annotate() tags another thread recorded under preserve_node_meta()",
+    "J": "torch.export.load in two threads: 'AssertionError: _CURRENT_DESERIALIZER is already set', or a "
+    "deserializer that another thread's load cleared or replaced",
+    "K": "the first torch.compile and torch.export.export calls of a process, started together in threads, "
+    "import half-initialized modules ('cannot import name IndentedBuffer from partially initialized module "
+    "torch._inductor.utils', _DeadlockError)",
 }
 
 
@@ -71,9 +78,16 @@ def applies_to(bug_class: str, torch_version: str) -> bool | str:
         return True if version <= (2, 11) else "dynamo config patches are per-thread since torch 2.12"
     if bug_class == "G" and version < (2, 9):
         return "torch._dynamo.error_on_graph_break does not exist before torch 2.9"
+    if bug_class == "K" and version >= (2, 15):
+        return (
+            "import failures not seen on torch 2.15.0 (0 in 25 fresh processes racing first exports and "
+            "compiles, 2026-12-02); its plain failures there are an export racing a compile on the "
+            "pre-dispatch mode stack, out of scope"
+        )
     if bug_class == "F":
         return True if version >= (2, 12) else "dynamo config is process-global before torch 2.12 (class E instead)"
     # C (export half on every version measured), D, G (from 2.9): present through 2.15.0. H too: 2.14
     # made its FX-flag half thread-local, but eager flex still runs its mask/score GraphModules
-    # through FX's process-wide nn.Module patching (class D): 140 / 2,600 plain on 2.14.1.
+    # through FX's process-wide nn.Module patching (class D): 140 / 2,600 plain on 2.14.1. I and J:
+    # the same module globals on every release. K: the import cycles, up to 2.14.
     return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -27,10 +28,13 @@ from dflash.patchtools.verify.workloads import (
     IS_EXPORTING,
     compile_new_functions_step,
     compiled_call,
+    export_load_step,
+    hold_node_meta_step,
     poll_session_flags_step,
     sin_plus_one,
     sin_with_graph_break,
     symbolic_trace_step,
+    trace_with_own_node_meta_step,
     traced_net,
     warm_compiled_call_step,
     warm_compiled_function,
@@ -339,6 +343,41 @@ def _check_h(tally: Tally, seconds: float) -> None:
     race(tally, seconds, trace, eager_flex)
 
 
+def _check_i(tally: Tally, seconds: float) -> None:
+    import torch.fx.traceback as fx_traceback
+
+    trace = trace_with_own_node_meta_step("victim")
+    trace()
+    race(tally, seconds, hold_node_meta_step("aggressor"), trace)
+    left = {
+        "has_preserved_node_meta()": fx_traceback.has_preserved_node_meta(),
+        "current_meta": fx_traceback.get_current_meta(),
+    }
+    if any(left.values()):
+        tally.fail(f"node metadata left after all threads finished: {left}")
+    else:
+        tally.ok()
+
+
+def _check_j(tally: Tally, seconds: float) -> None:
+    load = export_load_step()
+    load()
+    race(tally, seconds, load, load)
+
+
+def _check_k(tally: Tally, seconds: float) -> None:
+    # Each race needs a fresh process, which takes longer than a check's usual seconds: MIN_RACES
+    # run whatever the time, more while time is left.
+    from dflash.patchtools.verify.cold_start import MIN_RACES, race_in_fresh_interpreter
+
+    deadline = time.monotonic() + seconds
+    for race_number in itertools.count(1):
+        for problem in race_in_fresh_interpreter():
+            tally.check(lambda problem=problem: problem)
+        if race_number >= MIN_RACES and time.monotonic() >= deadline:
+            return
+
+
 CHECKS: dict[str, Callable[[Tally, float], None]] = {
     "A": _check_a,
     "B": _check_b,
@@ -348,6 +387,9 @@ CHECKS: dict[str, Callable[[Tally, float], None]] = {
     "F": _check_f,
     "G": _check_g,
     "H": _check_h,
+    "I": _check_i,
+    "J": _check_j,
+    "K": _check_k,
 }
 
 

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from dflash.patchtools.verify.catalogue import BUG_CLASSES, require_class
 from dflash.patchtools.verify.checks import JOIN_TIMEOUT_S, CheckResult, run_check
+from dflash.patchtools.verify.cold_start import CHILD_TIMEOUT_S, MIN_RACES
 
 
 def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> CheckResult:
@@ -35,7 +36,9 @@ def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> Ch
     # Verifying is how a variant gets its record, so the patched run applies unverified variants too.
     env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0", DFLASH_PATCHES_ALLOW_UNVERIFIED="1")
     cmd = [sys.executable, "-m", "dflash.patchtools.verify.runner", bug_class, "--seconds", str(seconds), "--json"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 3 * JOIN_TIMEOUT_S)
+    # A hang guard: the joins of a check's threads, or class K's fresh interpreters.
+    limit = seconds + 3 * JOIN_TIMEOUT_S + MIN_RACES * CHILD_TIMEOUT_S
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(

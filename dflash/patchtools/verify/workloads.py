@@ -7,7 +7,10 @@ them on two threads at once. The stress suite (``stress/``) reuses the compiled 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import io
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -116,5 +119,76 @@ def poll_session_flags_step(check_compile_handoff: bool) -> Callable[[], str | N
         if torch.compiler.is_compiling():
             return "torch.compiler.is_compiling() is True in an eager thread"
         return None
+
+    return step
+
+
+@contextlib.contextmanager
+def node_meta_of(owner: str) -> Iterator[None]:
+    """Node metadata saying ``owner`` for what this thread traces meanwhile: a stack trace, and
+    an ``annotate`` tag where torch has it (2.10+), inside ``preserve_node_meta`` as AOTAutograd's
+    joint trace and export record theirs."""
+    import torch.fx.traceback as fx_traceback
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fx_traceback.preserve_node_meta())
+        fx_traceback.set_stack_trace([f'File "{owner}"\n'])
+        if hasattr(fx_traceback, "annotate"):
+            stack.enter_context(fx_traceback.annotate({"owner": owner}))
+        yield
+
+
+def node_meta_owners(gm: torch.fx.GraphModule) -> set[tuple[str | None, str | None]]:
+    """(stack trace, annotated owner) of each call node of ``gm``."""
+    return {
+        (node.meta.get("stack_trace"), (node.meta.get("custom") or {}).get("owner"))
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+    }
+
+
+def trace_with_own_node_meta_step(owner: str) -> Callable[[], str | None]:
+    """make_fx of :func:`sin_plus_one` under ``node_meta_of(owner)``; a failure unless every node
+    carries exactly that metadata (another thread's stack trace or tag leaked in)."""
+    import torch.fx.traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(8)
+    expected = {(f'File "{owner}"\n', owner if hasattr(fx_traceback, "annotate") else None)}
+
+    def step() -> str | None:
+        with node_meta_of(owner):
+            gm = make_fx(sin_plus_one)(x)
+        seen = node_meta_owners(gm)
+        return None if seen == expected else f"nodes traced by {owner} carry (stack trace, tag) {sorted(seen, key=str)}"
+
+    return step
+
+
+def hold_node_meta_step(owner: str) -> Callable[[], str | None]:
+    """Hold ``node_meta_of(owner)`` open briefly, tracing nothing."""
+
+    def step() -> str | None:
+        with node_meta_of(owner):
+            time.sleep(0.001)
+        return None
+
+    return step
+
+
+def export_load_step() -> Callable[[], str | None]:
+    """torch.export.load of a saved program, then a call of it; a failure if it computes a wrong value."""
+    net, x = traced_net(), torch.randn(2, 4)
+    buffer = io.BytesIO()
+    torch.export.save(torch.export.export(net, (x,)), buffer)
+    saved = buffer.getvalue()
+    with torch.no_grad():
+        expected = net(x)
+
+    def step() -> str | None:
+        loaded = torch.export.load(io.BytesIO(saved)).module()
+        with torch.no_grad():
+            out = loaded(x)
+        return None if torch.allclose(out, expected) else "a loaded ExportedProgram computed a wrong value"
 
     return step
