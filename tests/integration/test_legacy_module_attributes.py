@@ -1,8 +1,10 @@
-"""Module attributes that used to be globals stay live views of the per-thread state (patches 0003, 0007).
+"""Module attributes that used to be globals stay live views of the per-thread state (patches 0003, 0007-0009).
 
 ``torch.fx._symbolic_trace.CURRENT_PATCHER``, ``torch.fx._lazy_graph_module._use_lazy_graph_module_flag``
-and ``_force_skip_lazy_graph_module_flag``, and ``torch._dynamo.utils._error_on_graph_break`` were
-module globals that code outside torch reads and assigns. The series keeps their values per thread;
+and ``_force_skip_lazy_graph_module_flag``, ``torch._dynamo.utils._error_on_graph_break``,
+``torch.fx.traceback.current_meta`` (updated in place by ``torch/utils/checkpoint.py`` and
+AOTAutograd) and ``should_preserve_node_meta``, and ``torch._export.serde.serialize._CURRENT_DESERIALIZER``
+were module globals that code outside torch reads and assigns. The series keeps their values per thread;
 an assignment used to shadow the module ``__getattr__`` that served them for good: later reads
 returned the assigned value, not the live one, and tracing ignored it. Now an assignment sets the
 calling thread's value, which tracing uses, and reads follow the state as it changes. Plain torch
@@ -62,6 +64,41 @@ if hasattr(dynamo_utils, "_get_error_on_graph_break"):  # torch >= 2.9
     other_thread_sees_it["_error_on_graph_break"] = in_other_thread(dynamo_utils._get_error_on_graph_break)
     dynamo_utils._error_on_graph_break = False
     live["_error_on_graph_break: reads False again"] = dynamo_utils._error_on_graph_break is False
+
+import torch.fx.traceback as fx_traceback
+
+fx_traceback.current_meta["custom"] = {"owner": "main"}
+live["current_meta: an update in place is what get_current_meta() holds"] = (
+    fx_traceback.get_current_meta().get("custom") == {"owner": "main"}
+)
+other_thread_sees_it["current_meta"] = in_other_thread(lambda: "custom" in fx_traceback.get_current_meta())
+del fx_traceback.current_meta["custom"]
+fx_traceback.should_preserve_node_meta = True
+live["should_preserve_node_meta: what has_preserved_node_meta() answers"] = fx_traceback.has_preserved_node_meta()
+other_thread_sees_it["should_preserve_node_meta"] = in_other_thread(fx_traceback.has_preserved_node_meta)
+fx_traceback.should_preserve_node_meta = False
+with fx_traceback.preserve_node_meta():
+    live["should_preserve_node_meta: reads the value of an open block"] = fx_traceback.should_preserve_node_meta
+live["should_preserve_node_meta: reads the assigned value after it"] = fx_traceback.should_preserve_node_meta is False
+
+from torch._export.serde import serialize
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+class Deserializer:
+    def deserialize_tensor_meta(self, tensor_meta):
+        return "rebuilt by the assigned deserializer"
+
+
+with FakeTensorMode():
+    _, reduced = serialize._reduce_fake_tensor(torch.empty(2))
+serialize._CURRENT_DESERIALIZER = Deserializer()
+live["_CURRENT_DESERIALIZER: what rebuilds this thread's fake tensors"] = (
+    serialize._reconstruct_fake_tensor(*reduced) == "rebuilt by the assigned deserializer"
+)
+other_thread_sees_it["_CURRENT_DESERIALIZER"] = in_other_thread(lambda: serialize._CURRENT_DESERIALIZER is not None)
+serialize._CURRENT_DESERIALIZER = None
+live["_CURRENT_DESERIALIZER: reads None again"] = serialize._CURRENT_DESERIALIZER is None
 print(json.dumps({"live": live, "other_thread_sees_it": other_thread_sees_it}))
 """
 

@@ -32,6 +32,7 @@ torch = pytest.importorskip("torch")
 STATE = """
 import contextlib, json, threading
 import torch, torch.fx
+import torch.fx.traceback as fx_traceback
 from torch.fx import _lazy_graph_module as lazy, _symbolic_trace as symbolic_trace
 
 RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -42,6 +43,9 @@ def read():
         "is_compiling": torch.compiler.is_compiling(),
         "lazy_graph_module": lazy._use_lazy_graph_module_flag,
         "config_patch": torch._inductor.config.max_autotune,
+        # What AOTAutograd's backward hooks read and update there (stack traces, seq_nr).
+        "preserve_node_meta": fx_traceback.has_preserved_node_meta(),
+        "node_meta": (fx_traceback.get_current_meta().get("custom") or {}).get("thread"),
     }
     if hasattr(torch.compiler, "is_exporting"):
         values["is_exporting"] = torch.compiler.is_exporting()
@@ -65,6 +69,8 @@ def everything_set():
         stack.enter_context(torch.compiler._session_flags_context(**flags))
         stack.enter_context(lazy._use_lazy_graph_module(True))
         stack.enter_context(torch._inductor.config.patch(max_autotune=True))
+        stack.enter_context(fx_traceback.preserve_node_meta())
+        fx_traceback.get_current_meta()["custom"] = {"thread": "launching"}
         if RELEASE < (2, 14):
             stack.enter_context(symbolic_trace._is_fx_tracing_context(True))
         if hasattr(torch._dynamo.utils, "_get_error_on_graph_break"):
