@@ -56,12 +56,16 @@ class Exported(torch.nn.Module):
 x = torch.ones(2)
 compile_body, export_body = torch.compile.__wrapped__, torch.export.export.__wrapped__
 out = {}
-out["a decorator-mode compile() waits"] = while_lock_held(lambda: torch.compile(backend="eager"), compile_body) == (False, False)
+out["a decorator-mode compile() waits"] = while_lock_held(
+    lambda: torch.compile(backend="eager"), compile_body
+) == (False, False)
 out["it imports nothing, so the next compile() is cold too"] = "torch._dynamo" not in sys.modules
 out["the first compile() waits before its body"] = while_lock_held(
     lambda: torch.compile(lambda t: t * 2, backend="eager"), compile_body
 ) == (False, False)
-out["a later compile() runs"] = while_lock_held(lambda: torch.compile(lambda t: t, backend="eager"), compile_body) == (True, True)
+out["a later compile() runs"] = while_lock_held(
+    lambda: torch.compile(lambda t: t, backend="eager"), compile_body
+) == (True, True)
 compiled = torch.compile(lambda t: t - 1, backend="eager")
 compiled(x)
 out["a compiled call runs"] = while_lock_held(lambda: compiled(x)) == (True, True)
