@@ -3,7 +3,7 @@
 Class K (``docs/bug-classes.md``): started together in threads of a fresh process, the first calls
 import torch._dynamo, torch._inductor and torch._export along import cycles and fail on
 half-imported modules; ``dflash patches verify K`` shows that on plain torch. Here, in a fresh
-patched interpreter, the main thread holds ``torch._compile_lock`` while another thread makes a
+patched interpreter, the main thread holds ``torch._utils._compile_lock`` while another thread makes a
 call: a cold call must not get as far as its imports (the module it would import stays absent), a
 warm one and a compiled call must return meanwhile (nothing more on their path).
 
@@ -40,7 +40,7 @@ def while_lock_held(call, wrapped=None):
         returned.set()
 
     thread = threading.Thread(target=run, daemon=True)
-    with torch._compile_lock:
+    with torch._utils._compile_lock:
         thread.start()
         seen = (returned.wait(10), entered.is_set() or code is None)
     thread.join(300)
@@ -73,7 +73,7 @@ out["the first export waits before its body"] = while_lock_held(
     lambda: torch.export.export(Exported(), (x,)), export_body
 ) == (False, False)
 out["a later export runs"] = while_lock_held(lambda: torch.export.export(Exported(), (x,)), export_body) == (True, True)
-out["dynamo compiles under the same lock"] = torch._dynamo.convert_frame.compile_lock is torch._compile_lock
+out["dynamo compiles under the same lock"] = torch._dynamo.convert_frame.compile_lock is torch._utils._compile_lock
 print(json.dumps(out))
 """
 
