@@ -30,7 +30,8 @@ from dflash.patchtools.verify.workloads import sin_plus_one
 #: docs/bug-classes.md); such a failure counts, under its own message.
 FIRST_CALLS = ("export", "compile:aot_eager", "compile:aot_eager")
 #: Fresh processes per check at least, whatever its seconds: one takes about 13 s on 2 loaded cores.
-MIN_RACES = 2
+#: On plain 2.11-2.13 about 2 in 3 of them show the import failures under load.
+MIN_RACES = 3
 #: Seconds one child may take (about 13 on 2 loaded cores); within the runner's limit for a check.
 CHILD_TIMEOUT_S = 120.0
 
