@@ -3,6 +3,7 @@
 - :mod:`.catalogue`: the classes, and which torch releases have each (``docs/bug-classes.md``);
 - :mod:`.workloads`: the compiled functions, traces and steps the checks race;
 - :mod:`.checks`: one check per class, run in this interpreter;
+- :mod:`.cold_start`: class K's race of a fresh process's first calls, in a child interpreter;
 - :mod:`.runner`: fresh-interpreter runs plain vs patched, and the command line.
 
 Needs only torch and :mod:`dflash.compile_watch` (no transformers), so it also runs against a

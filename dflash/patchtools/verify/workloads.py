@@ -127,7 +127,7 @@ def poll_session_flags_step(check_compile_handoff: bool) -> Callable[[], str | N
 def node_meta_of(owner: str) -> Iterator[None]:
     """Node metadata saying ``owner`` for what this thread traces meanwhile: a stack trace, and
     an ``annotate`` tag where torch has it (2.10+), inside ``preserve_node_meta`` as AOTAutograd's
-    joint trace and export record theirs."""
+    joint trace and export record theirs (``torch/fx/traceback.py``, class I)."""
     import torch.fx.traceback as fx_traceback
 
     with contextlib.ExitStack() as stack:
@@ -177,7 +177,8 @@ def hold_node_meta_step(owner: str) -> Callable[[], str | None]:
 
 
 def export_load_step() -> Callable[[], str | None]:
-    """torch.export.load of a saved program, then a call of it; a failure if it computes a wrong value."""
+    """torch.export.load of a saved program, then a call of it; a failure if it computes a wrong value
+    (the deserializer of ``torch/_export/serde/serialize.py``, class J, pytorch issue 195099)."""
     net, x = traced_net(), torch.randn(2, 4)
     buffer = io.BytesIO()
     torch.export.save(torch.export.export(net, (x,)), buffer)
