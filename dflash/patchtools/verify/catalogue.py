@@ -32,7 +32,8 @@ BUG_CLASSES: dict[str, str] = {
     "I": "torch.fx.traceback's node metadata is process-wide: a graph traced in one thread carries the stack "
     "traces and annotate() tags another thread recorded under preserve_node_meta()",
     "J": "torch.export.load in two threads: 'AssertionError: _CURRENT_DESERIALIZER is already set', or a "
-    "deserializer that another thread's load cleared or replaced",
+    "deserializer that another thread's load cleared or replaced; torch.export.save's constants in two threads: "
+    "'Refusing to stomp on existing FakeTensor reducer' (the reducer it puts in copyreg.dispatch_table)",
     "K": "the first torch.compile and torch.export.export calls of a process, started together in threads, "
     "import half-initialized modules ('cannot import name IndentedBuffer from partially initialized module "
     "torch._inductor.utils', _DeadlockError)",
