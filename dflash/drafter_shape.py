@@ -121,7 +121,8 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
 
     Raises:
         TargetLoadError: the target directory has no readable ``config.json``.
-        CheckpointError: the ``--init-from`` directory is not a complete drafter.
+        CheckpointError: the ``--init-from`` directory is not a complete drafter (its config, or
+            weights that are cut short or that the config does not describe).
         ValueError: flags that contradict each other or the ``--init-from`` drafter, or an
             ``--init-from`` drafter that does not fit the target (the message names the field).
     """
@@ -210,8 +211,8 @@ def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> di
 
 def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
     """The shape fields of the ``--init-from`` drafter, refused where they contradict a flag or
-    do not fit the target."""
-    from dflash.drafter_files import read_drafter_config
+    do not fit the target, or where its weights cannot load (read from the file's header)."""
+    from dflash.drafter_files import check_tensors, read_drafter_config
 
     drafter = read_drafter_config(config.init_from)
     values = {field: getattr(drafter, key) for field, key in _FROM_DRAFTER.items()}
@@ -244,4 +245,5 @@ def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
                 f"{text.get(key)}); this drafter was trained for another target: pass its target, or train a "
                 "new drafter without --init-from"
             )
+    check_tensors(config.init_from, drafter)  # from the file's header: weights that cannot load, before the target
     return values

@@ -162,6 +162,33 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused_before_it_loads(
     assert named in caplog.text
 
 
+def _cut_short(drafter):
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4])
+    return drafter
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (_cut_short, "model.safetensors is truncated"),
+        (lambda d: d, "intermediate_size in config.json gives 48"),  # a config that does not describe the weights
+    ],
+)
+def test_drafter_weights_that_cannot_load_are_refused_before_the_target_loads(
+    assets, tmp_path, caplog, monkeypatch, damage, named
+):
+    changes = {} if damage is _cut_short else {"intermediate_size": 48}
+    drafter = damage(_published_drafter(assets["target"], tmp_path / "broken-dflash", **changes))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
+    assert named in caplog.text and str(drafter) in caplog.text
+
+
 def test_a_flag_that_contradicts_the_drafter_is_named(assets, tmp_path, caplog):
     flags = _flags(assets, tmp_path / "run", init_from=assets["drafter"], draft_sliding_window=16)
     assert main(flags) == 2
