@@ -24,6 +24,7 @@ from dflash.patchtools.upstream.tree import UpstreamKitError, git, head_file, re
 
 # States of a concern in the kit, besides the plan's `upstream` and `not-applicable`.
 REBASED, PRESENT, DOES_NOT_APPLY, KEPT_OUT = "rebased", "already-present", "does-not-apply", "kept-out"
+PROPOSED = "proposed"  # drafted on top of the stack for a design proposal, not a PR of its own
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class Commit:
     fix_files: dict[str, str]
     test_files: dict[str, str]
     notes: list[str]
+    how: list[str] = dataclasses.field(default_factory=list)  # the message's how paragraphs, set by the kit
 
     @property
     def files(self) -> dict[str, str]:
@@ -114,8 +116,11 @@ def reader(src: Path, state: dict[str, str]):
     return lambda path: state[path] if path in state else head_file(src, path)
 
 
-def commit_stack(src: Path, base: str, commits: list[tuple[dict[str, str], str]], out: Path) -> list[Path]:
+def commit_stack(src: Path, base: str, commits: list[tuple[dict[str, str], str]], out: Path) -> tuple[list[Path], str]:
     """Commit each (files, message) on a private index, stacked on ``base``; ``git format-patch`` into ``out``.
+
+    Returns:
+        the patch files, and the id of the last commit (``base`` when there are none).
 
     Raises:
         UpstreamKitError: git has no author identity, or a git command fails.
@@ -140,10 +145,10 @@ def commit_stack(src: Path, base: str, commits: list[tuple[dict[str, str], str]]
             parent = git(src, "commit-tree", tree, "-p", parent, "-F", "-", stdin=message).strip()
     out.mkdir(parents=True, exist_ok=True)
     names = git(src, "format-patch", "--no-signature", "-o", str(out.resolve()), f"{base}..{parent}").split()
-    return [Path(name) for name in names]
+    return [Path(name) for name in names], parent
 
 
-def check_patches(src: Path, patches: list[Path]) -> None:
+def check_patches(src: Path, patches: list[Path]) -> None:  # in order: the stack, then the drafts
     """``git apply --check`` each patch on ``HEAD`` plus the patches before it (a private index; no file changes).
 
     Raises:
