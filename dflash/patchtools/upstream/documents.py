@@ -43,9 +43,9 @@ def _instruction_method() -> str:
 def _overhead_lines(overhead) -> list[str]:
     data, rows = overhead
     lines = [
-        f"Wall-clock calls per second of a small compiled function (backend `{data.get('backend', '?')}`, torch "
-        f"{data.get('torch', '?')}), the whole stack against the same build without it, runs alternated; ratio = "
-        "median of per-round ratios:",
+        f"Wall-clock calls per second of a small compiled function (backend `{data.get('backend', '?')}`, "
+        f"measured on the torch build `{data.get('torch', '?')}`), the whole stack against the same build "
+        "without it, runs alternated; ratio = median of per-round ratios:",
         "",
         "| threads | without the stack | with the stack | ratio |",
         "|---:|---:|---:|---:|",
@@ -197,6 +197,15 @@ def cover_note(
         out += ["## Instruction counts per commit", "", "NOT MEASURED: a draft kit (see each PR's Benchmark).", ""]
     if overhead is not None:
         out += ["## Whole-stack overhead", ""] + _overhead_lines(overhead) + [""]
+    if record.get("lint"):
+        out += [
+            "## Lint",
+            "",
+            "Lines the patches add to torch's files that PyTorch's formatter will rewrap (`lintrunner -a`, "
+            "then amend each commit):",
+            "",
+        ]
+        out += [f"- {line}" for line in record["lint"]] + [""]
     others = [r for r in reports if r.state not in (REBASED, PROPOSED)]
     if others:
         out += ["## Not in this stack", "", "| change | state | why |", "|---|---|---|"]

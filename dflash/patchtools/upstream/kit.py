@@ -132,7 +132,9 @@ def _collect(src: Path, version) -> tuple[list[Commit], dict[str, list[Commit]],
             continue
         commits.append(commit)
         state.update(commit.files)
-        reports.append(ConcernReport(concern.name, REBASED, f"{patch.file_name} applies exactly", notes=tuple(notes)))
+        reports.append(
+            ConcernReport(concern.name, REBASED, f"{patch.file_name} applies exactly", notes=tuple(commit.notes))
+        )
     # A proposal's changes are drafted on top of the whole stack, in landing order.
     drafts: dict[str, list[Commit]] = {}
     for concern, patch, notes in proposed:
@@ -142,7 +144,7 @@ def _collect(src: Path, version) -> tuple[list[Commit], dict[str, list[Commit]],
         drafts.setdefault(concern.proposal, []).append(commit)
         state.update(commit.files)
         reason = f"sent as a design proposal (rfc/{concern.proposal}.md), drafted on top of the stack"
-        reports.append(ConcernReport(concern.name, PROPOSED, reason, notes=tuple(notes)))
+        reports.append(ConcernReport(concern.name, PROPOSED, reason, notes=tuple(commit.notes)))
     order = {c.name: i for i, c in enumerate(CONCERNS)}
     reports.sort(key=lambda r: order.get(r.name, len(order)))
     return commits, drafts, reports
@@ -271,21 +273,29 @@ def _messages(commits: list[Commit], below: list[Commit] = ()) -> list[str]:
     return messages
 
 
-def _lint(commits: list[Commit], src: Path, drafts: int = 0) -> None:
-    """PyTorch's lint on every commit; the last ``drafts`` commits (a proposal's drafts, for discussion)
-    on their test files only."""
-    found, state = [], {}
+def _lint(commits: list[Commit], src: Path, drafts: int = 0) -> list[str]:
+    """PyTorch's lint on every commit: what the kit writes itself (the test files) must pass; what the
+    patches add to torch's files is returned, for ``lintrunner -a`` to reformat (none on main). The last
+    ``drafts`` commits (a proposal's drafts, for discussion) are checked on their test files only.
+
+    Raises:
+        UpstreamKitError: a test file the kit adds or changes would fail.
+    """
+    fatal, notes, state = [], [], {}
     for i, commit in enumerate(commits):
         for path, new in commit.files.items():
             old = state[path] if path in state else head_file(src, path)
-            if i < len(commits) - drafts or path.startswith("test/"):
-                found += lint.problems(path, old, new)
+            if path.startswith("test/"):
+                fatal += lint.problems(path, old, new)
+            elif i < len(commits) - drafts:
+                notes += lint.problems(path, old, new)
         state.update(commit.files)
-    if found:
+    if fatal:
         raise UpstreamKitError(
-            "the commits would fail PyTorch's lint (fix the test sources under "
-            "dflash/patchtools/upstream_tests/ or the patch): " + "; ".join(found)
+            "the test files of the commits would fail PyTorch's lint (fix the sources under "
+            "dflash/patchtools/upstream_tests/): " + "; ".join(fatal)
         )
+    return notes
 
 
 def make_kit(
@@ -338,7 +348,7 @@ def make_kit(
         return reports
     all_commits = commits + [c for chain in drafts.values() for c in chain]
     _check_text(all_commits)
-    _lint(all_commits, src, drafts=len(all_commits) - len(commits))
+    lint_notes = _lint(all_commits, src, drafts=len(all_commits) - len(commits))
     messages = _messages(commits)
     draft_messages = {name: _messages(chain, commits) for name, chain in drafts.items()}
     every_message = messages + [m for chain in draft_messages.values() for m in chain]
@@ -355,7 +365,7 @@ def make_kit(
 
     python = python or sys.executable
     states = _states(commits)
-    record = {"release": release, "base": base, "commits": []}
+    record = {"release": release, "base": base, "commits": [], "lint": lint_notes}
     stack_runs: list[dict] = []
     instruction_counts: list[dict[str, int]] = []
     with tempfile.TemporaryDirectory() as scratch_dir:

@@ -116,9 +116,12 @@ def _insert_imports(text: str, statements: list[str]) -> str:
         lines = text.splitlines(keepends=True)
         imports = _leading_imports(ast.parse(text))
         after = next((n for n in imports if usort_key(n) > key), None)
-        if after is not None:
-            before = [n for n in imports if n.end_lineno < after.lineno]
-            separate = key[0] != usort_key(after)[0] and (not before or usort_key(before[-1])[0] != key[0])
+        before = [n for n in imports if after is None or n.end_lineno < after.lineno]
+        if before and usort_key(before[-1])[0] == key[0]:  # after the last of its own category
+            at = before[-1].end_lineno
+            lines[at:at] = [statement.rstrip("\n") + "\n"]
+        elif after is not None:
+            separate = key[0] != usort_key(after)[0]
             at = after.lineno - 1
             lines[at:at] = [statement.rstrip("\n") + "\n" + ("\n" if separate else "")]
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -59,8 +60,17 @@ def pick_patch(concern: UpstreamConcern, variants: list[Patch], version: Version
 
 
 def _fix_present(source: str, patched_file) -> bool:
-    """Every hunk's target side (context and added lines) is in ``source`` already."""
-    return all("".join(line.value for line in hunk if not line.is_removed) in source for hunk in patched_file)
+    """Every hunk's target side (context and added lines) is in ``source`` already, up to the imports
+    the kit tidies (:func:`.lint.tidy_imports`: ``# noqa: E402`` removed, repeated imports dropped)."""
+    for hunk in patched_file:
+        target = [line.value for line in hunk if not line.is_removed]
+        tidied = {re.sub(r"\s+# noqa: E402\n$", "\n", t) for t in target if re.search(r"# noqa: E402\n$", t)}
+        if tidied:
+            target = [t for t in target if not re.search(r"# noqa: E402\n$", t)]
+            source = "".join(line for line in source.splitlines(keepends=True) if line not in tidied)
+        if "".join(target) not in source:
+            return False
+    return True
 
 
 def rebase(patch: Patch, read) -> tuple[str, str, dict[str, str], list[str]]:
