@@ -3,6 +3,7 @@ note on torch.compile's thread model, and each design proposal (RFC) with its dr
 
 from __future__ import annotations
 
+import ast
 import importlib.resources
 import re
 from pathlib import Path
@@ -237,9 +238,17 @@ def proposal_text(name: str, chain: list[Commit], paths: list[Path]) -> str:
         for c, path in zip(chain, paths)
     ]
     body = body.replace("{{drafts}}", "\n".join(drafts))
-    return re.sub(
-        r"\{\{source:([\w/.-]+)\}\}", lambda m: "```python\n" + test_source(m.group(1)).rstrip() + "\n```", body
-    )
+    return re.sub(r"\{\{source:([\w/.-]+)\}\}", lambda m: "```python\n" + _functions(m.group(1)) + "\n```", body)
+
+
+def _functions(source: str) -> str:
+    """The function definitions of ``upstream_tests/<source>`` (a method edit's new or added body)."""
+    text = test_source(source)
+    lines = text.splitlines()
+    functions = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)]
+    if not functions:
+        return text.rstrip()
+    return "\n\n".join("\n".join(lines[f.lineno - 1 : f.end_lineno]) for f in functions)
 
 
 def _reason(report) -> str:
