@@ -190,9 +190,10 @@ def _clone(tree: Path, dest: Path) -> Path:
 
 
 def _written_text(kit: Path) -> dict[str, str]:
-    """What the kit wrote in words: the Markdown and JSON, and each patch's message and added lines."""
+    """What the kit wrote in words: the Markdown and JSON (the design note and proposal too), and each
+    patch's message and added lines (the proposal's drafts too)."""
     out = {p.name: p.read_text() for p in kit.rglob("*") if p.suffix in (".md", ".json")}
-    out.update({p.name: patch_text_to_check(p.read_text()) for p in (kit / "patches").glob("*.patch")})
+    out.update({p.name: patch_text_to_check(p.read_text()) for p in kit.rglob("*.patch")})
     return out
 
 
