@@ -529,6 +529,9 @@ def test_kit_tests_and_imports_keep_pytorchs_lint(main_tree, tmp_path):
         (tmp_path / "kit" / "rfc").rglob("*.patch")
     ):
         assert "noqa: E402" not in patch.read_text(), patch.name
+    # An import added below `import torch` goes where usort puts it: with the standard library.
+    autograd = next((tmp_path / "kit" / "patches").glob("*-autograd-*.patch")).read_text()
+    assert "+import contextlib\n import copyreg\n" in autograd and " import sys\n+import threading\n" in autograd
     fx = next((tmp_path / "kit" / "patches").glob("*-fx-*.patch")).read_text()
     assert "+import threading\n" not in fx.split("diff --git a/torch/fx/_symbolic_trace.py")[1].split("diff --git")[0]
 

@@ -3,7 +3,8 @@
 PyTorch formats Python with usort and a formatter at 88 columns, and its flake8 ignores E402 (a
 module-level import not at the top), so a ``# noqa: E402`` is noise there. The kit tidies the
 imports the series adds to torch's files (:func:`tidy_imports`: an import the module already has at
-the top is dropped, a redundant ``# noqa: E402`` comment removed) and checks every commit
+the top is dropped, a redundant ``# noqa: E402`` comment removed, one added to the leading imports
+moved where usort puts it) and checks every commit
 (:func:`problems`): the test files it adds or changes keep their added lines within 88 columns, the
 files it adds their import blocks in usort's order (imports merged into an existing file are put in
 their usort place by :func:`.placement.merge_tests`); added torch code keeps within 88 columns too, except a line
@@ -54,7 +55,70 @@ def tidy_imports(new_text: str, old_text: str | None) -> str:
                 continue  # imported above already: the line only repeats it
             line = statement + line[len(body) :]
         out.append(line)
-    return "".join(out)
+    return _sort_added_leading_imports("".join(out), old_lines)
+
+
+def _sort_added_leading_imports(text: str, old_lines: set[str]) -> str:
+    """``text`` with each one-line import the patch added to the module's leading imports, below one
+    usort sorts after it (``import torch`` above an added ``import threading``), moved where usort
+    puts it."""
+    for _ in range(text.count("\nimport ") + text.count("\nfrom ") + 1):  # each pass places one
+        lines = text.splitlines(keepends=True)
+        imports = leading_imports(ast.parse(text))
+        misplaced = next(
+            (
+                n
+                for i, n in enumerate(imports)
+                if n.lineno == n.end_lineno
+                and lines[n.lineno - 1].rstrip("\r\n") not in old_lines
+                and any(usort_key(p) > usort_key(n) for p in imports[:i])
+            ),
+            None,
+        )
+        if misplaced is None:
+            return text
+        at = misplaced.lineno - 1
+        statement, rest = lines[at], lines[:at] + lines[at + 1 :]
+        if 0 < at < len(rest) and rest[at - 1].lstrip().startswith("#") and not rest[at].strip():
+            del rest[at]  # a comment that introduced the imports keeps to the code below it
+        text = insert_imports("".join(rest), [statement])
+    return text
+
+
+def leading_imports(tree: ast.Module) -> list[ast.stmt]:
+    """The top-level imports before the module's first other statement (its docstring aside)."""
+    out = []
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.append(node)
+        elif not (i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            break
+    return out
+
+
+def insert_imports(text: str, statements: list[str]) -> str:
+    """``text`` with each import statement of ``statements`` put where usort sorts it among the
+    top-level imports of ``text`` (a blank line where it starts a category of its own)."""
+    for statement in statements:
+        node = ast.parse(statement).body[0]
+        key = usort_key(node)
+        lines = text.splitlines(keepends=True)
+        imports = leading_imports(ast.parse(text))
+        after = next((n for n in imports if usort_key(n) > key), None)
+        before = [n for n in imports if after is None or n.end_lineno < after.lineno]
+        if before and usort_key(before[-1])[0] == key[0]:  # after the last of its own category
+            at = before[-1].end_lineno
+            lines[at:at] = [statement.rstrip("\n") + "\n"]
+        elif after is not None:
+            separate = key[0] != usort_key(after)[0]
+            at = after.lineno - 1
+            lines[at:at] = [statement.rstrip("\n") + "\n" + ("\n" if separate else "")]
+        else:
+            at = imports[-1].end_lineno if imports else 0
+            separate = bool(imports) and usort_key(imports[-1])[0] != key[0]
+            lines[at:at] = [("\n" if separate else "") + statement.rstrip("\n") + "\n"]
+        text = "".join(lines)
+    return text
 
 
 def _category(module: str) -> int:
@@ -66,11 +130,12 @@ def _category(module: str) -> int:
     return 1 if top in sys.stdlib_module_names else 2
 
 
-def usort_key(node: ast.stmt) -> tuple[int, str]:
+def usort_key(node: ast.stmt) -> tuple[int, str, int, str]:
     """usort's order of a top-level import: category (future, standard library, third party, relative),
-    then the module name, case-insensitively (``import`` and ``from`` statements together)."""
+    then the module name, case-insensitively (``import`` and ``from`` statements together; for one
+    module ``import`` first), then the first name imported."""
     module = node.names[0].name if isinstance(node, ast.Import) else "." * node.level + (node.module or "")
-    return (_category(module), module.lower())
+    return (_category(module), module.lower(), isinstance(node, ast.ImportFrom), node.names[0].name.lower())
 
 
 def _names_sorted(node: ast.stmt) -> bool:

@@ -11,7 +11,7 @@ import ast
 import importlib.resources
 
 from dflash.patchtools.upstream.concerns import MethodEdit, TestPlacement, UpstreamConcern
-from dflash.patchtools.upstream.lint import usort_key
+from dflash.patchtools.upstream.lint import insert_imports
 from dflash.patchtools.upstream.tree import UpstreamKitError
 
 
@@ -92,44 +92,8 @@ def merge_tests(target_text: str, tests_text: str, target: str) -> str:
     insert_at = guard.lineno - 1 if guard is not None else len(target_lines)
     block = "".join(f"\n\n{d.rstrip()}\n" for d in new_definitions) + ("\n\n" if guard is not None else "")
     head = "".join(target_lines[:insert_at]).rstrip("\n") + "\n"
-    head = _insert_imports(head, new_imports)
+    head = insert_imports(head, new_imports)
     return head + block + "".join(target_lines[insert_at:])
-
-
-def _leading_imports(tree: ast.Module) -> list[ast.stmt]:
-    """The top-level imports before the module's first other statement (its docstring aside)."""
-    out = []
-    for i, node in enumerate(tree.body):
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            out.append(node)
-        elif not (i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
-            break
-    return out
-
-
-def _insert_imports(text: str, statements: list[str]) -> str:
-    """``text`` with each import statement of ``statements`` put where usort sorts it among the
-    top-level imports of ``text`` (a blank line where it starts a category of its own)."""
-    for statement in statements:
-        node = ast.parse(statement).body[0]
-        key = usort_key(node)
-        lines = text.splitlines(keepends=True)
-        imports = _leading_imports(ast.parse(text))
-        after = next((n for n in imports if usort_key(n) > key), None)
-        before = [n for n in imports if after is None or n.end_lineno < after.lineno]
-        if before and usort_key(before[-1])[0] == key[0]:  # after the last of its own category
-            at = before[-1].end_lineno
-            lines[at:at] = [statement.rstrip("\n") + "\n"]
-        elif after is not None:
-            separate = key[0] != usort_key(after)[0]
-            at = after.lineno - 1
-            lines[at:at] = [statement.rstrip("\n") + "\n" + ("\n" if separate else "")]
-        else:
-            at = imports[-1].end_lineno if imports else 0
-            separate = bool(imports) and usort_key(imports[-1])[0] != key[0]
-            lines[at:at] = [("\n" if separate else "") + statement.rstrip("\n") + "\n"]
-        text = "".join(lines)
-    return text
 
 
 def add_fx_import(test_fx_text: str, module: str, classes: list[str]) -> str:

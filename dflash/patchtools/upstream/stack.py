@@ -60,15 +60,16 @@ def pick_patch(concern: UpstreamConcern, variants: list[Patch], version: Version
 
 
 def _fix_present(source: str, patched_file) -> bool:
-    """Every hunk's target side (context and added lines) is in ``source`` already, up to the imports
-    the kit tidies (:func:`.lint.tidy_imports`: ``# noqa: E402`` removed, repeated imports dropped)."""
+    """Every hunk's target side (context and added lines) is in ``source`` already, up to blank lines
+    and the imports the kit tidies (:func:`.lint.tidy_imports`: ``# noqa: E402`` removed, repeated
+    imports dropped, misplaced ones moved)."""
     for hunk in patched_file:
         target = [line.value for line in hunk if not line.is_removed]
         tidied = {re.sub(r"\s+# noqa: E402\n$", "\n", t) for t in target if re.search(r"# noqa: E402\n$", t)}
+        kept = [line for line in source.splitlines(keepends=True) if line.strip() and line not in tidied]
         if tidied:
             target = [t for t in target if not re.search(r"# noqa: E402\n$", t)]
-            source = "".join(line for line in source.splitlines(keepends=True) if line not in tidied)
-        if "".join(target) not in source:
+        if "".join(t for t in target if t.strip()) not in "".join(kept):
             return False
     return True
 
