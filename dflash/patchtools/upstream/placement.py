@@ -11,6 +11,7 @@ import ast
 import importlib.resources
 
 from dflash.patchtools.upstream.concerns import MethodEdit, TestPlacement, UpstreamConcern
+from dflash.patchtools.upstream.lint import insert_imports
 from dflash.patchtools.upstream.tree import UpstreamKitError
 
 
@@ -58,7 +59,8 @@ def _segment(lines: list[str], node: ast.stmt) -> str:
 def merge_tests(target_text: str, tests_text: str, target: str) -> str:
     """``target_text`` with the imports, helpers and test classes of ``tests_text`` added.
 
-    Imports the inserted code needs and the target lacks go after the target's last top-level import;
+    Imports the inserted code needs and the target lacks go where usort sorts them among the target's
+    leading imports;
     definitions go before the target's ``if __name__ == "__main__":`` block (or at the end). The module
     docstring and main guard of ``tests_text`` are dropped.
 
@@ -86,14 +88,12 @@ def merge_tests(target_text: str, tests_text: str, target: str) -> str:
         if clashes:
             raise UpstreamKitError(f"{target} already defines {', '.join(clashes)} differently; rename the test's")
         new_definitions.append(_segment(test_lines, node))
-    last_import = max(
-        (n.end_lineno for n in target_tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0
-    )
     guard = next((n for n in target_tree.body if _is_main_guard(n)), None)
     insert_at = guard.lineno - 1 if guard is not None else len(target_lines)
     block = "".join(f"\n\n{d.rstrip()}\n" for d in new_definitions) + ("\n\n" if guard is not None else "")
-    head = target_lines[:last_import] + new_imports + target_lines[last_import:insert_at]
-    return "".join(head).rstrip("\n") + "\n" + block + "".join(target_lines[insert_at:])
+    head = "".join(target_lines[:insert_at]).rstrip("\n") + "\n"
+    head = insert_imports(head, new_imports)
+    return head + block + "".join(target_lines[insert_at:])
 
 
 def add_fx_import(test_fx_text: str, module: str, classes: list[str]) -> str:
