@@ -167,6 +167,10 @@ class TrainConfig:
     """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
     flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).
     Without this flag such a run is refused: install the kernels with `pip install -e '.[fla]'`."""
+    random_target_weights: bool = False
+    """Initialise at random every weight the target's files lack: a benchmark of a model's shape from its config
+    and a small weight file. Without this flag such a target is refused once it has loaded (it would train the
+    drafter against a partly random verifier)."""
     cpu_threads: int | None = None
     """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other
     jobs: oversubscribed OpenMP threads run many times slower."""

@@ -221,10 +221,14 @@ class Trainer:
                 layer_ids=config.target_layer_ids,
                 num_capture_layers=config.num_target_layers,
                 device=device,
+                random_missing=config.random_target_weights,
             )
         ]
         targets += [
-            load_target(target_dir, layer_ids=targets[0].layer_ids, device=s.device) for s in self.layout.targets[1:]
+            load_target(
+                target_dir, layer_ids=targets[0].layer_ids, device=s.device, random_missing=config.random_target_weights
+            )
+            for s in self.layout.targets[1:]
         ]
         self.loader = self._build_loader(targets, conversations, tokens)
         drafter = self._build_drafter(targets[0])
