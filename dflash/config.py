@@ -112,7 +112,9 @@ class TrainConfig:
     one conversation per row."""
     responses: str = "auto"
     """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached
-    in --out), `auto` (`target` for the embedded default target and corpus, else `data`)."""
+    in --out; each conversation keeps its messages before the first assistant turn plus the target's reply: later
+    turns, tool calls and tool results are not kept), `auto` (`target` for the embedded default target and corpus,
+    else `data`)."""
     regenerate_max_new_tokens: int = 48
     """Longest regenerated reply in tokens (with --responses target)."""
 
