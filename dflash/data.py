@@ -693,7 +693,7 @@ def usable_examples(tokenized: Tokenized, *, seq_len: int, overflow: str, source
     """
     logger.info(
         "%s: %d conversations, %d longer than seq_len=%d (%s), %d skipped without two "
-        "consecutive assistant tokens, %d kept",
+        "consecutive assistant tokens (within seq_len, for the longer ones), %d kept",
         source,
         tokenized.conversations,
         tokenized.too_long,
@@ -702,6 +702,16 @@ def usable_examples(tokenized: Tokenized, *, seq_len: int, overflow: str, source
         tokenized.unsupervised,
         len(tokenized.examples),
     )
+    if tokenized.too_long * 2 > tokenized.conversations:
+        logger.warning(
+            "%s: %d of %d conversations are longer than --seq-len %d and were %s: a longer --seq-len (up to "
+            "the target's context) trains on more of them",
+            source,
+            tokenized.too_long,
+            tokenized.conversations,
+            seq_len,
+            "cut to it (what follows is not trained on)" if overflow == "truncate" else "dropped",
+        )
     if tokenized.short_cuts:
         logger.warning(
             "%s: %d conversations averaged over %d characters per token in their first %d characters, "
