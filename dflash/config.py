@@ -311,6 +311,8 @@ class TrainConfig:
             )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (an anchor and the token after it), got {self.seq_len}")
         if self.vary_seq_len < 0:
             raise ValueError(f"vary_seq_len must be >= 0, got {self.vary_seq_len}")
         if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):

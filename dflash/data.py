@@ -282,8 +282,9 @@ def read_conversations(
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
+                message = e.msg.removesuffix(" at")  # json's "Unterminated string starting at"
                 raise DatasetError(
-                    f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
+                    f"{where}: malformed JSON ({message} at column {e.colno}); expected one JSON object per line"
                 ) from None
             conversations.append(_parse_record(record, where))
             unrendered.note(record, where)

@@ -46,6 +46,10 @@ def test_reads_openai_and_sharegpt_alike(tmp_path):
     [
         (b"", r"empty\.jsonl: file is empty"),
         (b'{"messages": [}\n', r"bad\.jsonl:1: malformed JSON"),
+        (
+            b'{"messages": "unterminated',
+            r"bad\.jsonl:1: malformed JSON \(Unterminated string starting at column 14\)",
+        ),
         (b'{"messages": []}\n{"text": "hi"}\n', r"bad\.jsonl:1: expected a non-empty list"),
         (
             b'{"messages": [{"role": "user", "content": "x"}]}\n{"text": "hi"}\n',
