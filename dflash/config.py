@@ -61,7 +61,8 @@ class TrainConfig:
     # ---- drafter (empty = dflash.drafter_shape's rule: the target's geometry, or the published drafters' shape
     # for Qwen3.5/3.6 targets, or the --init-from drafter's) -----------------------------------------------------
     init_from: str | None = None
-    """Published drafter directory to fine-tune (config.json + model.safetensors, z-lab layout): its shape, layer
+    """Drafter to fine-tune: a published drafter directory (config.json + model.safetensors, z-lab layout) or a
+    dflash run (its latest checkpoint): its shape, layer
     types, window, block size, mask token, tapped layers and RoPE are kept and its weights loaded strictly; held-out
     acceptance (--eval-data) is measured before step 1 and after the last step."""
     block_size: int | None = None

@@ -116,6 +116,24 @@ def test_the_run_starts_from_the_drafter_s_weights(assets, tmp_path):
         assert torch.equal(state[name], value.float()), name
 
 
+def test_a_run_directory_starts_from_its_latest_checkpoint(assets, tmp_path):
+    # As dflash eval and dflash export take a run; it was refused ("config.json: missing").
+    from safetensors.torch import load_file
+
+    from dflash.drafter_files import load_drafter_dir
+    from dflash.drafter_shape import resolve_drafter_shape
+
+    first = tmp_path / "first"
+    assert main(_flags(assets, first, init_from=assets["drafter"])) == 0
+    step_dir = find_checkpoint(first)
+    config = train_config(target=assets["target"], data=assets["data"], out=tmp_path / "second", init_from=str(first))
+    resolved = resolve_drafter_shape(config)
+    assert resolved.init_from == str(step_dir)  # saved so: a resume starts from the same weights
+    drafter = load_drafter_dir(resolved.init_from, dtype=torch.float32)
+    trained = load_file(str(step_dir / "model.safetensors"))
+    assert all(torch.equal(drafter.state_dict()[name], value.float()) for name, value in trained.items())
+
+
 @pytest.mark.parametrize("is_causal", [None, False, True])
 def test_the_fine_tuned_drafter_keeps_the_source_drafter_s_causality(assets, tmp_path, is_causal):
     """A published config without is_causal keeps the engines' rule (causal sliding layers, and no
