@@ -62,6 +62,19 @@ from dflash.patchtools.upstream.text import internal_references, patch_text_to_c
 
 TORCH_DIR = Path(torch.__file__).parent
 
+TEST_AUTOGRAD = """\
+# Owner(s): ["module: autograd"]
+import torch
+
+from autograd.test_complex import TestAutogradComplex  # noqa: F401
+from autograd.test_functional import TestAutogradFunctional  # noqa: F401
+from autograd.test_logging import TestAutogradLogging  # noqa: F401
+from torch.testing._internal.common_utils import run_tests
+
+
+if __name__ == "__main__":
+    run_tests()
+"""
 TEST_FX = """\
 # Owner(s): ["module: fx"]
 import torch
@@ -149,6 +162,7 @@ def _make_tree(root: Path, version: str, *, crlf: str | None = None, torch_dir: 
             shutil.copy(torch_dir / path.removeprefix("torch/"), root / path)
     (root / "test" / "dynamo").mkdir(parents=True)
     (root / "test" / "test_fx.py").write_text(TEST_FX)
+    (root / "test" / "test_autograd.py").write_text(TEST_AUTOGRAD)
     (root / "test" / "dynamo" / "test_config.py").write_text(TEST_DYNAMO.format(cls="ConfigTests"))
     (root / "test" / "dynamo" / "test_compile.py").write_text(TEST_DYNAMO.format(cls="InPlaceCompilationTests"))
     (root / "test" / "test_utils_config_module.py").write_text(TEST_CONFIG_MODULE)
@@ -242,6 +256,14 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(main_tree, tmp_path, capsy
         < test_fx.index("fx.test_matcher_utils")
     )
     assert (stacked / "test" / "fx" / "test_fx_patcher_threads.py").is_file()
+    # test/autograd runs through test/test_autograd.py too (run_test.py skips the folder).
+    test_autograd = (stacked / "test" / "test_autograd.py").read_text()
+    line = "from autograd.test_launch_context import TestLaunchContext  # noqa: F401"
+    assert (
+        test_autograd.index("autograd.test_functional")
+        < test_autograd.index(line)
+        < test_autograd.index("autograd.test_logging")
+    )
     compile_tests = (stacked / "test" / "dynamo" / "test_compile.py").read_text()
     assert (
         "class CompileSessionFlagsThreadTests(" in compile_tests and "class CompileWrapperThreadTests(" in compile_tests
@@ -369,7 +391,7 @@ def test_main_with_per_thread_eval_frame_settings_gets_only_the_per_thread_error
     assert re.search(r"\nSubject: \[PATCH (\d)/\1\] \[dynamo\] Make error_on_graph_break thread-local\n", patch)
     assert "_SharedEvalFrameSettings" not in patch and "EvalFrameSettingsThreadTests" not in patch
     assert "+class CompileWrapperThreadTests(" in patch and "time.sleep" not in patch
-    assert "per-thread in C since #196637" in patch and "per-thread in C since #196637" in pr
+    assert "per-thread in C (`Py_tss_t` slots" in patch and "per-thread in C (`Py_tss_t` slots" in pr
     assert "waits until no other thread" not in pr  # the gate's BC note
 
 

@@ -46,8 +46,9 @@ class TestPlacement:
         target: path in the checkout; a new file (``new_file``) or an existing test file that the tests
             are merged into (imports added, definitions inserted before its ``if __name__`` block).
         new_file: ``target`` does not exist upstream and is created.
-        imported_from: for a new file under ``test/fx/`` (which ``test/run_test.py`` skips), the existing
-            file that must import its test classes so CI runs them (``test/test_fx.py``).
+        imported_from: for a new file under ``test/fx/`` or ``test/autograd/`` (which
+            ``test/run_test.py`` skips), the existing file that must import its test classes so CI runs
+            them (``test/test_fx.py``, ``test/test_autograd.py``).
     """
 
     source: str
@@ -139,7 +140,12 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "defaults there, while the backward formulas work for the launching thread's trace."
         ),
         tests=(
-            TestPlacement("autograd/test_launch_context.py", "test/autograd/test_launch_context.py", new_file=True),
+            TestPlacement(
+                "autograd/test_launch_context.py",
+                "test/autograd/test_launch_context.py",
+                new_file=True,
+                imported_from="test/test_autograd.py",
+            ),
         ),
         see_also=(173568, 191777),
         related=(
@@ -368,8 +374,8 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "of an instance starts with empty stacks.",
             "The eval-frame settings that `compile_wrapper` also saves and restores around each call "
             "(`skip_guard_eval_unsafe`, the isolate-recompiles id, the fullgraph counters) are per-thread "
-            "in C since #196637 (set in one thread, another thread reads its own), so that save and "
-            "restore is right as it is and this commit leaves it alone.",
+            "in C (`Py_tss_t` slots in `torch/csrc/dynamo/eval_frame.c`: set in one thread, another thread "
+            "reads its own), so that save and restore is right as it is and this commit leaves it alone.",
         ),
         tests=(TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),),
         bc=(
@@ -379,9 +385,9 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
         see_also=(196637,),
         related=(
-            "#196637 made the eval-frame region flags thread-local in C with `Py_tss_t`; the flag that "
-            "`compile_wrapper` keeps in Python, `error_on_graph_break`, is the one left, and this commit "
-            "makes it per-thread too."
+            "#196637 describes the eval-frame region flags as thread-local in C with `Py_tss_t`, which "
+            "is what `torch/csrc/dynamo/eval_frame.c` does on main; the flag that `compile_wrapper` keeps "
+            "in Python, `error_on_graph_break`, is the one left, and this commit makes it per-thread too."
         ),
     ),
 )

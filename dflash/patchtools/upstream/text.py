@@ -17,7 +17,7 @@ from dflash.patchtools.upstream.concerns import CONCERNS, UpstreamConcern
 # Text that means something only inside this project, or binds the text to one release.
 INTERNAL = {
     "project name": r"dflash|DFLASH",
-    "bug-class notes": r"torch_races|\bRace class|\bclass(?:es)? [A-H](?:\b|,)",
+    "bug-class notes": r"torch_races|\bRace class|\bclass(?:es)? [A-Z](?:\b|,)",
     "local paths": r"\.\./shared|/work/|/shared/",
     "patch-series terms": (
         r"Variant for|\bvariants?\b|Patch-Name|Verified-On|Torch-Versions|DEP-3|\bseries\b|\b(?:as in|see) 000\d\b"
@@ -36,7 +36,7 @@ INTERNAL = {
 }
 _INTERNAL_RE = {what: re.compile(pattern) for what, pattern in INTERNAL.items()}
 _SUBSTITUTIONS = (
-    (re.compile(r"\s*\((?:race )?class(?:es)? [A-H][^)]*\)"), ""),
+    (re.compile(r"\s*\((?:race )?class(?:es)? [A-Z][^)]*\)"), ""),
     (re.compile(r"\((?:as in |see )?000\d-([a-z0-9-]+)\)"), r"(\1)"),
     (re.compile(r"\b[Ss]ince [12]\.\d+(?:\.\d+)?,?\s+"), ""),
     (re.compile(r"\(as in 000\d for ([^)]*)\)"), r"(as for \1)"),
