@@ -76,6 +76,14 @@ class _OutputThatMayClose:
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
 
+    # It stands for the stream it wraps: handlers made before it (torch's loggers, at import) still
+    # count as console handlers (console_loggers, and tqdm's own test of a handler's stream).
+    def __eq__(self, other) -> bool:
+        return other is self or other is self._stream
+
+    def __hash__(self) -> int:
+        return hash(self._stream)
+
 
 @contextlib.contextmanager
 def output_may_close() -> Iterator[None]:
