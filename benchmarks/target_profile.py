@@ -4,7 +4,6 @@ vs full-attention layers, and by kernel kind; and how tok/s and memory move with
     python benchmarks/target_profile.py                    # one GPU: Qwen3.6-27B width, 16 layers
     python benchmarks/target_profile.py --layers 64        # the whole shape (55.6 GB bf16)
     python benchmarks/target_profile.py --tiny             # CPU smoke test
-    python benchmarks/target_profile.py --compare-fused    # eager vs fused linear layers, side by side
 
 The target is a random-weight Qwen3.6-27B language model (``benchmarks/shapes.py``, first
 ``--layers`` layers) in bf16 on the device; the input is ``--batch`` packed rows of
@@ -13,9 +12,7 @@ The target is a random-weight Qwen3.6-27B language model (``benchmarks/shapes.py
 ``document_ids``). One run prints, for each batch size: target tok/s and peak memory; then, for
 the largest: milliseconds per layer type (CUDA events around each decoder layer's token mixer and
 MLP) and GPU time by kernel kind (``torch.profiler``: matmuls, flash-linear-attention's Triton
-kernels, attention, the rest). ``--compare-fused`` instead times the linear layers' current form
-against :func:`dflash.document_separation.fused_form` on the largest batch, alternating them, and
-prints each form's tok/s, the ratio and the largest difference between their states.
+kernels, attention, the rest).
 """
 
 from __future__ import annotations
@@ -72,33 +69,6 @@ def layer_timers(target, device: torch.device):
     return events, hooks
 
 
-def compare_fused(target, run, repeats: int, sync) -> None:
-    """tok/s of ``run`` (a packed capture) with the target's linear layers in their current form and
-    in the fused form, alternating rounds after one warm-up (the fused form's compile) each; prints
-    the medians, fused / current, and the largest difference of the tapped states."""
-    import statistics
-
-    from dflash import document_separation
-
-    forms = {"current": target._linear_kernels, "fused": document_separation.fused_form(target._linear_kernels)}
-    seconds, states = {name: [] for name in forms}, {}
-    for round_ in range(repeats + 1):
-        for name, kernels in forms.items():
-            target.__dict__["_linear_kernels"] = kernels
-            sync()
-            began = time.perf_counter()
-            states[name] = run().context
-            sync()
-            if round_:
-                seconds[name].append(time.perf_counter() - began)
-    tokens = states["current"].shape[0] * states["current"].shape[1]
-    rate = {name: tokens / statistics.median(times) for name, times in seconds.items()}
-    for name, kernels in forms.items():
-        print(f"  {name:>7} ({kernels.name}): {rate[name]:,.0f} tok/s")
-    difference = (states["fused"].float() - states["current"].float()).abs().max().item()
-    print(f"  fused / current: {rate['fused'] / rate['current']:.3f}x tok/s; states differ by at most {difference:.4f}")
-
-
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     return next((kind for kind, keys in KINDS if any(k in lowered for k in keys)), "other (norms, copies, elementwise)")
@@ -111,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batches", default="1,2,4", help="batch sizes to time (the last is profiled)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compare-fused", action="store_true", help="current vs fused linear layers, side by side")
     args = parser.parse_args(argv)
     shape, device = ("tiny-qwen3.6", "cpu") if args.tiny else ("qwen3.6-27b", "cuda")
     if args.tiny:
@@ -136,9 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(5, vocab, documents.shape)
         return lambda: target.capture(ids, document_ids=documents)
 
-    if args.compare_fused:
-        compare_fused(target, capture(int(args.batches.split(",")[-1])), args.repeats, sync)
-        return 0
     for batch in map(int, args.batches.split(",")):
         run = capture(batch)
         run()

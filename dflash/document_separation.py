@@ -19,12 +19,6 @@ states the verifier never produces. Each layer type needs its own means:
   flash-linear-attention's varlen kernel (``cu_seqlens``) on CUDA and transformers' PyTorch reference
   elsewhere. transformers' own route (``cu_seq_lens_q`` / ``seq_idx`` kwargs) needs Dao's
   causal-conv1d, a CUDA source build, for the conv, and raises without it.
-  :func:`fused_form` is a candidate form of the same layer for CUDA: the work around the delta
-  rule (projections, conv, gates; the gated norm) as two ``torch.compile``'d graphs that every
-  linear layer shares, the conv channels-last by position in segment (:func:`position_conv`), q/k/v
-  written contiguous for the kernel. Training does not run it until a GPU run of
-  ``benchmarks/target_profile.py --compare-fused`` shows it faster and
-  ``tests/integration/test_hybrid_cuda.py`` shows it as exact as :data:`FLA_KERNELS`.
 
 Any other layer type (e.g. ``sliding_attention``, whose window a 4-D mask would override) is
 refused for packing (:func:`check_packable`), naming the type and ``--no-pack``.
@@ -34,11 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import functools
 import importlib.util
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +120,7 @@ def check_packable(config: dict, source: str) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Segments:
     """The documents of a packed ``[B, S]`` batch laid end to end as one sequence of ``B * S``
     tokens, in flash-attention's varlen form. Each maximal run of equal ``document_ids`` within a
@@ -144,7 +137,6 @@ class Segments:
         head_inside (Tensor): bool ``[N, W - 1]``, which of those lie inside their segment.
         head_targets (Tensor): int64 ``[M]``, the positions inside (``head_index[head_inside]``).
         head_slots (Tensor): int64 ``[M]``, their places in the flattened ``[N * (W - 1)]`` heads.
-        positions (Tensor): int64 ``[B * S]``, each token's position within its segment, on the device.
     """
 
     cu_seqlens: Tensor
@@ -154,7 +146,6 @@ class Segments:
     head_inside: Tensor
     head_targets: Tensor
     head_slots: Tensor
-    positions: Tensor
 
     @classmethod
     def of(cls, document_ids: Tensor, device: torch.device, *, conv_width: int = 4) -> Segments:
@@ -178,7 +169,6 @@ class Segments:
             head_inside=move(inside),
             head_targets=move(index[inside]),
             head_slots=move(inside.reshape(-1).nonzero().squeeze(1)),
-            positions=move(offsets),
         )
 
 
@@ -215,7 +205,7 @@ def attention_mask(document_ids: Tensor, backend: str, dtype: torch.dtype):
     return mask
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class LinearAttentionKernels:
     """The two kernels of a Gated DeltaNet layer over :class:`Segments`.
 
@@ -226,14 +216,11 @@ class LinearAttentionKernels:
         delta_rule (Callable): ``(q [1, T, H, K], k, v [1, T, HV, V], g [1, T, HV] fp32, beta [1, T, HV],
             segments) -> [1, T, HV, V]``, the gated delta rule with q/k L2-normalised in the kernel
             and the state zeroed at each segment start.
-        fused (bool): run the work around the delta rule as ``torch.compile``'d graphs
-            (:func:`_compiled`) instead of eagerly.
     """
 
     name: str
     conv: Callable
     delta_rule: Callable
-    fused: bool = False
 
 
 def segmented_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
@@ -261,33 +248,6 @@ def segmented_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: s
     again = F.conv1d(windows.transpose(0, 1), kernel, bias, padding=head, groups=groups)[..., :head]
     out[0][:, segments.head_targets] = again.transpose(0, 1).reshape(groups, -1)[:, segments.head_slots]
     return ACT2FN[activation](out).transpose(1, 2)
-
-
-def position_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
-    """The causal conv of :func:`segmented_conv` in channels-last form: output t sums tap ``W - 1 - j``
-    times token ``t - j`` for each lag j up to t's position in its segment (zeros before a segment
-    start, as the segment run alone sees), in fp32, then rounds to ``x``'s dtype before the
-    activation as ``F.conv1d`` does. Elementwise over ``[T, D]`` with no index of varying length,
-    so compiled it is one kernel of fixed shape whatever the segments.
-
-    Args:
-        x (Tensor): ``[1, T, D]``; weight ``[D, W]``; bias ``[D]`` or None; activation: an ``ACT2FN`` key.
-
-    Returns:
-        Tensor: ``[1, T, D]`` in ``x``'s dtype.
-    """
-    from transformers.activations import ACT2FN
-
-    tokens, width = x.shape[1], weight.shape[-1]
-    if width != segments.conv_width:
-        raise ValueError(f"conv of {width} taps over segments laid out for {segments.conv_width}")
-    padded = F.pad(x, (0, 0, width - 1, 0)).float()  # [1, W - 1 + T, D]
-    position = segments.positions[None, :, None]
-    total = bias.float() if bias is not None else torch.zeros((), device=x.device)
-    for lag in range(width):
-        tap = padded[:, width - 1 - lag : width - 1 - lag + tokens] * weight[:, width - 1 - lag].float()
-        total = total + torch.where(position >= lag, tap, 0.0)
-    return ACT2FN[activation](total.to(x.dtype))
 
 
 def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, segments: Segments) -> Tensor:
@@ -329,12 +289,6 @@ REFERENCE_KERNELS = LinearAttentionKernels(
     "transformers' PyTorch reference (slow)", segmented_conv, reference_delta_rule
 )
 FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule)
-
-
-def fused_form(kernels: LinearAttentionKernels) -> LinearAttentionKernels:
-    """``kernels`` with the work around their delta rule compiled (module docstring), the conv in
-    :func:`position_conv`'s form."""
-    return dataclasses.replace(kernels, name=f"{kernels.name}, compiled around", conv=position_conv, fused=True)
 
 
 def fla_available() -> bool:
@@ -416,35 +370,14 @@ def _gated_deltanet_forward(
     (padding is a segment of its own)."""
     batch, seq_len, _ = hidden_states.shape
     h = hidden_states.reshape(1, batch * seq_len, -1)
-    inputs, output = (
-        (_compiled(_mixer_inputs), _compiled(_mixer_output)) if kernels.fused else (_mixer_inputs, _mixer_output)
-    )
-    core = kernels.delta_rule(*inputs(layer, h, segments, kernels.conv), segments)
-    return output(layer, core, h).reshape(batch, seq_len, -1)
-
-
-def _mixer_inputs(layer, h: Tensor, segments: Segments, conv: Callable) -> tuple[Tensor, ...]:
-    """q, k ``[1, T, H, K]`` and v ``[1, T, HV, V]`` (contiguous, as the kernels read them), g fp32
-    and beta ``[1, T, HV]`` of a Gated DeltaNet layer for the flattened rows ``h`` ``[1, T, H]``."""
-    tokens = h.shape[1]
-    mixed = conv(layer.in_proj_qkv(h), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation, segments)
+    weight = layer.conv1d.weight.squeeze(1)
+    mixed = kernels.conv(layer.in_proj_qkv(h), weight, layer.conv1d.bias, layer.activation, segments)
     q, k, v = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    q, k = (t.reshape(1, tokens, -1, layer.head_k_dim).contiguous() for t in (q, k))
-    v = v.reshape(1, tokens, -1, layer.head_v_dim).contiguous()
+    q, k = (t.reshape(1, batch * seq_len, -1, layer.head_k_dim) for t in (q, k))
+    v = v.reshape(1, batch * seq_len, -1, layer.head_v_dim)
     beta = layer.in_proj_b(h).sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(h).float() + layer.dt_bias)
-    return q, k, v, g, beta
-
-
-def _mixer_output(layer, core: Tensor, h: Tensor) -> Tensor:
-    """The layer's gated norm and output projection of the delta rule's ``core`` ``[1, T, HV, V]``: ``[1, T, H]``."""
+    core = kernels.delta_rule(q, k, v, g, beta, segments)
     z = layer.in_proj_z(h).reshape(-1, layer.head_v_dim)
-    return layer.out_proj(layer.norm(core.reshape(-1, layer.head_v_dim), z).reshape(*h.shape[:2], -1))
-
-
-@functools.cache
-def _compiled(fn: Callable) -> Callable:
-    """``fn`` under ``torch.compile``: one graph of fixed shapes for every linear layer (they differ
-    only in weights, which dynamo takes as inputs), with eager's roundings kept
-    (``emulate_precision_casts``: the bf16 rounding between conv and activation stays)."""
-    return torch.compile(fn, dynamic=False, options={"emulate_precision_casts": True})
+    core = layer.norm(core.reshape(-1, layer.head_v_dim), z).reshape(batch, seq_len, -1)
+    return layer.out_proj(core)

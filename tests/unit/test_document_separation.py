@@ -2,7 +2,6 @@
 (Qwen3.5 / Qwen3.6: Gated DeltaNet + gated attention) target, the hidden states it gets alone; layer
 types packing cannot keep apart are refused before anything loads."""
 
-import dataclasses
 import json
 
 import pytest
@@ -93,13 +92,12 @@ def test_segments_are_every_document_and_each_rows_tail_padding():
     assert segments.head_targets.tolist() == [0, 1, 3, 4, 5, 6, 7, 10, 11]
 
 
-@pytest.mark.parametrize("conv", [document_separation.segmented_conv, document_separation.position_conv])
 @pytest.mark.parametrize("sizes", [[10], [1, 2, 7], [3, 1, 1, 5], [2, 8]])
-def test_segmented_conv_equals_each_segment_convolved_alone(sizes, conv):
+def test_segmented_conv_equals_each_segment_convolved_alone(sizes):
     torch.manual_seed(0)
     x, weight, bias = torch.randn(1, sum(sizes), 6), torch.randn(6, 4), torch.randn(6)
     ids = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])[None]
-    got = conv(x, weight, bias, "silu", document_separation.Segments.of(ids, x.device))
+    got = document_separation.segmented_conv(x, weight, bias, "silu", document_separation.Segments.of(ids, x.device))
     start = 0
     for n in sizes:
         part = x[:, start : start + n].transpose(1, 2)
@@ -184,32 +182,3 @@ def test_the_segmented_conv_indexes_without_a_host_sync():
     with profile() as prof:
         document_separation.segmented_conv(x, weight, None, "silu", segments)
     assert not [e.key for e in prof.key_averages() if "nonzero" in e.key]
-
-
-def test_the_fused_form_compiles_one_graph_pair_for_every_layer_and_keeps_documents_apart(hybrid_dir):
-    # fused_form's compiled projections, position_conv and norm, with the reference delta rule
-    # (CPU): the packed states equal the eager form's, every linear layer shares one compiled graph per
-    # part, and a batch with another segment count reuses them.
-    from torch._dynamo.utils import counters
-
-    target = load_target(hybrid_dir, layer_ids=list(range(8)), device="cpu")
-    eager = dataclasses.replace(document_separation.REFERENCE_KERNELS, conv=document_separation.position_conv)
-    fused = document_separation.fused_form(document_separation.REFERENCE_KERNELS)
-    document_separation._compiled.cache_clear()
-    torch._dynamo.reset()
-    counters.clear()
-    results = {}
-    try:
-        for name, kernels in (("eager", eager), ("fused", fused)):
-            target.__dict__["_linear_kernels"] = kernels
-            for sizes in ([SIZES, SIZES[::-1]], [[20, 20], [7, 33]]):
-                batch = packed_batch(sizes, seq_len=40, seed=3)
-                results[name, len(sizes[0])] = target.capture(batch.input_ids, batch.position_ids, batch.document_ids)
-    finally:
-        document_separation._compiled.cache_clear()
-    for documents in (4, 2):
-        torch.testing.assert_close(
-            results["fused", documents].context, results["eager", documents].context, rtol=0, atol=1e-5
-        )
-    # One graph each for inputs and output, over 6 linear layers and 2 batches of other segment counts.
-    assert counters["stats"]["unique_graphs"] == 2
