@@ -115,11 +115,15 @@ READERS = (
 import contextvars
 
 
+# Before 2.12 the binding keeps the object without a reference of its own; the series' variant gives it one.
+stash_in_tls = getattr(torch._utils, "_stash_in_tls", torch._C._stash_obj_in_tls)
+
+
 def as_device_thread(context, stash):
     # What a device thread holds while it runs a node of the launching thread's traced backward:
     # its ATen state, with its context stashed by _engine_run_backward, and the backward counted.
     if stash:
-        torch._C._stash_obj_in_tls("context", context)
+        stash_in_tls("context", context)
         with torch._utils._traced_backwards_lock:
             torch._utils._traced_backwards += 1
     try:
@@ -128,7 +132,7 @@ def as_device_thread(context, stash):
         if stash:
             with torch._utils._traced_backwards_lock:
                 torch._utils._traced_backwards -= 1
-            torch._C._stash_obj_in_tls("context", None)
+            stash_in_tls("context", None)
 
 
 out = {}
