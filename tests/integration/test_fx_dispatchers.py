@@ -9,7 +9,9 @@ compiles took their slow paths (5.5x the bytecode on a 30-block ``nn.Sequential`
 failed patched after an earlier trace (``IndexError: pop from empty list``). Now the originals come
 back when the last trace ends, and a dynamo compile that reads a dispatcher while another thread
 traces takes it for the original (``torch._dynamo.utils.fx_unpatched``), so that its guards still
-hold once the original is back.
+hold once the original is back. A compile that inlines the dispatcher of a global (``math.sqrt``, a
+builtin that ``torch.fx.wrap`` shadows) guards on the global and on what the dispatcher's code reads,
+globals of its own, so its guards build whether the trace ends before or after the compile does.
 
 Integration tier: fresh interpreters, plain (``DFLASH_PATCHES=0``) and patched.
 """
@@ -121,6 +123,65 @@ print(json.dumps(result))
 """
 
 
+# Thread B's symbolic_trace stays open (math.sqrt's dispatcher installed, and the one of a builtin
+# that the module of `wrapped_len` shadows with torch.fx.wrap("len")) while thread A's dynamo inlines
+# that dispatcher. "mid": A's backend lets B's trace end (the originals come back) before dynamo
+# builds A's guards; "after": B's trace ends once the compile is done, and A's next call recompiles.
+# Seen as `InternalTorchDynamoError: AttributeError: 'builtin_function_or_method' object has no
+# attribute '__closure__'` (and `KeyError: len`) in the stress suite's flex_attention scenario.
+COMPILE_INLINING_A_PATCHED_GLOBAL = """
+import json, math, sys, threading, types
+import torch, torch.fx
+
+lens = types.ModuleType("wrapped_len")
+exec('import torch.fx\\ntorch.fx.wrap("len")\\ndef f(x):\\n    return x * len(x.shape)\\n', lens.__dict__)
+sys.modules["wrapped_len"] = lens
+
+
+def sqrt_f(x):
+    return x * math.sqrt(x.size(-1))
+
+
+def holding(x):
+    opened.set()
+    release.wait(60)
+    return x
+
+
+def run(fn, ends):
+    global opened, release
+    opened, release = threading.Event(), threading.Event()
+    b = threading.Thread(target=lambda: torch.fx.symbolic_trace(holding), daemon=True)
+    b.start()
+    opened.wait(60)
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        if ends == "mid":
+            release.set()
+            b.join(60)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(2, 4)
+    try:
+        right = torch.allclose(compiled(x), fn(x))
+        release.set()
+        b.join(60)
+        right = right and all(torch.allclose(compiled(x), fn(x)) for _ in range(2))
+        return {"right": right, "frames": len(frames)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        release.set()
+        b.join(60)
+
+
+print(json.dumps({f"{name} {ends}": run(fn, ends) for name, fn in (("math.sqrt", sqrt_f), ("len", lens.f)) for ends in ("mid", "after")}))
+"""
+
 def test_module_methods_and_globals_are_the_originals_once_traces_end():
     plain = script_result(ORIGINALS_AFTER_TRACES, patched=False)
     assert all(plain.values()), plain
@@ -138,3 +199,13 @@ def test_a_compile_during_another_threads_trace_keeps_its_guards_when_the_trace_
     assert "error" in plain, f"plain torch compiled through the other thread's tracer: {plain}"
     patched = script_result(COMPILE_DURING_ANOTHER_THREADS_TRACE, patched=True)
     assert patched == {"right": True, "frames": 1}, patched
+
+
+def test_a_compile_that_inlined_a_patched_global_builds_its_guards_when_the_trace_ends():
+    patched = script_result(COMPILE_INLINING_A_PATCHED_GLOBAL, patched=True)
+    assert patched == {
+        "math.sqrt mid": {"right": True, "frames": 1},
+        "math.sqrt after": {"right": True, "frames": 2},
+        "len mid": {"right": True, "frames": 1},
+        "len after": {"right": True, "frames": 2},
+    }, patched

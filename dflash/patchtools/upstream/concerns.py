@@ -211,7 +211,13 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "dispatchers that call the tracing thread's wrappers there and the originals elsewhere; the "
             "originals are put back when the last trace ends. Dynamo takes a dispatcher it reads for the "
             "original (`fx_unpatched`), so a compile during another thread's trace takes its fast paths "
-            "and its guards hold once the original is back.",
+            "and its guards hold once the original is back. The dispatchers of globals (`math.sqrt`, "
+            "`torch.fx.wrap` functions), which dynamo inlines, read the original as a global of a dict of "
+            "their own rather than from a closure, so such a compile's guards build even if the trace "
+            "ends first.",
+            "A builtin that `torch.fx.wrap(\"len\")` shadows in a module's globals is left there, holding "
+            "the builtin, once the last trace ends rather than deleted: a compile during the trace may "
+            "have guarded on the global.",
             "`CURRENT_PATCHER`, `_use_lazy_graph_module_flag` and `_force_skip_lazy_graph_module_flag` are "
             "properties of their module's class: reading and assigning them act on the calling thread's "
             "value, which tracing uses. They are ContextVars, which the autograd engine's device threads "
