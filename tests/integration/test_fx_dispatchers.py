@@ -154,6 +154,7 @@ def run(fn, ends):
     b = threading.Thread(target=lambda: torch.fx.symbolic_trace(holding), daemon=True)
     b.start()
     opened.wait(60)
+    dispatched = all(type(f) is types.FunctionType for f in (math.sqrt, lens.__dict__.get("len")))
     frames = []
 
     def backend(gm, example_inputs):
@@ -171,7 +172,7 @@ def run(fn, ends):
         release.set()
         b.join(60)
         right = right and all(torch.allclose(compiled(x), fn(x)) for _ in range(2))
-        return {"right": right, "frames": len(frames)}
+        return {"dispatched": dispatched, "right": right, "frames": len(frames)}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     finally:
@@ -179,8 +180,51 @@ def run(fn, ends):
         b.join(60)
 
 
-print(json.dumps({f"{name} {ends}": run(fn, ends) for name, fn in (("math.sqrt", sqrt_f), ("len", lens.f)) for ends in ("mid", "after")}))
+cases = [(name, fn, ends) for name, fn in (("math.sqrt", sqrt_f), ("len", lens.f)) for ends in ("mid", "after")]
+print(json.dumps({f"{name} {ends}": run(fn, ends) for name, fn, ends in cases}))
 """
+
+# A module's torch.fx.wrap'd global `g` is rebound between two traces of another thread (a reload,
+# mock.patch.object); a compile that inlined the first trace's dispatcher must not run the first `g`
+# under the second trace's dispatcher (dynamo guards an inlined function by its __code__).
+REBOUND_WRAPPED_GLOBAL = """
+import json, sys, threading, types
+import torch, torch.fx
+
+module = types.ModuleType("wrapped_g")
+source = 'import torch.fx\\ndef g(x):\\n    return x + 1\\ntorch.fx.wrap("g")\\ndef f(x):\\n    return g(x) * 2\\n'
+exec(source, module.__dict__)
+sys.modules["wrapped_g"] = module
+
+
+def holding(x):
+    opened.set()
+    release.wait(60)
+    return x
+
+
+def during_a_trace(call):
+    global opened, release
+    opened, release = threading.Event(), threading.Event()
+    b = threading.Thread(target=lambda: torch.fx.symbolic_trace(holding), daemon=True)
+    b.start()
+    opened.wait(60)
+    try:
+        return call()
+    finally:
+        release.set()
+        b.join(60)
+
+
+compiled, x = torch.compile(module.f, backend="eager"), torch.zeros(2)
+both = lambda: (compiled(x).tolist(), module.f(x).tolist())
+seen = {"during a trace": during_a_trace(both)}
+module.g = lambda t: t + 100
+seen["rebound, no trace"] = both()
+seen["rebound, during a trace"] = during_a_trace(both)
+print(json.dumps(seen))
+"""
+
 
 def test_module_methods_and_globals_are_the_originals_once_traces_end():
     plain = script_result(ORIGINALS_AFTER_TRACES, patched=False)
@@ -204,8 +248,13 @@ def test_a_compile_during_another_threads_trace_keeps_its_guards_when_the_trace_
 def test_a_compile_that_inlined_a_patched_global_builds_its_guards_when_the_trace_ends():
     patched = script_result(COMPILE_INLINING_A_PATCHED_GLOBAL, patched=True)
     assert patched == {
-        "math.sqrt mid": {"right": True, "frames": 1},
-        "math.sqrt after": {"right": True, "frames": 2},
-        "len mid": {"right": True, "frames": 1},
-        "len after": {"right": True, "frames": 2},
+        "math.sqrt mid": {"dispatched": True, "right": True, "frames": 1},
+        "math.sqrt after": {"dispatched": True, "right": True, "frames": 2},
+        "len mid": {"dispatched": True, "right": True, "frames": 1},
+        "len after": {"dispatched": True, "right": True, "frames": 2},
     }, patched
+
+
+def test_a_compile_that_inlined_a_dispatcher_runs_the_global_a_later_trace_patches():
+    patched = script_result(REBOUND_WRAPPED_GLOBAL, patched=True)
+    assert all(compiled == eager for compiled, eager in patched.values()), patched
