@@ -179,8 +179,10 @@ def run(fn, ends):
         b.join(60)
 
 
-print(json.dumps({f"{name} {ends}": run(fn, ends) for name, fn in (("math.sqrt", sqrt_f), ("len", lens.f)) for ends in ("mid", "after")}))
+cases = [(name, fn, ends) for name, fn in (("math.sqrt", sqrt_f), ("len", lens.f)) for ends in ("mid", "after")]
+print(json.dumps({f"{name} {ends}": run(fn, ends) for name, fn, ends in cases}))
 """
+
 
 def test_module_methods_and_globals_are_the_originals_once_traces_end():
     plain = script_result(ORIGINALS_AFTER_TRACES, patched=False)
