@@ -215,7 +215,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "`torch.fx.wrap` functions), which dynamo inlines, read the original as a global of a dict of "
             "their own rather than from a closure, so such a compile's guards build even if the trace "
             "ends first.",
-            "A builtin that `torch.fx.wrap(\"len\")` shadows in a module's globals is left there, holding "
+            'A builtin that `torch.fx.wrap("len")` shadows in a module\'s globals is left there, holding '
             "the builtin, once the last trace ends rather than deleted: a compile during the trace may "
             "have guarded on the global.",
             "`CURRENT_PATCHER`, `_use_lazy_graph_module_flag` and `_force_skip_lazy_graph_module_flag` are "
