@@ -118,7 +118,7 @@ import contextvars
 
 
 # Before 2.12 the binding keeps the object without a reference of its own; the series' variant gives it one.
-stash_in_tls = getattr(torch._utils, "_stash_in_tls", torch._C._stash_obj_in_tls)
+stash_in_tls = torch._utils._stash_in_tls if RELEASE < (2, 12) else torch._C._stash_obj_in_tls
 
 
 def as_device_thread(context, stash):

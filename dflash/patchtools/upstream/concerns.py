@@ -214,7 +214,8 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "and its guards hold once the original is back. The dispatchers of globals (`math.sqrt`, "
             "`torch.fx.wrap` functions), which dynamo inlines, read the original as a global of a dict of "
             "their own rather than from a closure, so such a compile's guards build even if the trace "
-            "ends first.",
+            "ends first; each has a code object of its own, as dynamo recognises an inlined function by "
+            "its `__code__`.",
             'A builtin that `torch.fx.wrap("len")` shadows in a module\'s globals is left there, holding '
             "the builtin, once the last trace ends rather than deleted: a compile during the trace may "
             "have guarded on the global.",
