@@ -1,6 +1,6 @@
 """Per-thread state reads, on the autograd device threads of a traced backward, what the tracing thread reads.
 
-AOTAutograd's joint trace and non-strict export call ``torch.autograd.grad`` under ``make_fx``; for
+Non-strict export and ``make_fx`` traces of a backward call ``torch.autograd.grad`` under ``make_fx``; for
 CUDA tensors (fake ones included) the autograd engine runs the backward's nodes on its per-device
 threads, which carry the launching thread's ATen thread-local state but not its Python context.
 Plain torch kept this state in module globals, so a backward formula there read the compiling

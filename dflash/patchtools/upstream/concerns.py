@@ -132,7 +132,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         area="autograd",
         title="Read unset ContextVars through the launching thread's context on a traced backward's threads",
         problem=(
-            "AOTAutograd's joint trace and non-strict export call `torch.autograd.grad` under `make_fx`. "
+            "Non-strict export and `make_fx` traces of a backward call `torch.autograd.grad` under `make_fx`. "
             "The autograd engine runs the CUDA nodes of that backward on its per-device threads, which "
             "carry the launching thread's ATen thread-local state, where `_engine_run_backward` stashes "
             "its `contextvars.Context`, but do not run in that context. Per-thread state kept in "
