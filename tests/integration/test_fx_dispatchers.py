@@ -123,16 +123,40 @@ print(json.dumps(result))
 """
 
 
+# Another thread's symbolic_trace held open (its dispatchers installed) from open_trace() to end_trace().
+HELD_TRACE = """
+import json, math, sys, threading, types
+import torch, torch.fx
+
+
+def holding(x):
+    opened.set()
+    release.wait(60)
+    return x
+
+
+def open_trace():
+    global opened, release, tracing
+    opened, release = threading.Event(), threading.Event()
+    tracing = threading.Thread(target=lambda: torch.fx.symbolic_trace(holding), daemon=True)
+    tracing.start()
+    opened.wait(60)
+
+
+def end_trace():
+    release.set()
+    tracing.join(60)
+"""
+
 # Thread B's symbolic_trace stays open (math.sqrt's dispatcher installed, and the one of a builtin
 # that the module of `wrapped_len` shadows with torch.fx.wrap("len")) while thread A's dynamo inlines
 # that dispatcher. "mid": A's backend lets B's trace end (the originals come back) before dynamo
 # builds A's guards; "after": B's trace ends once the compile is done, and A's next call recompiles.
 # Seen as `InternalTorchDynamoError: AttributeError: 'builtin_function_or_method' object has no
 # attribute '__closure__'` (and `KeyError: len`) in the stress suite's flex_attention scenario.
-COMPILE_INLINING_A_PATCHED_GLOBAL = """
-import json, math, sys, threading, types
-import torch, torch.fx
-
+COMPILE_INLINING_A_PATCHED_GLOBAL = (
+    HELD_TRACE
+    + """
 lens = types.ModuleType("wrapped_len")
 exec('import torch.fx\\ntorch.fx.wrap("len")\\ndef f(x):\\n    return x * len(x.shape)\\n', lens.__dict__)
 sys.modules["wrapped_len"] = lens
@@ -142,26 +166,15 @@ def sqrt_f(x):
     return x * math.sqrt(x.size(-1))
 
 
-def holding(x):
-    opened.set()
-    release.wait(60)
-    return x
-
-
 def run(fn, ends):
-    global opened, release
-    opened, release = threading.Event(), threading.Event()
-    b = threading.Thread(target=lambda: torch.fx.symbolic_trace(holding), daemon=True)
-    b.start()
-    opened.wait(60)
+    open_trace()
     dispatched = all(type(f) is types.FunctionType for f in (math.sqrt, lens.__dict__.get("len")))
     frames = []
 
     def backend(gm, example_inputs):
         frames.append(gm)
         if ends == "mid":
-            release.set()
-            b.join(60)
+            end_trace()
         return gm.forward
 
     torch._dynamo.reset()
@@ -169,51 +182,38 @@ def run(fn, ends):
     x = torch.randn(2, 4)
     try:
         right = torch.allclose(compiled(x), fn(x))
-        release.set()
-        b.join(60)
+        end_trace()
         right = right and all(torch.allclose(compiled(x), fn(x)) for _ in range(2))
         return {"dispatched": dispatched, "right": right, "frames": len(frames)}
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     finally:
-        release.set()
-        b.join(60)
+        end_trace()
 
 
 cases = [(name, fn, ends) for name, fn in (("math.sqrt", sqrt_f), ("len", lens.f)) for ends in ("mid", "after")]
 print(json.dumps({f"{name} {ends}": run(fn, ends) for name, fn, ends in cases}))
 """
+)
 
 # A module's torch.fx.wrap'd global `g` is rebound between two traces of another thread (a reload,
 # mock.patch.object); a compile that inlined the first trace's dispatcher must not run the first `g`
 # under the second trace's dispatcher (dynamo guards an inlined function by its __code__).
-REBOUND_WRAPPED_GLOBAL = """
-import json, sys, threading, types
-import torch, torch.fx
-
+REBOUND_WRAPPED_GLOBAL = (
+    HELD_TRACE
+    + """
 module = types.ModuleType("wrapped_g")
 source = 'import torch.fx\\ndef g(x):\\n    return x + 1\\ntorch.fx.wrap("g")\\ndef f(x):\\n    return g(x) * 2\\n'
 exec(source, module.__dict__)
 sys.modules["wrapped_g"] = module
 
 
-def holding(x):
-    opened.set()
-    release.wait(60)
-    return x
-
-
 def during_a_trace(call):
-    global opened, release
-    opened, release = threading.Event(), threading.Event()
-    b = threading.Thread(target=lambda: torch.fx.symbolic_trace(holding), daemon=True)
-    b.start()
-    opened.wait(60)
+    open_trace()
     try:
         return call()
     finally:
-        release.set()
-        b.join(60)
+        end_trace()
 
 
 compiled, x = torch.compile(module.f, backend="eager"), torch.zeros(2)
@@ -224,6 +224,7 @@ seen["rebound, no trace"] = both()
 seen["rebound, during a trace"] = during_a_trace(both)
 print(json.dumps(seen))
 """
+)
 
 
 def test_module_methods_and_globals_are_the_originals_once_traces_end():
