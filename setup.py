@@ -47,7 +47,7 @@ setup(
     package_data={
         "dflash.patch_series": ["series", "*.patch", "generated/releases", "generated/*/*.patch", "records/*.json"],
         "dflash.patching": [*STARTUP_FILES],
-        "dflash.patchtools": ["upstream_tests/*/*.py"],
+        "dflash.patchtools": ["upstream_tests/*/*.py", "upstream_texts/*.md"],
         # The embedded default target and chat corpus (scripts/make_default_target.py).
         "dflash.assets": ["*/*.json", "*/*.jinja", "*/*.safetensors", "*/*.jsonl", "*/*.md", "*/*.txt"],
     },

@@ -206,7 +206,8 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> lis
         flags["cpu-threads"] = args.cpu_threads
     argv = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
     # --no-save: a checkpoint of the 1-3B drafter with its training state is 14-40 GB.
-    return argv + ["--no-progress", "--no-save", "--pack" if pack else "--no-pack"]
+    # --random-target-weights: the target's files hold only its final norm (write_target).
+    return argv + ["--no-progress", "--no-save", "--random-target-weights", "--pack" if pack else "--no-pack"]
 
 
 def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool) -> dict:

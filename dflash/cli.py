@@ -8,7 +8,7 @@ import logging
 import sys
 
 from dflash import __version__
-from dflash.progress_logging import log_above_progress_bars
+from dflash.progress_logging import log_above_progress_bars, output_may_close
 
 # Modules under dflash.commands, in the order their subcommands are listed in --help.
 _COMMANDS = ("train", "evaluate", "export", "patches")
@@ -29,12 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # -v: this package's debug lines only (the libraries' would bury them: file locks, HTTP, ...).
-    logging.getLogger("dflash").setLevel(logging.DEBUG if args.verbose else logging.NOTSET)
-    try:
+    with output_may_close():
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        )
+        # -v: this package's debug lines only (the libraries' would bury them: file locks, HTTP, ...).
+        logging.getLogger("dflash").setLevel(logging.DEBUG if args.verbose else logging.NOTSET)
         with log_above_progress_bars():
             return int(args.func(args) or 0)
-    except BrokenPipeError:  # `dflash ... | head`: the reader left, nothing to report
-        sys.stderr.close()
-        return 0

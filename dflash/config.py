@@ -61,7 +61,8 @@ class TrainConfig:
     # ---- drafter (empty = dflash.drafter_shape's rule: the target's geometry, or the published drafters' shape
     # for Qwen3.5/3.6 targets, or the --init-from drafter's) -----------------------------------------------------
     init_from: str | None = None
-    """Published drafter directory to fine-tune (config.json + model.safetensors, z-lab layout): its shape, layer
+    """Drafter to fine-tune: a published drafter directory (config.json + model.safetensors, z-lab layout) or a
+    dflash run (its latest checkpoint): its shape, layer
     types, window, block size, mask token, tapped layers and RoPE are kept and its weights loaded strictly; held-out
     acceptance (--eval-data) is measured before step 1 and after the last step."""
     block_size: int | None = None
@@ -112,7 +113,9 @@ class TrainConfig:
     one conversation per row."""
     responses: str = "auto"
     """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached
-    in --out), `auto` (`target` for the embedded default target and corpus, else `data`)."""
+    in --out; each conversation keeps its messages before the first assistant turn plus the target's reply: later
+    turns, tool calls and tool results are not kept), `auto` (`target` for the embedded default target and corpus,
+    else `data`)."""
     regenerate_max_new_tokens: int = 48
     """Longest regenerated reply in tokens (with --responses target)."""
 
@@ -167,6 +170,10 @@ class TrainConfig:
     """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
     flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).
     Without this flag such a run is refused: install the kernels with `pip install -e '.[fla]'`."""
+    random_target_weights: bool = False
+    """Initialise at random every weight the target's files lack: a benchmark of a model's shape from its config
+    and a small weight file. Without this flag such a target is refused once it has loaded (it would train the
+    drafter against a partly random verifier)."""
     cpu_threads: int | None = None
     """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other
     jobs: oversubscribed OpenMP threads run many times slower."""
@@ -305,6 +312,8 @@ class TrainConfig:
             )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (an anchor and the token after it), got {self.seq_len}")
         if self.vary_seq_len < 0:
             raise ValueError(f"vary_seq_len must be >= 0, got {self.vary_seq_len}")
         if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):

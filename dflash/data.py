@@ -90,6 +90,8 @@ MAX_CHARS_PER_TOKEN = 32
 # Show progress bars from these sizes on (smaller inputs take a second or two).
 _PROGRESS_BYTES = 64 << 20
 _PROGRESS_CONVERSATIONS = 5000
+#: Bad lines reported in one error; reading stops at this many (a file of another format fails on every line).
+MAX_BAD_LINES = 20
 
 
 class DatasetError(ValueError):
@@ -240,12 +242,13 @@ def read_conversations(
             JSON object (a JSON array file: the message gives the conversion), no
             ``messages``/``conversations`` list, a message without its role or text key, a
             non-string content, or an unknown role. The message names the file and the 1-based
-            line number.
+            line number; problems of single lines are collected over the whole file (up to
+            :data:`MAX_BAD_LINES`) and reported together, so one run finds them all.
     """
     from tqdm import tqdm
 
     path = require_data_file(path)
-    conversations, unrendered = [], _UnrenderedFields()
+    conversations, unrendered, bad_lines = [], _UnrenderedFields(), []
     size = os.path.getsize(path)
     with (
         path.open("rb") as f,
@@ -263,37 +266,55 @@ def read_conversations(
             if lineno == 1:  # Windows editors start UTF-8 files with a byte order mark
                 raw = raw.removeprefix(codecs.BOM_UTF8)
                 _refuse_binary(path, raw)
-            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-                raise DatasetError(
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):  # the rest of it is not read
+                bad_lines.append(
                     f"{where}: line longer than {max_line_bytes:,} bytes; one conversation this long "
                     "is far over any --seq-len: split it into several conversations or remove it"
                 )
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DatasetError(
-                    f"{where}: not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r}); "
-                    "re-encode the file as UTF-8"
-                ) from None
-            if not line.strip():
-                continue
-            if not conversations and line.lstrip().startswith("["):
+                break
+            if not conversations and not bad_lines and raw.lstrip().startswith(b"["):
                 raise DatasetError(f"{where}: a JSON array, not JSONL (one JSON object per line); {_convert(path)}")
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(
-                    f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
-                ) from None
-            conversations.append(_parse_record(record, where))
-            unrendered.note(record, where)
-            if len(conversations) == max_records:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                record = _json_record(line, where)
+                conversations.append(_parse_record(record, where))
+            except UnicodeDecodeError as e:
+                bad_lines.append(
+                    f"{where}: not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r}); "
+                    "re-encode the file as UTF-8"
+                )
+            except DatasetError as e:
+                bad_lines.append(str(e))
+            else:
+                unrendered.note(record, where)
+            if len(bad_lines) == MAX_BAD_LINES or len(conversations) == max_records:
                 break
+    if bad_lines:
+        raise DatasetError(_bad_lines_message(path, bad_lines))
     if not conversations:
         raise DatasetError(f"{path}: file is empty; expected one JSON chat record per line")
     if max_records is None:  # a quick check of the start is followed by the full read, which warns
         unrendered.warn(path, len(conversations))
     return conversations
+
+
+def _json_record(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        message = e.msg.removesuffix(" at")  # json's "Unterminated string starting at"
+        raise DatasetError(
+            f"{where}: malformed JSON ({message} at column {e.colno}); expected one JSON object per line"
+        ) from None
+
+
+def _bad_lines_message(path: Path, bad_lines: list[str]) -> str:
+    if len(bad_lines) == 1:
+        return bad_lines[0]
+    stopped = f" (stopped reading at the {MAX_BAD_LINES}th)" if len(bad_lines) == MAX_BAD_LINES else ""
+    return f"{path}: {len(bad_lines)} bad lines{stopped}; fix or remove each:\n  " + "\n  ".join(bad_lines)
 
 
 def _refuse_binary(path: Path, head: bytes) -> None:
@@ -693,7 +714,7 @@ def usable_examples(tokenized: Tokenized, *, seq_len: int, overflow: str, source
     """
     logger.info(
         "%s: %d conversations, %d longer than seq_len=%d (%s), %d skipped without two "
-        "consecutive assistant tokens, %d kept",
+        "consecutive assistant tokens (within seq_len, for the longer ones), %d kept",
         source,
         tokenized.conversations,
         tokenized.too_long,
@@ -702,6 +723,16 @@ def usable_examples(tokenized: Tokenized, *, seq_len: int, overflow: str, source
         tokenized.unsupervised,
         len(tokenized.examples),
     )
+    if tokenized.too_long * 2 > tokenized.conversations:
+        logger.warning(
+            "%s: %d of %d conversations are longer than --seq-len %d and were %s: a longer --seq-len (up to "
+            "the target's context) trains on more of them",
+            source,
+            tokenized.too_long,
+            tokenized.conversations,
+            seq_len,
+            "cut to it (what follows is not trained on)" if overflow == "truncate" else "dropped",
+        )
     if tokenized.short_cuts:
         logger.warning(
             "%s: %d conversations averaged over %d characters per token in their first %d characters, "

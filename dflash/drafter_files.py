@@ -123,15 +123,24 @@ def read_drafter_config(directory: str | Path):
 
 def check_tensors(directory: str | Path, config) -> None:
     """The tensors of ``model.safetensors`` are exactly the drafter's of ``config``, by name and
-    shape, read from the file's header (no tensor is loaded).
+    shape, read from the file's header (no tensor is loaded); the file is whole (its size is what
+    its header describes: a drafter shipped without a manifest has nothing else to catch a copy cut short).
 
     Raises:
-        CheckpointError: a layer count, a tensor name or a shape disagrees; the message names the
-            tensor and the ``config.json`` field that disagrees with it.
+        CheckpointError: a truncated or unreadable file (named); a layer count, a tensor name or a
+            shape disagrees: the message names the tensor and the ``config.json`` field that
+            disagrees with it.
     """
     from safetensors import safe_open
 
+    from dflash.weight_files import WeightFileError, check_safetensors
+
     directory = Path(directory)
+    try:
+        fix = f"copy {directory} again from where it came from, or pass another drafter directory"
+        check_safetensors(directory / WEIGHTS_NAME, role="drafter", fix=fix)
+    except WeightFileError as e:
+        raise CheckpointError(str(e)) from None
     with safe_open(str(directory / WEIGHTS_NAME), "pt") as f:
         found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     expected = _expected_shapes(config)

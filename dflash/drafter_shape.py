@@ -24,9 +24,12 @@ layers without ``--draft-sliding-window`` get :data:`DEFAULT_SLIDING_WINDOW`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 from dflash.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 # The layer_types strings of dflash.modeling_dflash (which imports transformers; this module must not:
 # it runs before the cheap checks of dflash.preflight). tests/unit/test_drafter_shape.py checks they agree.
@@ -121,7 +124,8 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
 
     Raises:
         TargetLoadError: the target directory has no readable ``config.json``.
-        CheckpointError: the ``--init-from`` directory is not a complete drafter.
+        CheckpointError: the ``--init-from`` directory is not a complete drafter (its config, or
+            weights that are cut short or that the config does not describe).
         ValueError: flags that contradict each other or the ``--init-from`` drafter, or an
             ``--init-from`` drafter that does not fit the target (the message names the field).
     """
@@ -131,6 +135,7 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
     target_dir = Path(config.target) if config.target else default_target_dir()
     target = read_target_config(target_dir)
     if config.init_from:
+        config = dataclasses.replace(config, init_from=_drafter_directory(config.init_from))
         values = _from_drafter(config, target, target_dir)
     else:
         family = qwen3_5_family(target)
@@ -208,10 +213,26 @@ def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> di
     return out | {"draft_layer_types": ",".join(types)}
 
 
+def _drafter_directory(init_from: str) -> str:
+    """``--init-from`` as the drafter directory it names: itself, or the latest checkpoint of a
+    run directory (``--out`` of ``dflash train``, as ``dflash eval`` and ``dflash export`` take)."""
+    from dflash.checkpoint import CONFIG_NAME, DRAFTER_FILES, CheckpointError, find_checkpoint
+
+    path = Path(init_from)
+    if (path / CONFIG_NAME).is_file() or not path.is_dir():
+        return init_from  # a drafter directory, or a missing one that read_drafter_config names
+    try:
+        step_dir = find_checkpoint(path, verify=False, files=DRAFTER_FILES)
+    except CheckpointError:
+        return init_from
+    logger.info("--init-from %s: a training run; starting from its checkpoint %s", init_from, step_dir)
+    return str(step_dir)
+
+
 def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
     """The shape fields of the ``--init-from`` drafter, refused where they contradict a flag or
-    do not fit the target."""
-    from dflash.drafter_files import read_drafter_config
+    do not fit the target, or where its weights cannot load (read from the file's header)."""
+    from dflash.drafter_files import check_tensors, read_drafter_config
 
     drafter = read_drafter_config(config.init_from)
     values = {field: getattr(drafter, key) for field, key in _FROM_DRAFTER.items()}
@@ -244,4 +265,5 @@ def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
                 f"{text.get(key)}); this drafter was trained for another target: pass its target, or train a "
                 "new drafter without --init-from"
             )
+    check_tensors(config.init_from, drafter)  # from the file's header: weights that cannot load, before the target
     return values

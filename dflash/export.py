@@ -43,7 +43,8 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
         Path: ``out``.
 
     Raises:
-        ValueError: ``out``'s name lacks ``dflash``, or ``out`` holds files.
+        ValueError: ``out``'s name lacks ``dflash``, ``out`` holds files, or ``out`` lies inside the run
+            (or the drafter directory) exported.
         CheckpointError: no checkpoint in ``run``, a corrupt file, or weights that disagree with
             their config (named), before anything is written.
     """
@@ -60,10 +61,17 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} already exists and is not empty; choose a new directory (nothing was written)")
     step_dir = find_checkpoint(run, files=DRAFTER_FILES)
+    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
+    source = (run_dir or step_dir).resolve()
+    if out.resolve().is_relative_to(source):
+        raise ValueError(
+            f"--out {out} is inside {source}, which dflash train --resume and dflash eval read (a directory of "
+            f"other files there stops a resume); export beside it, e.g. --out {source.parent / out.name} "
+            "(nothing was written)"
+        )
     config = read_drafter_config(step_dir)
     check_tensors(step_dir, config)
     weights = load_file(str(step_dir / "model.safetensors"))
-    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
     readme = serving_readme(config, out=out, target=_trained_target(run_dir), step_dir=step_dir, dtype=dtype)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

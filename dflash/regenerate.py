@@ -249,7 +249,28 @@ def with_replies(conversations, replies: dict[int, str | None]) -> list[list[dic
         no_prompt,
         len(replies) - no_prompt - len(result),
     )
+    replaced = [_from_the_first_reply(conversations[i]) for i in sorted(replies) if replies[i] is not None]
+    if any(len(messages) > 1 or _is_tool_message(messages[0]) for messages in replaced if messages):
+        logger.warning(
+            "--responses target keeps each conversation's first reply only: %d later messages of %d conversations, "
+            "and %d tool calls or tool results in all, are not trained on as the file has them; --responses data "
+            "trains on every turn",
+            sum(max(len(m) - 1, 0) for m in replaced),
+            sum(len(m) > 1 for m in replaced),
+            sum(_is_tool_message(message) for messages in replaced for message in messages),
+        )
     return result
+
+
+def _from_the_first_reply(conversation) -> list[dict]:
+    """A conversation's messages from its first assistant turn on: what regeneration replaces (that
+    turn) and drops (the rest)."""
+    first = next((i for i, m in enumerate(conversation) if m["role"] == "assistant"), len(conversation))
+    return list(conversation[first:])
+
+
+def _is_tool_message(message: dict) -> bool:
+    return message["role"] == "tool" or bool(message.get("tool_calls"))
 
 
 #: Target files whose bytes the replies depend on (hashed); weights are keyed by name, size and mtime.

@@ -49,6 +49,7 @@ RESUMABLE_CHANGES = frozenset(
         "compile",
         "cpu_threads",
         "slow_linear_attention",
+        "random_target_weights",
         "peak_tflops",
         "save",
         "save_dtype",

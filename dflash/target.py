@@ -365,6 +365,7 @@ def load_target(
     num_capture_layers: int = 5,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    random_missing: bool = False,
 ) -> Target:
     """Load a local HF causal-LM directory as a frozen target.
 
@@ -373,10 +374,14 @@ def load_target(
         layer_ids: layers to tap; None uses the DFlash default for ``num_capture_layers``.
         device: where to put it (already resolved, see :func:`resolve_device`).
         dtype: None picks bf16 on GPU and fp32 on CPU.
+        random_missing: keep the random initialisation ``from_pretrained`` gives weights the files
+            lack (a benchmark of a model's shape) instead of refusing the target.
 
     Raises:
-        TargetLoadError: missing directory, no ``config.json``, or a config/weights that
-            ``AutoModelForCausalLM`` cannot load (the message names the path and the fix).
+        TargetLoadError: missing directory, no ``config.json``, a config/weights that
+            ``AutoModelForCausalLM`` cannot load, or (without ``random_missing``) weight files that
+            lack some of the model's weights, e.g. under other key names (the message names the
+            path, the weights and the fix).
         ValueError: the layers to tap do not fit the target (see :func:`dflash.layer_taps.check_taps`).
     """
     from transformers import AutoModelForCausalLM
@@ -392,14 +397,20 @@ def load_target(
     # initialised there). device_map needs accelerate; without it the model moves after loading.
     direct = device.type == "cuda" and importlib.util.find_spec("accelerate") is not None
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, device_map=str(device) if direct else None
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            local_files_only=True,
+            device_map=str(device) if direct else None,
+            output_loading_info=True,
         )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise TargetLoadError(
             f"target {path}: cannot load as a causal LM ({type(e).__name__}: {e}); "
             "check config.json and that the weight files are complete"
         ) from e
+    if not random_missing:
+        _refuse_missing_weights(path, loading)
     if not direct:
         model.to(device)
     layer_ids = check_taps(model.config.num_hidden_layers, layer_ids=layer_ids, num_captured=num_capture_layers)
@@ -414,3 +425,21 @@ def load_target(
         dtype,
     )
     return Target(model, layer_ids)
+
+
+def _refuse_missing_weights(path: Path, loading: dict) -> None:
+    """``from_pretrained`` initialises at random every weight the files lack and only logs it: a
+    verifier that is partly random trains a drafter for a model nobody serves."""
+    missing = sorted(loading.get("missing_keys") or ())
+    if not missing:
+        return
+    unexpected = sorted(loading.get("unexpected_keys") or ())
+    names = lambda keys: ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    found = (
+        f"; the files hold {len(unexpected)} weights the model does not use ({names(unexpected)})" if unexpected else ""
+    )
+    raise TargetLoadError(
+        f"target {path}: its weight files lack {len(missing)} of the model's weights ({names(missing)}){found}, "
+        "which would be initialised at random; restore the missing shards or weight names from the model's "
+        "source (dflash train --random-target-weights keeps them random, for a benchmark of the model's shape)"
+    )

@@ -119,12 +119,14 @@ def _warn_if_warmup_is_the_run(config: TrainConfig, total_steps: int) -> None:
     if config.warmup_steps >= total_steps:
         logger.warning(
             "--warmup-steps %d is not shorter than the run's %d steps: the learning rate rises for the whole run and "
-            "peaks at %.0f%% of --lr %g; pass --warmup-steps %d (about a tenth of the steps) or more --steps",
+            "peaks at %.0f%% of --lr %g; pass %s",
             config.warmup_steps,
             total_steps,
             100 * learning_rate(total_steps, config, total_steps) / config.lr,
             config.lr,
-            max(1, total_steps // 10),
+            f"--warmup-steps {total_steps // 10} (about a tenth of the steps) or more --steps"
+            if total_steps >= 10
+            else "--warmup-steps 0 or more --steps",
         )
 
 
@@ -221,10 +223,14 @@ class Trainer:
                 layer_ids=config.target_layer_ids,
                 num_capture_layers=config.num_target_layers,
                 device=device,
+                random_missing=config.random_target_weights,
             )
         ]
         targets += [
-            load_target(target_dir, layer_ids=targets[0].layer_ids, device=s.device) for s in self.layout.targets[1:]
+            load_target(
+                target_dir, layer_ids=targets[0].layer_ids, device=s.device, random_missing=config.random_target_weights
+            )
+            for s in self.layout.targets[1:]
         ]
         self.loader = self._build_loader(targets, conversations, tokens)
         drafter = self._build_drafter(targets[0])

@@ -79,14 +79,19 @@ def _shards(index: Path, role: str) -> list[Path]:
     return [index.parent / name for name in names]
 
 
-def check_safetensors(path: str | Path, *, role: str = "target") -> None:
+def check_safetensors(path: str | Path, *, role: str = "target", fix: str | None = None) -> None:
     """``path`` is a whole safetensors file: its size is 8 + header + the data its header describes.
+
+    Args:
+        path: the ``.safetensors`` file.
+        role: what the model is in the messages (``target``, ``drafter``).
+        fix: what to do about a damaged file, ending the message; None: download or copy it again.
 
     Raises:
         WeightFileError: see :func:`check_weight_files`.
     """
     path = Path(path)
-    again = (
+    again = fix or (
         "delete it and download it again (huggingface-cli download REPO --local-dir DIR fetches missing files), "
         "or copy it again from the model's source"
     )

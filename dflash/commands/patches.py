@@ -183,7 +183,7 @@ def _build_wheel(args) -> int:
 def _upstream(args) -> int:
     from pathlib import Path
 
-    from dflash.patchtools.upstream import DOES_NOT_APPLY, SHOWN, UpstreamKitError, make_kit
+    from dflash.patchtools.upstream import DOES_NOT_APPLY, SHOWN, STACK_FAILS, UpstreamKitError, make_kit
 
     try:
         reports = make_kit(
@@ -192,7 +192,7 @@ def _upstream(args) -> int:
             python=args.python,
             run=not args.no_run,
             benchmark_json=Path(args.benchmark_json) if args.benchmark_json else None,
-            instructions=args.instructions,
+            instructions=not args.no_instructions,
         )
     except UpstreamKitError as error:
         print(f"dflash patches upstream: {error}", file=sys.stderr)
@@ -202,6 +202,8 @@ def _upstream(args) -> int:
         print(f"  {report.name:<{width}}  {report.state:<16}  {report.patch_path or report.reason}")
         if report.verdict:
             print(f"  {'':<{width}}  tests: {report.verdict}")
+        if report.stack:
+            print(f"  {'':<{width}}  stack check (its tests and those below it, with them only): {report.stack}")
         for note in report.notes:
             print(f"  {'':<{width}}  note: {note}")
     if any(r.patch_path for r in reports):
@@ -215,7 +217,12 @@ def _upstream(args) -> int:
     unshown = [r.name for r in reports if r.patch_path and not args.no_run and r.verdict != SHOWN]
     if unshown:
         print(f"not shown failing without and passing with their fix: {', '.join(unshown)}", file=sys.stderr)
-    return 1 if unshown or any(r.state == DOES_NOT_APPLY for r in reports) else 0
+    broken = [r.name for r in reports if r.stack == STACK_FAILS]
+    if broken:
+        print(f"the stack check failed at: {', '.join(broken)}", file=sys.stderr)
+    if any(r.patch_path for r in reports) and args.no_instructions:
+        print("made without instruction counts: the PR descriptions say NOT MEASURED (a draft)", file=sys.stderr)
+    return 1 if unshown or broken or any(r.state == DOES_NOT_APPLY for r in reports) else 0
 
 
 def register(subparsers) -> None:
@@ -284,10 +291,11 @@ def register(subparsers) -> None:
     upstream = commands.add_parser(
         "upstream",
         parents=[COMMON],
-        help="write a PyTorch stack: one format-patch commit per concern with its tests, PR descriptions, a cover note",
+        help="write a PyTorch stack for a main checkout: one format-patch commit per concern with its tests, PR "
+        "descriptions, a cover note, a design note, design proposals",
     )
     upstream.add_argument(
-        "--pytorch-src", required=True, metavar="DIR", help="root of a PyTorch git checkout (only read)"
+        "--pytorch-src", required=True, metavar="DIR", help="root of a PyTorch main git checkout (only read)"
     )
     upstream.add_argument(
         "--out", default="upstream-kit", metavar="DIR", help="where to write the kit (default upstream-kit)"
@@ -299,7 +307,9 @@ def register(subparsers) -> None:
     )
     upstream.add_argument("--no-run", action="store_true", help="do not run each commit's tests without and with it")
     upstream.add_argument(
-        "--instructions", action="store_true", help="count instructions per commit with callgrind (minutes per commit)"
+        "--no-instructions",
+        action="store_true",
+        help="do not count instructions per commit with callgrind (minutes per commit); the kit is then a draft",
     )
     upstream.add_argument("--benchmark-json", metavar="PATH", help="output of benchmarks/patch_overhead.py --json")
     upstream.set_defaults(func=_upstream)

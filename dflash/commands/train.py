@@ -24,6 +24,9 @@ def _optional_int_list(text: str) -> list[int] | None:
     return None if text == "" else [int(x) for x in text.replace(",", " ").split()]
 
 
+_optional_int_list.__name__ = "comma-separated integer list"  # argparse names it in "invalid ... value"
+
+
 def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dict, docs: dict) -> None:
     flag = "--" + f.name.replace("_", "-")
     hint = hints[f.name]

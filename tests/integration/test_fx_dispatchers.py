@@ -9,7 +9,9 @@ compiles took their slow paths (5.5x the bytecode on a 30-block ``nn.Sequential`
 failed patched after an earlier trace (``IndexError: pop from empty list``). Now the originals come
 back when the last trace ends, and a dynamo compile that reads a dispatcher while another thread
 traces takes it for the original (``torch._dynamo.utils.fx_unpatched``), so that its guards still
-hold once the original is back.
+hold once the original is back. A compile that inlines the dispatcher of a global (``math.sqrt``, a
+builtin that ``torch.fx.wrap`` shadows) guards on the global and on what the dispatcher's code reads,
+globals of its own, so its guards build whether the trace ends before or after the compile does.
 
 Integration tier: fresh interpreters, plain (``DFLASH_PATCHES=0``) and patched.
 """
@@ -121,6 +123,110 @@ print(json.dumps(result))
 """
 
 
+# Another thread's symbolic_trace held open (its dispatchers installed) from open_trace() to end_trace().
+HELD_TRACE = """
+import json, math, sys, threading, types
+import torch, torch.fx
+
+
+def holding(x):
+    opened.set()
+    release.wait(60)
+    return x
+
+
+def open_trace():
+    global opened, release, tracing
+    opened, release = threading.Event(), threading.Event()
+    tracing = threading.Thread(target=lambda: torch.fx.symbolic_trace(holding), daemon=True)
+    tracing.start()
+    opened.wait(60)
+
+
+def end_trace():
+    release.set()
+    tracing.join(60)
+"""
+
+# Thread B's symbolic_trace stays open (math.sqrt's dispatcher installed, and the one of a builtin
+# that the module of `wrapped_len` shadows with torch.fx.wrap("len")) while thread A's dynamo inlines
+# that dispatcher. "mid": A's backend lets B's trace end (the originals come back) before dynamo
+# builds A's guards; "after": B's trace ends once the compile is done, and A's next call recompiles.
+# Seen as `InternalTorchDynamoError: AttributeError: 'builtin_function_or_method' object has no
+# attribute '__closure__'` (and `KeyError: len`) in the stress suite's flex_attention scenario.
+COMPILE_INLINING_A_PATCHED_GLOBAL = (
+    HELD_TRACE
+    + """
+lens = types.ModuleType("wrapped_len")
+exec('import torch.fx\\ntorch.fx.wrap("len")\\ndef f(x):\\n    return x * len(x.shape)\\n', lens.__dict__)
+sys.modules["wrapped_len"] = lens
+
+
+def sqrt_f(x):
+    return x * math.sqrt(x.size(-1))
+
+
+def run(fn, ends):
+    open_trace()
+    dispatched = all(type(f) is types.FunctionType for f in (math.sqrt, lens.__dict__.get("len")))
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        if ends == "mid":
+            end_trace()
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(2, 4)
+    try:
+        right = torch.allclose(compiled(x), fn(x))
+        end_trace()
+        right = right and all(torch.allclose(compiled(x), fn(x)) for _ in range(2))
+        return {"dispatched": dispatched, "right": right, "frames": len(frames)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        end_trace()
+
+
+cases = [(name, fn, ends) for name, fn in (("math.sqrt", sqrt_f), ("len", lens.f)) for ends in ("mid", "after")]
+print(json.dumps({f"{name} {ends}": run(fn, ends) for name, fn, ends in cases}))
+"""
+)
+
+# A module's torch.fx.wrap'd global `g` is rebound between two traces of another thread (a reload,
+# mock.patch.object); a compile that inlined the first trace's dispatcher must not run the first `g`
+# under the second trace's dispatcher (dynamo guards an inlined function by its __code__).
+REBOUND_WRAPPED_GLOBAL = (
+    HELD_TRACE
+    + """
+module = types.ModuleType("wrapped_g")
+source = 'import torch.fx\\ndef g(x):\\n    return x + 1\\ntorch.fx.wrap("g")\\ndef f(x):\\n    return g(x) * 2\\n'
+exec(source, module.__dict__)
+sys.modules["wrapped_g"] = module
+
+
+def during_a_trace(call):
+    open_trace()
+    try:
+        return call()
+    finally:
+        end_trace()
+
+
+compiled, x = torch.compile(module.f, backend="eager"), torch.zeros(2)
+both = lambda: (compiled(x).tolist(), module.f(x).tolist())
+seen = {"during a trace": during_a_trace(both)}
+module.g = lambda t: t + 100
+seen["rebound, no trace"] = both()
+seen["rebound, during a trace"] = during_a_trace(both)
+print(json.dumps(seen))
+"""
+)
+
+
 def test_module_methods_and_globals_are_the_originals_once_traces_end():
     plain = script_result(ORIGINALS_AFTER_TRACES, patched=False)
     assert all(plain.values()), plain
@@ -138,3 +244,18 @@ def test_a_compile_during_another_threads_trace_keeps_its_guards_when_the_trace_
     assert "error" in plain, f"plain torch compiled through the other thread's tracer: {plain}"
     patched = script_result(COMPILE_DURING_ANOTHER_THREADS_TRACE, patched=True)
     assert patched == {"right": True, "frames": 1}, patched
+
+
+def test_a_compile_that_inlined_a_patched_global_builds_its_guards_when_the_trace_ends():
+    patched = script_result(COMPILE_INLINING_A_PATCHED_GLOBAL, patched=True)
+    assert patched == {
+        "math.sqrt mid": {"dispatched": True, "right": True, "frames": 1},
+        "math.sqrt after": {"dispatched": True, "right": True, "frames": 2},
+        "len mid": {"dispatched": True, "right": True, "frames": 1},
+        "len after": {"dispatched": True, "right": True, "frames": 2},
+    }, patched
+
+
+def test_a_compile_that_inlined_a_dispatcher_runs_the_global_a_later_trace_patches():
+    patched = script_result(REBOUND_WRAPPED_GLOBAL, patched=True)
+    assert all(compiled == eager for compiled, eager in patched.values()), patched

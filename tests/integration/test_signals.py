@@ -26,11 +26,11 @@ def assets(tmp_path_factory):
 STEPS = 40
 
 
-def _train(assets, out, *extra):
+def _train(assets, out, *extra, progress: bool = False):
     flags = ["--target", str(assets["target"]), "--data", str(assets["data"]), "--out", str(out)]
     flags += ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48"]
     flags += ["--batch-size", "2", "--max-anchors", "4", "--steps", str(STEPS), "--log-every", "1"]
-    flags += ["--save-every", "0", "--cpu-threads", "1", "--no-progress", *extra]
+    flags += ["--save-every", "0", "--cpu-threads", "1", *([] if progress else ["--no-progress"]), *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.Popen(
         [sys.executable, "-m", "dflash", "train", *flags],
@@ -63,6 +63,21 @@ def reference(assets, tmp_path_factory):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     return _losses(out)
+
+
+def test_a_stop_after_the_console_reader_left_still_saves(assets, tmp_path):
+    # `dflash train ... | tee log` and Ctrl-C: the signal ends tee too, and every later write hits
+    # a closed pipe (the progress bar's first). The run must still save its checkpoint and exit 130
+    # (it exited 0, unsaved).
+    out = tmp_path / "run"
+    proc = _train(assets, out, progress=True)
+    _wait_for_steps(out, 2, proc)
+    proc.stdout.close()
+    proc.stderr.close()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=300) == 130
+    stopped_at = int(find_checkpoint(out).name.removeprefix("step_"))
+    assert 2 <= stopped_at < STEPS and len(_losses(out)) == stopped_at
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

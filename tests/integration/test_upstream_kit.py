@@ -1,16 +1,25 @@
-"""``dflash patches upstream``: the PyTorch stack made from the patch series.
+"""``dflash patches upstream``: the PyTorch stack made from the patch series, for a main checkout.
 
 The trees are laid out like a PyTorch checkout (``torch/...``, ``test/...``, ``version.txt``) and
-committed in a temporary git repository. Their ``torch/`` files are the installed torch's own (the
-files the series touches), so the kit's test runs, which borrow the installed torch's compiled parts,
-test exactly that tree. Their ``test/`` files are small stand-ins with the shapes of PyTorch's
-(``from fx.test_* import`` lines in ``test/test_fx.py``, a ``TestConfigModule.tearDown`` and
-``test_get_hash_per_thread_isolation`` in ``test/test_utils_config_module.py``).
+committed in a temporary git repository. Their ``test/`` files are small stand-ins with the shapes of
+PyTorch's (``from fx.test_* import`` lines in ``test/test_fx.py``, a ``TestConfigModule.tearDown``
+and ``test_get_hash_per_thread_isolation`` in ``test/test_utils_config_module.py``). Two stand-ins
+for PyTorch main:
+
+- ``main_tree``: the 2.15.0 sources (``DFLASH_TORCH_SOURCES``, ``scripts/fetch_torch_sources.py
+  --series``) labelled ``2.16.0a0``: main as it is now. Its tests only make the kit (no runs unless
+  the installed torch is a 2.15 build, whose compiled parts the runs borrow);
+- ``installed_main_tree``: the installed torch's files labelled as the development version of its
+  release (``2.13.0a0`` on CI's 2.13.0): main as it was before that release, whose runs borrow the
+  installed torch's compiled parts, so every commit's tests run without and with it, and the stack
+  check runs on it.
+
+Release trees (``2.13.0``, ``2.15.0``) are refused.
 
 Integration tier: every test runs git in subprocesses (about 20 s together on 2 cores), and
-``test_each_commit_fails_without_and_passes_with_its_fix`` runs every commit's tests twice in fresh
-interpreters (2-8 minutes on 2 cores, depending on load; needs ``expecttest``, PyTorch's test
-dependency).
+``test_each_commit_passes_its_tests_alone_and_fails_without_its_fix`` runs every commit's tests
+without it and the tests of commits 1..k with commits 1..k only, in fresh processes (3-10 minutes
+on 2 cores, depending on load; needs ``expecttest``, PyTorch's test dependency).
 """
 
 import ast
@@ -24,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 from dflash.cli import main
 from dflash.patching.series import load_series
@@ -31,18 +41,40 @@ from dflash.patchtools.upstream import (
     KEPT_OUT,
     PASSES_WITHOUT,
     PRESENT,
+    PROPOSED,
     REBASED,
     SHOWN,
+    STACK_FAILS,
+    STACK_PASSES,
     UpstreamKitError,
+    lint,
     make_kit,
+    runs,
     tree_release,
 )
 from dflash.patchtools.upstream import concerns as concerns_module
+from dflash.patchtools.upstream import (
+    kit as kit_module,
+)
 from dflash.patchtools.upstream.kit import verdict
+from dflash.patchtools.upstream.placement import merge_tests
 from dflash.patchtools.upstream.text import internal_references, patch_text_to_check
 
 TORCH_DIR = Path(torch.__file__).parent
 
+TEST_AUTOGRAD = """\
+# Owner(s): ["module: autograd"]
+import torch
+
+from autograd.test_complex import TestAutogradComplex  # noqa: F401
+from autograd.test_functional import TestAutogradFunctional  # noqa: F401
+from autograd.test_logging import TestAutogradLogging  # noqa: F401
+from torch.testing._internal.common_utils import run_tests
+
+
+if __name__ == "__main__":
+    run_tests()
+"""
 TEST_FX = """\
 # Owner(s): ["module: fx"]
 import torch
@@ -130,6 +162,7 @@ def _make_tree(root: Path, version: str, *, crlf: str | None = None, torch_dir: 
             shutil.copy(torch_dir / path.removeprefix("torch/"), root / path)
     (root / "test" / "dynamo").mkdir(parents=True)
     (root / "test" / "test_fx.py").write_text(TEST_FX)
+    (root / "test" / "test_autograd.py").write_text(TEST_AUTOGRAD)
     (root / "test" / "dynamo" / "test_config.py").write_text(TEST_DYNAMO.format(cls="ConfigTests"))
     (root / "test" / "dynamo" / "test_compile.py").write_text(TEST_DYNAMO.format(cls="InPlaceCompilationTests"))
     (root / "test" / "test_utils_config_module.py").write_text(TEST_CONFIG_MODULE)
@@ -145,9 +178,22 @@ def _make_tree(root: Path, version: str, *, crlf: str | None = None, torch_dir: 
     return root
 
 
+INSTALLED_RELEASE = torch.__version__.split("+")[0]
+SOURCES = Path(os.environ.get("DFLASH_TORCH_SOURCES", "/nonexistent"))
+
+
 @pytest.fixture
-def tree(tmp_path) -> Path:
-    return _make_tree(tmp_path / "pytorch", torch.__version__.split("+")[0])
+def installed_main_tree(tmp_path) -> Path:
+    """Main before the installed torch's release: its files, labelled ``<release>a0``."""
+    return _make_tree(tmp_path / "pytorch", f"{INSTALLED_RELEASE}a0")
+
+
+@pytest.fixture
+def main_tree(tmp_path) -> Path:
+    """Main now: the 2.15.0 sources labelled 2.16.0a0."""
+    if not (SOURCES / "2.15.0" / "torch").is_dir():
+        pytest.skip("needs the 2.15.0 sources in DFLASH_TORCH_SOURCES (scripts/fetch_torch_sources.py --series)")
+    return _make_tree(tmp_path / "pytorch", "2.16.0a0", torch_dir=SOURCES / "2.15.0" / "torch")
 
 
 def _clone(tree: Path, dest: Path) -> Path:
@@ -158,43 +204,48 @@ def _clone(tree: Path, dest: Path) -> Path:
 
 
 def _written_text(kit: Path) -> dict[str, str]:
-    """What the kit wrote in words: the Markdown and JSON, and each patch's message and added lines."""
+    """What the kit wrote in words: the Markdown and JSON (the design note and proposal too), and each
+    patch's message and added lines (the proposal's drafts too)."""
     out = {p.name: p.read_text() for p in kit.rglob("*") if p.suffix in (".md", ".json")}
-    out.update({p.name: patch_text_to_check(p.read_text()) for p in (kit / "patches").glob("*.patch")})
+    out.update({p.name: patch_text_to_check(p.read_text()) for p in kit.rglob("*.patch")})
     return out
 
 
-def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
-    head = _git(tree, "rev-parse", "HEAD").strip()
-    assert main(["patches", "upstream", "--pytorch-src", str(tree), "--out", str(tmp_path / "kit"), "--no-run"]) == 0
-    printed = capsys.readouterr().out
-    assert re.search(r"fx-tracing-flag-legacy-attribute\s+kept-out", printed)
-    patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
-    assert len(patches) == 7
-    # The checkout is untouched.
-    assert _git(tree, "rev-parse", "HEAD").strip() == head and _git(tree, "status", "--porcelain") == ""
+def _am(tree: Path, dest: Path, *patch_lists: list[Path]) -> Path:
+    stacked = _clone(tree, dest)
+    _git(stacked, "config", "core.autocrlf", "false")
+    # --keep-non-patch keeps "[dynamo]" in the subject (plain `git am` strips every leading [...]);
+    # --keep-cr: git am drops the CRs of CRLF lines unless told not to.
+    _git(stacked, "am", "-q", "--keep-non-patch", "--keep-cr", *(str(p) for ps in patch_lists for p in ps))
+    return stacked
 
-    stacked = _clone(tree, tmp_path / "am")
-    # --keep-non-patch keeps "[dynamo]" in the subject (plain `git am` strips every leading [...]).
-    _git(stacked, "am", "-q", "--keep-non-patch", *map(str, patches))
+
+def test_kit_writes_a_stack_of_one_commit_per_concern(main_tree, tmp_path, capsys):
+    head = _git(main_tree, "rev-parse", "HEAD").strip()
+    kit = tmp_path / "kit"
+    args = ["patches", "upstream", "--pytorch-src", str(main_tree), "--out", str(kit), "--no-run", "--no-instructions"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert re.search(r"fx-tracing-flag-legacy-attribute\s+kept-out", printed.out)
+    assert re.search(r"config-process-defaults\s+proposed", printed.out)
+    assert "NOT MEASURED" in printed.err or "without instruction counts" in printed.err
+    patches = sorted((kit / "patches").glob("*.patch"))
+    # On main the FX tracing flag is upstream, and the config change is a design proposal.
+    assert len(patches) == 4
+    # The checkout is untouched.
+    assert _git(main_tree, "rev-parse", "HEAD").strip() == head and _git(main_tree, "status", "--porcelain") == ""
+
+    stacked = _am(main_tree, tmp_path / "am", patches)
     subjects = _git(stacked, "log", "--format=%s", f"{head}..HEAD").splitlines()[::-1]
-    assert [s.split("] ")[0] + "]" for s in subjects] == [
-        "[autograd]",
-        "[fx]",
-        "[fx]",
-        "[dynamo]",
-        "[dynamo]",
-        "[config]",
-        "[dynamo]",
-    ]
-    # The internal overrides come before the config change that would otherwise leak them.
-    assert "config.patch for torch's own" in subjects[4] and "process-wide" in subjects[5]
+    assert [s.split("] ")[0] + "]" for s in subjects] == ["[autograd]", "[fx]", "[dynamo]", "[dynamo]"]
     for patch in patches:
         message = patch.read_text().split("\n---\n")[0]
         assert "\nTest Plan:\npython test/" in message
         assert re.search(r"\n(Fixes|Part of) #\d+(\n|$)", message), patch.name
         paragraphs = [p for p in message.split("\n\n")[1:] if p.strip()]
         assert len(paragraphs) >= 4, f"{patch.name}: problem, how, test plan and links expected"
+        # No commit of the stack touches config: that is the proposal's.
+        assert "torch/utils/_config_module.py" not in patch.read_text(), patch.name
 
     # Tests sit where PyTorch's CI runs them.
     test_fx = (stacked / "test" / "test_fx.py").read_text()
@@ -205,26 +256,68 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(tree, tmp_path, capsys):
         < test_fx.index("fx.test_matcher_utils")
     )
     assert (stacked / "test" / "fx" / "test_fx_patcher_threads.py").is_file()
-    assert not list((stacked / "test" / "dynamo").glob("test_thread_safety*"))
-    config_tests = (stacked / "test" / "dynamo" / "test_config.py").read_text()
-    assert "class ConfigThreadTests(" in config_tests and "class ConfigOverrideThreadTests(" in config_tests
-    assert config_tests.index("class ConfigThreadTests(") < config_tests.index('if __name__ == "__main__":')
-    config_module = (stacked / "test" / "test_utils_config_module.py").read_text()
-    assert "process_override = _UNSET_SENTINEL" in config_module
-    assert "with config.patch(e_int=999):" in config_module
+    # test/autograd runs through test/test_autograd.py too (run_test.py skips the folder).
+    test_autograd = (stacked / "test" / "test_autograd.py").read_text()
+    line = "from autograd.test_launch_context import TestLaunchContext  # noqa: F401"
+    assert (
+        test_autograd.index("autograd.test_functional")
+        < test_autograd.index(line)
+        < test_autograd.index("autograd.test_logging")
+    )
+    compile_tests = (stacked / "test" / "dynamo" / "test_compile.py").read_text()
+    assert (
+        "class CompileSessionFlagsThreadTests(" in compile_tests and "class CompileWrapperThreadTests(" in compile_tests
+    )
+    # Merged imports go where usort puts them: the standard library before torch.
+    assert "import threading\n\nimport torch\n" in compile_tests
     for test_file in _git(stacked, "ls-files", "test").split():
         compile((stacked / test_file).read_text(), test_file, "exec")
 
-    kit = tmp_path / "kit"
-    assert len(list((kit / "pr").glob("*.md"))) == 7
+    assert len(list((kit / "pr").glob("*.md"))) == 4
     for description in (kit / "pr").glob("*.md"):
         body = description.read_text()
         for section in ("## Summary", "## Test plan", "## BC-breaking notes", "## Benchmark", "## Related"):
             assert section in body, (description.name, section)
+        assert "NOT MEASURED" in body  # made without instruction counts: a draft
     cover = (kit / "COVER.md").read_text()
-    assert "#196637" in cover and "#187589" in cover
-    assert "#186537" in (kit / "patches" / patches[5].name).read_text()
+    assert "#196637" in cover and "#187589 (closed without merging)" in cover and "#118260" in cover
+    assert "stack check" in cover and "rfc/config-assignments-process-wide.md" in cover
+    design = (kit / "DESIGN.md").read_text()
+    for shared in ("set_stance", "_CURRENT_MAKE_FX_TRACER", "fullgraph counters", "Inductor's caches", "3.14t"):
+        assert shared in design, shared
     assert {name: found for name, body in _written_text(kit).items() if (found := internal_references(body))} == {}
+
+
+def test_config_change_is_a_design_proposal_drafted_on_top_of_the_stack(main_tree, tmp_path):
+    kit = tmp_path / "kit"
+    reports = {r.name: r for r in make_kit(main_tree, kit, run=False)}
+    assert reports["config-process-defaults"].state == PROPOSED
+    assert reports["internal-config-overrides-thread-local"].state == PROPOSED
+    rfc = (kit / "rfc" / "config-assignments-process-wide.md").read_text()
+    for needed in ("#186537", "#173568", "#118387", "## Options", "## Proposed semantics", "## BC impact"):
+        assert needed in rfc, needed
+    # The test changes it needs are shown, with the tearDown that clears the process-wide values.
+    assert "def test_get_hash_per_thread_isolation(self):" in rfc and "config.reset_process_overrides()" in rfc
+    drafts = sorted((kit / "rfc" / "config-assignments-process-wide").glob("*.patch"))
+    assert len(drafts) == 2 and all(d.name in rfc for d in drafts)
+    stacked = _am(main_tree, tmp_path / "am", sorted((kit / "patches").glob("*.patch")), drafts)
+    config_module = (stacked / "test" / "test_utils_config_module.py").read_text()
+    assert "config.reset_process_overrides()" in config_module
+    assert "with config.patch(e_int=999):" in config_module
+    for draft in drafts:
+        # The assertion that one patch object entered from two threads used to hit is gone upstream.
+        assert "prior should be empty when entering" not in draft.read_text()
+
+
+@pytest.mark.parametrize("version", ["2.13.0", "2.15.0"])
+def test_release_trees_are_refused(tmp_path, capsys, version):
+    tree = _make_tree(tmp_path / "pytorch", version)
+    with pytest.raises(UpstreamKitError, match="release tree") as error:
+        make_kit(tree, tmp_path / "kit", run=False)
+    assert "startup hook" in str(error.value) and "dflash patches build-wheel" in str(error.value)
+    assert main(["patches", "upstream", "--pytorch-src", str(tree), "--out", str(tmp_path / "kit2")]) == 1
+    assert "main checkout only" in capsys.readouterr().err
+    assert not (tmp_path / "kit2" / "patches").exists()
 
 
 def test_internal_references_are_found():
@@ -234,44 +327,51 @@ def test_internal_references_are_found():
         "Variant for 2.15 (typed signatures)",
         "race (class C)",
         "classes A, B",
-        "../shared/notes.md",
+        "/srv/shared/notes.md",
+        "/work/notes.md",
         "torch 2.13 holds the flag",
         "checked on a torch 2.13 interpreter",
+        # Release-bound wording: the kit is for main.
+        "Backport of the thread-local flag of torch 2.14",
+        "Not applicable to 2.5",
+        "This is the change of #168999 for a release branch",
+        "Since 2.12 the stash is there",
+        "per-thread in C on this tree",
+        "for 2.13 and later",
+        "the reader falls back (0000-autograd-launch-context)",
     ):
         assert internal_references(leak), leak
     assert internal_references("Fixes #186537; compile_wrapper takes no lock") == []
+    assert internal_references("Made for PyTorch main (version 2.16.0a0): 0001-autograd-Read.patch") == []
 
 
-def test_leaking_or_stale_text_stops_the_kit(tree, tmp_path, monkeypatch):
+def test_leaking_or_stale_text_stops_the_kit(main_tree, tmp_path, monkeypatch):
     original = concerns_module.CONCERNS
-    leaking = tuple(c.__class__(**{**c.__dict__, "bc": ("see class A",)}) for c in original)
-    monkeypatch.setattr("dflash.patchtools.upstream.kit.CONCERNS", leaking)
-    with pytest.raises(UpstreamKitError, match="project-internal text"):
-        make_kit(tree, tmp_path / "kit", run=False)
+    for bad in ("see class A", "Backport of the thread-local flag of torch 2.14"):
+        leaking = tuple(c.__class__(**{**c.__dict__, "bc": (bad,)}) for c in original)
+        monkeypatch.setattr("dflash.patchtools.upstream.kit.CONCERNS", leaking)
+        with pytest.raises(UpstreamKitError, match="project-internal or release-bound text"):
+            make_kit(main_tree, tmp_path / f"kit-{len(bad)}", run=False)
     stale = tuple(c.__class__(**{**c.__dict__, "bc": ("`_no_such_function` is gone",)}) for c in original)
     monkeypatch.setattr("dflash.patchtools.upstream.kit.CONCERNS", stale)
     with pytest.raises(UpstreamKitError, match="_no_such_function"):
-        make_kit(tree, tmp_path / "kit2", run=False)
+        make_kit(main_tree, tmp_path / "kit2", run=False)
 
 
-def test_development_tree_and_crlf_files_are_reported(tmp_path):
-    # A development tree: the 2.15.0 sources labelled 2.16.0a0 (the newest release's code).
-    sources = Path(os.environ.get("DFLASH_TORCH_SOURCES", "/nonexistent")) / "2.15.0" / "torch"
-    if not sources.is_dir():
+def test_crlf_files_are_reported(tmp_path):
+    if not (SOURCES / "2.15.0" / "torch").is_dir():
         pytest.skip("needs the 2.15.0 sources in DFLASH_TORCH_SOURCES (scripts/fetch_torch_sources.py --series)")
-    tree = _make_tree(tmp_path / "pytorch", "2.16.0a0", crlf="torch/_dynamo/utils.py", torch_dir=sources)
+    tree = _make_tree(
+        tmp_path / "pytorch", "2.16.0a0", crlf="torch/_dynamo/utils.py", torch_dir=SOURCES / "2.15.0" / "torch"
+    )
     reports = {r.name: r for r in make_kit(tree, tmp_path / "kit", run=False)}
-    # 2.16 has the thread-local FX flag (since 2.14); the newest variants claim every later release
-    # (Torch-Versions ">=2.12"), so a development tree gets them, applied exactly or reported.
+    # Main has the thread-local FX flag (#168999); the newest patches claim every later release
+    # (Torch-Versions ">=2.12"), so main gets them, applied exactly or reported.
     assert reports["fx-tracing-flag-thread-local"].state == "upstream"
     assert reports["fx-tracing-flag-legacy-attribute"].state == KEPT_OUT
     assert reports["fx-patcher-thread-isolation"].state == REBASED
     assert any("CRLF" in n for r in reports.values() for n in r.notes)
-    patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
-    stacked = _clone(tree, tmp_path / "am")
-    _git(stacked, "config", "core.autocrlf", "false")
-    # --keep-cr: git am drops the CRs of CRLF lines unless told not to.
-    _git(stacked, "am", "-q", "--keep-non-patch", "--keep-cr", *map(str, patches))
+    stacked = _am(tree, tmp_path / "am", sorted((tmp_path / "kit" / "patches").glob("*.patch")))
     utils = (stacked / "torch" / "_dynamo" / "utils.py").read_bytes()
     assert b"_error_on_graph_break_var" in utils and b"\r\n" in utils and b"\n" not in utils.replace(b"\r\n", b"")
 
@@ -282,24 +382,24 @@ def _compile_wrapper_commit(kit: Path) -> tuple[str, str]:
     return patch.read_text(), (kit / "pr" / f"{patch.stem}.md").read_text()
 
 
-@pytest.mark.parametrize("version", ["2.15.0", "2.16.0a0"])
-def test_trees_with_per_thread_eval_frame_settings_get_only_the_per_thread_error_on_graph_break(tmp_path, version):
-    # From 2.15 the eval-frame settings are per-thread in C: the commit must not carry the shared gate,
+def test_main_with_per_thread_eval_frame_settings_gets_only_the_per_thread_error_on_graph_break(main_tree, tmp_path):
+    # On main the eval-frame settings are per-thread in C: the commit must not carry the shared gate,
     # nor the isolate-recompiles test that polls with a time limit.
-    tree = _make_tree(tmp_path / "pytorch", version)
-    make_kit(tree, tmp_path / "kit", run=False)
+    make_kit(main_tree, tmp_path / "kit", run=False)
     patch, pr = _compile_wrapper_commit(tmp_path / "kit")
     changed = re.findall(r"^diff --git a/(\S+)", patch, flags=re.M)
     assert changed == ["test/dynamo/test_compile.py", "torch/_dynamo/decorators.py", "torch/_dynamo/utils.py"], changed
     assert re.search(r"\nSubject: \[PATCH (\d)/\1\] \[dynamo\] Make error_on_graph_break thread-local\n", patch)
     assert "_SharedEvalFrameSettings" not in patch and "EvalFrameSettingsThreadTests" not in patch
     assert "+class CompileWrapperThreadTests(" in patch and "time.sleep" not in patch
-    assert "per-thread in C on this tree" in patch and "per-thread in C on this tree" in pr
+    assert "per-thread in C (`Py_tss_t` slots" in patch and "per-thread in C (`Py_tss_t` slots" in pr
     assert "waits until no other thread" not in pr  # the gate's BC note
 
 
-def test_trees_with_shared_eval_frame_settings_get_the_gate(tree, tmp_path):
-    make_kit(tree, tmp_path / "kit", run=False)
+def test_main_with_shared_eval_frame_settings_gets_the_gate(installed_main_tree, tmp_path):
+    if Version(INSTALLED_RELEASE) >= Version("2.15"):
+        pytest.skip("the installed torch keeps the eval-frame settings per thread")
+    make_kit(installed_main_tree, tmp_path / "kit", run=False)
     patch, pr = _compile_wrapper_commit(tmp_path / "kit")
     assert "torch/_dynamo/eval_frame.py" in patch and "_SharedEvalFrameSettings" in patch
     assert "+class CompileWrapperThreadTests(" in patch and "+class EvalFrameSettingsThreadTests(" in patch
@@ -346,12 +446,14 @@ def test_upstream_read_in_thread_raises_the_threads_exception():
         module.read_in_thread(lambda: 1 / 0)
 
 
-def test_kit_detects_fixes_already_in_the_tree(tree, tmp_path):
-    make_kit(tree, tmp_path / "kit", run=False)
-    _git(tree, "am", "-q", "--keep-non-patch", *map(str, sorted((tmp_path / "kit" / "patches").glob("*.patch"))))
-    reports = make_kit(tree, tmp_path / "again", run=False)
+def test_kit_detects_fixes_already_in_the_tree(main_tree, tmp_path):
+    make_kit(main_tree, tmp_path / "kit", run=False)
+    patches = sorted((tmp_path / "kit" / "patches").glob("*.patch"))
+    _git(main_tree, "am", "-q", "--keep-non-patch", *map(str, patches))
+    reports = make_kit(main_tree, tmp_path / "again", run=False)
     assert not [r for r in reports if r.state == REBASED]
-    assert len([r for r in reports if r.state == PRESENT]) == 7
+    assert len([r for r in reports if r.state == PRESENT]) == len(patches)
+    assert len([r for r in reports if r.state == PROPOSED]) == 2  # still drafted on top
 
 
 def test_verdicts():
@@ -364,20 +466,54 @@ def test_verdicts():
     assert verdict([]) != SHOWN
 
 
+def test_stack_check_finds_a_commit_that_needs_a_later_one(monkeypatch, tmp_path):
+    # Commit 1 fixes A; commit 2 fixes B but breaks A's test; commit 3's test needs commit 4.
+    def concern(name, cls):
+        return concerns_module.UpstreamConcern(
+            name=name, area="x", title=name, problem="", tests=(concerns_module.TestPlacement(cls, f"test/{cls}.py"),)
+        )
+
+    commits = [
+        kit_module.Commit(concern(n, cls), None, {f"torch/{n}.py": n}, {f"test/{cls}.py": cls}, [])
+        for n, cls in (("one", "TestA"), ("two", "TestB"), ("three", "TestC"))
+    ]
+    monkeypatch.setattr(kit_module, "_test_targets", lambda c: [(c.tests[0].target, [c.tests[0].source])])
+    monkeypatch.setattr(runs, "lay_out", lambda state, *args: set(state))
+
+    def run_tests(python, root, path, classes):
+        passes = {"TestA": "torch/one.py" in root and "torch/two.py" not in root, "TestB": "torch/two.py" in root}
+        passes["TestC"] = "torch/four.py" in root  # never: commit 4 is not in the stack
+        return runs.RunResult({f"{c}.test": ("pass" if passes[c] else "fail", "") for c in classes})
+
+    monkeypatch.setattr(runs, "run_tests", run_tests)
+    results = kit_module._run_stack(commits, kit_module._states(commits), None, tmp_path, "python", tmp_path)
+    assert [r["verdict"] for r in results] == [SHOWN, SHOWN, "FAILS WITH THE FIX"]
+    assert [r["stack"] for r in results] == [STACK_PASSES, STACK_FAILS, STACK_FAILS]
+    assert results[1]["stack_rows"] == [{"test": "TestA.test", "commit": 1, "outcome": "fail"}]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("expecttest") is None, reason="PyTorch's tests need expecttest")
-def test_each_commit_fails_without_and_passes_with_its_fix(tree, tmp_path):
-    reports = make_kit(tree, tmp_path / "kit")
+def test_each_commit_passes_its_tests_alone_and_fails_without_its_fix(installed_main_tree, tmp_path):
+    # The kit's stack check: each commit's tests, and those of the commits below it, pass on the tree
+    # with those commits only; each commit's own tests fail without it.
+    reports = make_kit(installed_main_tree, tmp_path / "kit", instructions=False)
     record = json.loads((tmp_path / "kit" / "runs.json").read_text())
     assert {r.name: r.verdict for r in reports if r.state == REBASED} == {
         c["concern"]: SHOWN for c in record["commits"]
     }
+    assert {r.name: r.stack for r in reports if r.state == REBASED} == {
+        c["concern"]: STACK_PASSES for c in record["commits"]
+    }
     assert record["tree_differs_from_torch_in"] == []
-    for commit in record["commits"]:
-        assert any(t["without"] in ("fail", "error") for t in commit["tests"]), commit["concern"]
-        assert all(t["with"] == "pass" for t in commit["tests"]), commit["concern"]
+    for k, commit in enumerate(record["commits"], start=1):
+        assert any(t["without"] in ("fail", "error") for t in commit["rows"]), commit["concern"]
+        assert all(t["with"] == "pass" for t in commit["rows"]), commit["concern"]
+        assert {r["commit"] for r in commit["stack_rows"]} <= set(range(1, k)), commit["concern"]
+        assert all(r["outcome"] == "pass" for r in commit["stack_rows"]), commit["concern"]
+    assert len(record["commits"][-1]["stack_rows"]) >= len(record["commits"]) - 1
 
 
-def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
+def test_benchmark_numbers_come_from_the_json(main_tree, tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text(
         json.dumps(
@@ -394,14 +530,48 @@ def test_benchmark_numbers_come_from_the_json(tree, tmp_path):
             }
         )
     )
-    make_kit(tree, tmp_path / "kit", run=False, benchmark_json=bench)
+    make_kit(main_tree, tmp_path / "kit", run=False, benchmark_json=bench)
     for description in (tmp_path / "kit" / "pr").glob("*.md"):
         body = description.read_text()
         assert "| 1 | 51,234 | 50,987 | 0.995 (95% CI 0.990 to 0.999) |" in body
         assert "| 4 | 60,111 | 59,876 | 0.996 |" in body
     bench.write_text(json.dumps({"torch": "2.13.0"}))
     with pytest.raises(UpstreamKitError, match="no calls_per_s_<N>_threads entries"):
-        make_kit(tree, tmp_path / "kit2", run=False, benchmark_json=bench)
+        make_kit(main_tree, tmp_path / "kit2", run=False, benchmark_json=bench)
+
+
+def test_kit_tests_and_imports_keep_pytorchs_lint(main_tree, tmp_path):
+    # The test sources: 88 columns, imports in usort's order.
+    for source in sorted(UPSTREAM_TESTS.rglob("*.py")):
+        text = source.read_text()
+        assert max(len(line) for line in text.splitlines()) <= lint.MAX_COLUMNS, source.name
+        assert lint.import_order_problems(text) == [], source.name
+    # The commits: no noqa comment for E402 (which PyTorch's flake8 ignores), no repeated import.
+    make_kit(main_tree, tmp_path / "kit", run=False)
+    for patch in sorted((tmp_path / "kit" / "patches").glob("*.patch")) + sorted(
+        (tmp_path / "kit" / "rfc").rglob("*.patch")
+    ):
+        assert "noqa: E402" not in patch.read_text(), patch.name
+    # An import added below `import torch` goes where usort puts it: with the standard library.
+    autograd = next((tmp_path / "kit" / "patches").glob("*-autograd-*.patch")).read_text()
+    assert "+import contextlib\n import copyreg\n" in autograd and " import sys\n+import threading\n" in autograd
+    fx = next((tmp_path / "kit" / "patches").glob("*-fx-*.patch")).read_text()
+    assert "+import threading\n" not in fx.split("diff --git a/torch/fx/_symbolic_trace.py")[1].split("diff --git")[0]
+
+
+def test_imports_are_tidied_and_merged_where_usort_puts_them():
+    old = "import threading\n\nimport torch\n\n\ndef f():\n    pass\n"
+    new = old + "\n\nimport contextvars  # noqa: E402\nimport threading  # noqa: E402\n\nX = 1\n"
+    tidied = lint.tidy_imports(new, old)
+    assert "import contextvars\n" in tidied and tidied.count("import threading") == 1 and "noqa" not in tidied
+    target = '# Owner(s): ["module: dynamo"]\n\nimport torch\nimport torch._dynamo.test_case\n\n\nclass T:\n    pass\n'
+    tests = "import threading\nimport unittest\n\nimport torch\n\n\nclass U(unittest.TestCase):\n    x = threading\n"
+    merged = merge_tests(target, tests, "test/dynamo/test_x.py")
+    assert merged.startswith(
+        '# Owner(s): ["module: dynamo"]\n\nimport threading\nimport unittest\n\nimport torch\nimport torch._dynamo'
+    ), merged
+    assert lint.import_order_problems(merged) == []
+    assert lint.problems("test/dynamo/test_x.py", target, merged + "y = '" + "a" * 90 + "'\n")
 
 
 def test_tree_release_reads_version_txt_or_version_py(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from tiny import CONVERSATIONS, chat_template, make_tokenizer, supervised_text, write_jsonl
 
 from dflash.data import (
+    MAX_BAD_LINES,
     BatchLoader,
     DatasetError,
     ShardedSampler,
@@ -46,6 +47,10 @@ def test_reads_openai_and_sharegpt_alike(tmp_path):
     [
         (b"", r"empty\.jsonl: file is empty"),
         (b'{"messages": [}\n', r"bad\.jsonl:1: malformed JSON"),
+        (
+            b'{"messages": "unterminated',
+            r"bad\.jsonl:1: malformed JSON \(Unterminated string starting at column 14\)",
+        ),
         (b'{"messages": []}\n{"text": "hi"}\n', r"bad\.jsonl:1: expected a non-empty list"),
         (
             b'{"messages": [{"role": "user", "content": "x"}]}\n{"text": "hi"}\n',
@@ -171,6 +176,25 @@ def _indices(batches) -> list[int]:
 def test_prompt_is_the_conversation_before_the_first_assistant_turn():
     assert prompt_messages(CONVERSATIONS[1]) == CONVERSATIONS[1][:2]
     assert prompt_messages([{"role": "assistant", "content": "hi"}]) is None
+
+
+def test_every_bad_line_is_reported_in_one_error(tmp_path):
+    good = json.dumps({"messages": CONVERSATIONS[0]})
+    lines = [good, '{"messages": [}', good, '{"conversations": [{"from": "robot", "value": "x"}]}', good]
+    path = tmp_path / "two.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError) as error:
+        read_conversations(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: 2 bad lines; fix or remove each:")
+    assert "two.jsonl:2: malformed JSON" in message and "two.jsonl:4: message 0 has unknown role 'robot'" in message
+
+    many = tmp_path / "many.jsonl"  # another format altogether: reading stops at MAX_BAD_LINES
+    many.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(MAX_BAD_LINES + 5)))
+    with pytest.raises(
+        DatasetError, match=rf"many\.jsonl: {MAX_BAD_LINES} bad lines \(stopped reading at the {MAX_BAD_LINES}th\)"
+    ):
+        read_conversations(many)
 
 
 def test_a_utf8_byte_order_mark_at_the_start_is_accepted(tmp_path):

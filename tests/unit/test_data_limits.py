@@ -81,6 +81,19 @@ def test_a_cut_conversation_is_dropped_without_tokenizing_it(tokenizer, caplog):
     assert "3 conversations, 2 longer than seq_len=64 (dropped)" in caplog.text
 
 
+def test_most_conversations_over_seq_len_draw_a_warning_naming_the_flag(tokenizer, caplog):
+    long_chats = [_chat("the sea and the sky " * 20), _chat("two plus two is four.", turns=10)]
+    with caplog.at_level(logging.INFO, logger="dflash.data"):
+        build_examples(tokenizer, [CONVERSATIONS[0], *long_chats], seq_len=48, overflow="truncate", progress=False)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "2 of 3 conversations are longer than --seq-len 48 and were cut" in warned[0].message
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash.data"):
+        build_examples(tokenizer, [*CONVERSATIONS, long_chats[0]], seq_len=96, overflow="truncate", progress=False)
+    assert "2 longer than seq_len=96" in caplog.text
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # 2 of 5: no warning
+
+
 def test_a_template_error_names_the_conversation(tokenizer):
     # A template that rewrites the last message: the turn is located by its content, which
     # "42 42" survives and "the sea" does not.

@@ -81,6 +81,19 @@ def test_missing_or_unexpected_tensors_are_named_never_initialised(shipped, tmp_
         _load(_copy(shipped, tmp_path, weights=change))
 
 
+@pytest.mark.parametrize("cut", [4, 10**9])
+def test_a_truncated_weight_file_without_a_manifest_is_named_with_the_fix(shipped, tmp_path, cut):
+    """A drafter shipped as config.json + model.safetensors has no manifest to catch a cut-short
+    copy: the file's own header does (it was SafetensorError: incomplete metadata)."""
+    directory = _copy(shipped, tmp_path)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: max(0, weights.stat().st_size - cut)])
+    with pytest.raises(CheckpointError) as raised:
+        _load(directory)
+    assert str(weights) in str(raised.value) and "truncated" in str(raised.value)
+    assert f"copy {directory} again from where it came from, or pass another drafter directory" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [

@@ -103,3 +103,6 @@ def test_bad_destinations_are_refused_before_anything_is_written(run, tmp_path, 
     assert main(["export", str(run_dir), "--out", str(taken)]) == 2
     assert "already exists and is not empty" in caplog.text and (taken / "notes.txt").read_text() == "mine"
     assert not (tmp_path / "drafter").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["taken-dflash"]
+    for inside in (run_dir / "export-dflash", run_dir / "checkpoints" / "dflash"):
+        assert main(["export", str(run_dir), "--out", str(inside)]) == 2
+        assert f"--out {inside} is inside {run_dir.resolve()}" in caplog.text and not inside.exists()

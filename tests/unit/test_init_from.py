@@ -116,6 +116,24 @@ def test_the_run_starts_from_the_drafter_s_weights(assets, tmp_path):
         assert torch.equal(state[name], value.float()), name
 
 
+def test_a_run_directory_starts_from_its_latest_checkpoint(assets, tmp_path):
+    # As dflash eval and dflash export take a run; it was refused ("config.json: missing").
+    from safetensors.torch import load_file
+
+    from dflash.drafter_files import load_drafter_dir
+    from dflash.drafter_shape import resolve_drafter_shape
+
+    first = tmp_path / "first"
+    assert main(_flags(assets, first, init_from=assets["drafter"])) == 0
+    step_dir = find_checkpoint(first)
+    config = train_config(target=assets["target"], data=assets["data"], out=tmp_path / "second", init_from=str(first))
+    resolved = resolve_drafter_shape(config)
+    assert resolved.init_from == str(step_dir)  # saved so: a resume starts from the same weights
+    drafter = load_drafter_dir(resolved.init_from, dtype=torch.float32)
+    trained = load_file(str(step_dir / "model.safetensors"))
+    assert all(torch.equal(drafter.state_dict()[name], value.float()) for name, value in trained.items())
+
+
 @pytest.mark.parametrize("is_causal", [None, False, True])
 def test_the_fine_tuned_drafter_keeps_the_source_drafter_s_causality(assets, tmp_path, is_causal):
     """A published config without is_causal keeps the engines' rule (causal sliding layers, and no
@@ -160,6 +178,33 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused_before_it_loads(
     monkeypatch.setattr("dflash.trainer.load_target", no_target)
     assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
     assert named in caplog.text
+
+
+def _cut_short(drafter):
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4])
+    return drafter
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (_cut_short, "model.safetensors is truncated"),
+        (lambda d: d, "intermediate_size in config.json gives 48"),  # a config that does not describe the weights
+    ],
+)
+def test_drafter_weights_that_cannot_load_are_refused_before_the_target_loads(
+    assets, tmp_path, caplog, monkeypatch, damage, named
+):
+    changes = {} if damage is _cut_short else {"intermediate_size": 48}
+    drafter = damage(_published_drafter(assets["target"], tmp_path / "broken-dflash", **changes))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
+    assert named in caplog.text and str(drafter) in caplog.text
 
 
 def test_a_flag_that_contradicts_the_drafter_is_named(assets, tmp_path, caplog):

@@ -251,3 +251,24 @@ def test_the_first_sigterm_interrupts_regeneration_and_a_second_one_kills(caplog
             assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second one ends the process
     assert signal.getsignal(signal.SIGTERM) is before
     assert "SIGTERM received: stopping the regeneration after the batches in flight" in caplog.text
+
+
+def test_the_turns_regeneration_does_not_keep_are_counted(caplog):
+    from dflash.regenerate import with_replies
+
+    tool_chat = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "it is sunny"},
+    ]
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[1], tool_chat]  # 1, 5 and 4 messages
+    with caplog.at_level("WARNING", logger="dflash.regenerate"):
+        kept = with_replies(conversations, {0: "four", 1: "once upon a time", 2: "I cannot check"})
+    assert [len(c) for c in kept] == [2, 3, 2]  # the prompt and the one regenerated reply
+    # CONVERSATIONS[1] loses 2 later messages, the tool chat 2 (its tool result and answer) and its tool call.
+    assert "4 later messages of 2 conversations, and 2 tool calls or tool results in all" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash.regenerate"):
+        with_replies(conversations[:1], {0: "four"})
+    assert not caplog.text  # a single-turn chat loses nothing

@@ -83,3 +83,30 @@ def test_target_rejects_empty_layer_ids(target_dir):
 
     with pytest.raises(ValueError, match="target_layer_ids"):
         Target(AutoModelForCausalLM.from_pretrained(target_dir), [])
+
+
+def _rewrite_weights(source, destination, edit):
+    """A copy of the target directory ``source`` whose weight file holds ``edit(tensors)``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, destination)
+    weights = destination / "model.safetensors"
+    save_file(edit(load_file(weights)), str(weights), metadata={"format": "pt"})
+    return destination
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda t: {f"transformer.{k}": v for k, v in t.items()}, "files hold .* weights the model does not use"),
+        (lambda t: {k: v for k, v in t.items() if k != "lm_head.weight" and ".1.mlp." not in k}, "lm_head.weight"),
+    ],
+)
+def test_weights_the_files_lack_are_refused_not_initialised_at_random(target_dir, tmp_path, edit, named):
+    # from_pretrained only logs them: the run trained and evaluated against a partly random target.
+    partial = _rewrite_weights(target_dir, tmp_path / "partial", edit)
+    with pytest.raises(TargetLoadError, match=rf"lack \d+ of the model's weights .*{named}.*--random-target-weights"):
+        load_target(partial, device="cpu", num_capture_layers=2)
+    assert load_target(partial, device="cpu", num_capture_layers=2, random_missing=True).num_layers == 5

@@ -132,6 +132,9 @@ def test_config_errors_name_the_field():
         TrainConfig(compile="maybe")
     with pytest.raises(ValueError, match="steps/epochs: give --steps or --epochs"):
         TrainConfig(steps=None)
+    # It was refused later with a fix that does not work ("pass --max-anchors 0 or less").
+    with pytest.raises(ValueError, match=r"seq_len must be >= 2 \(an anchor and the token after it\), got 1"):
+        TrainConfig(seq_len=1)
 
 
 def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
@@ -319,6 +322,9 @@ def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(
     with pytest.raises(SystemExit):
         main(["train", "--steps", "abc"])
     assert "invalid int value: 'abc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--target-layer-ids", "a,b"])
+    assert "invalid comma-separated integer list value: 'a,b'" in capsys.readouterr().err  # not a function's name
 
     def interrupted(self):
         raise KeyboardInterrupt

@@ -1,6 +1,7 @@
 """The upstream PR kit: the patch series as a PyTorch stack, one reviewed commit per concern.
 
-``dflash patches upstream --pytorch-src DIR --out DIR`` (see ``docs/upstream-kit.md``):
+``dflash patches upstream --pytorch-src DIR --out DIR`` (see ``docs/upstream-kit.md``), for a PyTorch
+main checkout only:
 
 - :mod:`.concerns`: per concern, the upstream title, problem, BC notes, links and test placement;
 - :mod:`.placement`: the tests merged into PyTorch's own test files (``test/fx`` files imported from
@@ -9,13 +10,23 @@
   ``git format-patch``;
 - :mod:`.runs`: each commit's tests run without and with it, in fresh processes;
 - :mod:`.bench`: instruction counts per commit (callgrind, pr_time_benchmarks' method);
-- :mod:`.text`, :mod:`.documents`: commit messages, PR descriptions, the cover note, and the check that
-  none of it carries project-internal text;
+- :mod:`.lint`: the imports the series adds tidied, PyTorch's lint checked on every commit;
+- :mod:`.text`, :mod:`.documents`: commit messages, PR descriptions, the cover note, the design note,
+  the design proposals, and the check that none of it carries project-internal or release-bound text;
 - :mod:`.kit`: :func:`make_kit`, which does all of the above.
 """
 
-from dflash.patchtools.upstream.kit import FAILS_WITH, NOT_RUN, PASSES_WITHOUT, SHOWN, ConcernReport, make_kit
-from dflash.patchtools.upstream.stack import DOES_NOT_APPLY, KEPT_OUT, PRESENT, REBASED
+from dflash.patchtools.upstream.kit import (
+    FAILS_WITH,
+    NOT_RUN,
+    PASSES_WITHOUT,
+    SHOWN,
+    STACK_FAILS,
+    STACK_PASSES,
+    ConcernReport,
+    make_kit,
+)
+from dflash.patchtools.upstream.stack import DOES_NOT_APPLY, KEPT_OUT, PRESENT, PROPOSED, REBASED
 from dflash.patchtools.upstream.tree import UpstreamKitError, tree_release
 
 __all__ = [
@@ -25,8 +36,11 @@ __all__ = [
     "NOT_RUN",
     "PASSES_WITHOUT",
     "PRESENT",
+    "PROPOSED",
     "REBASED",
     "SHOWN",
+    "STACK_FAILS",
+    "STACK_PASSES",
     "ConcernReport",
     "UpstreamKitError",
     "make_kit",

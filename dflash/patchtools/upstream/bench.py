@@ -26,23 +26,39 @@ from dflash.patchtools.upstream.tree import UpstreamKitError
 
 ITERATIONS = 5
 
-# name -> (setup, work): small hot paths the stack touches. The work runs ITERATIONS times.
+# name -> (setup, prepare, work): the hot paths the stack touches, and compile time after a trace as
+# pr_time_benchmarks measures it (prepare: reset dynamo, uncounted; work: compile and first call). The
+# work runs ITERATIONS times, each after its prepare.
 WORKLOADS = {
     "compiled_call": (
         "fn = torch.compile(lambda a: a + 1, backend='eager', fullgraph=True)\n"
         "x = torch.ones(2)\n"
         "for _ in range(10): fn(x)",
+        "",
         "fn(x)",
+    ),
+    "compile_after_trace": (
+        "torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4)))\n"
+        "net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(4)])\n"
+        "x = torch.randn(2, 8)\n"
+        "torch.compile(net, backend='eager')(x)",
+        "torch._dynamo.reset()",
+        "torch.compile(net, backend='eager')(x)",
     ),
     "eager_module_call_after_trace": (
         "net = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(20)])\n"
         "torch.fx.symbolic_trace(net)\n"
         "x = torch.ones(2)\n"
         "for _ in range(10): net(x)",
+        "",
         "net(x)",
     ),
-    "is_exporting": ("f = torch.compiler.is_exporting\nf()", "for _ in range(100): f()"),
-    "dynamo_config_read": ("c = torch._dynamo.config\nc.recompile_limit", "for _ in range(100): c.recompile_limit"),
+    "is_exporting": ("f = torch.compiler.is_exporting\nf()", "", "for _ in range(100): f()"),
+    "dynamo_config_read": (
+        "c = torch._dynamo.config\nc.recompile_limit",
+        "",
+        "for _ in range(100): c.recompile_limit",
+    ),
 }
 
 # Runs every workload in one process: all setups first, uninstrumented (importing torch and compiling
@@ -52,15 +68,17 @@ CHILD = r"""
 import gc, json, sys, torch
 workloads, n = json.loads(sys.argv[1]), int(sys.argv[2])
 scopes = []
-for setup, work in workloads:
+for setup, prepare, work in workloads:
     scope = {"torch": torch}
     exec(setup, scope)
-    scopes.append((scope, compile(work, "work", "exec")))
+    scopes.append((scope, compile(prepare, "prepare", "exec"), compile(work, "work", "exec")))
 print("ready", flush=True)
 sys.stdin.readline()
-for scope, code in scopes:
+for scope, prepare, code in scopes:
+    exec(prepare, scope)
     exec(code, scope)  # once instrumented, before counting
     for _ in range(n):
+        exec(prepare, scope)
         gc.collect()
         gc.disable()
         torch._C._valgrind_toggle()

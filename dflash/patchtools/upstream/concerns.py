@@ -1,21 +1,33 @@
 """What each concern of the series becomes upstream: one commit, its title, text, tests and links.
 
-The diff of a commit comes from the series (``patches/*.patch``, the variant the
-tree's version selects); its *how* paragraph comes from that patch's DEP-3
-``Description:`` (see :mod:`.text`), so it follows the patch. What a PyTorch
-reviewer needs besides (the problem in version-neutral words, backward
-compatibility, where the tests go, which issues and open PRs it relates to)
-is kept here, per concern. Identifiers quoted in backticks in this text must
-occur in the concern's diff or tests (:func:`.text.stale_identifiers`), so a
-renamed function in a patch shows up as an error, not as stale prose.
+The kit is made for a PyTorch main checkout only (release trees get the fix through the startup hook
+and the rebuilt wheel). The diff of a commit comes from the series (``patches/*.patch``, the variant
+the tree's version selects); its *how* paragraph comes from that patch's DEP-3 ``Description:`` (see
+:mod:`.text`), so it follows the patch. What a PyTorch reviewer needs besides (the problem in
+version-neutral words, backward compatibility, where the tests go, which issues and PRs it relates
+to) is kept here, per concern. Identifiers quoted in backticks in this text must occur in the
+concern's diff or tests (:func:`.text.stale_identifiers`), so a renamed function in a patch shows up
+as an error, not as stale prose.
 
-Upstream numbers cited: #118260 (umbrella: "Dynamo is not thread safe"),
-#126024 (FX tracing flag), #168999 (thread-local FX tracing flag, in 2.14),
-#187589 (open PR on concurrent symbolic traces), #118387 (design: process-wide
-config value plus a thread-local patch layer), #173568 (config made
-thread-local with ContextVars), #186537 (the regression that caused, open),
-#179345 (closed PR: config.patch reentrant across threads), #181651,
-#196637 (open PR: eval-frame region flags thread-local in C with ``Py_tss_t``).
+A concern becomes one of: a commit of the stack (the default), a part of a design proposal
+(``proposal``: its change reverses semantics upstream chose, so it is sent as an RFC with a draft
+implementation, not as a PR), or nothing (``kept_out``). To add a concern: add its patch to the
+series, an :class:`UpstreamConcern` here in landing order, and its tests under
+``dflash/patchtools/upstream_tests/``; the kit's tests check that every commit passes its own tests
+with the commits below it only.
+
+Upstream numbers cited, with their status as last checked (2026-12-02): #118260 (issue, open:
+"Dynamo is not thread safe"), #105943 (issue, open: "PT2 is not thread safe"), #136833 (issue, open:
+torch.compile from two threads crashes), #126024 (issue, open: the FX tracing flag error), #168999
+(PR, merged: thread-local FX tracing flag), #187589 (PR, closed without merging: thread-local
+``CURRENT_PATCHER`` for one trace at a time), #184614 (PR, merged: ``is_compiling`` set for the whole
+compile session), #118387 (issue, open: process-wide config value plus a thread-local patch layer),
+#173568 (PR, merged: config overrides as ContextVars), #186537 (issue, open: the regression that
+caused), #179345 (PR, merged: config.patch reentrant across threads), #181651 (PR, merged: per-thread
+config hash), #191777 (PR, open: ``AutogradContextVar``), #195355 (PR, closed: ExtraState lock, a
+thread-local isolate-recompiles id; not in main), #196637 (PR: the four eval-frame region flags
+thread-local in C; the search index's copy lists it open, main behaves as it describes: each flag
+per thread, probed on the 2.15.0 wheel).
 """
 
 from __future__ import annotations
@@ -34,8 +46,9 @@ class TestPlacement:
         target: path in the checkout; a new file (``new_file``) or an existing test file that the tests
             are merged into (imports added, definitions inserted before its ``if __name__`` block).
         new_file: ``target`` does not exist upstream and is created.
-        imported_from: for a new file under ``test/fx/`` (which ``test/run_test.py`` skips), the existing
-            file that must import its test classes so CI runs them (``test/test_fx.py``).
+        imported_from: for a new file under ``test/fx/`` or ``test/autograd/`` (which
+            ``test/run_test.py`` skips), the existing file that must import its test classes so CI runs
+            them (``test/test_fx.py``, ``test/test_autograd.py``).
     """
 
     source: str
@@ -80,9 +93,10 @@ class UpstreamConcern:
         related: how the commit relates to open or recent upstream work (sentences).
         tests: where the tests go.
         edits: changes to existing upstream tests that the fix makes necessary.
-        shows_failure_with: a later concern whose change this one is a prerequisite for: its tests are
-            shown failing on (parent + that concern) and passing on (parent + this + that).
         kept_out: why this concern stays out of the upstream stack ("" = it goes in).
+        proposal: the design proposal this concern belongs to (``upstream_texts/rfc-<proposal>.md``,
+            written to ``rfc/<proposal>.md``): its change is drafted on top of the stack for
+            discussion, not sent as a PR ("" = a commit of the stack).
         needs: this text describes the patches whose diff contains ``needs`` ("" = any patch). A concern
             whose fix differs between trees has one entry per form in ``CONCERNS``, most specific first;
             the kit takes the first whose ``needs`` the chosen patch has.
@@ -101,8 +115,8 @@ class UpstreamConcern:
     see_also: tuple[int, ...] = ()
     related: str = ""
     edits: tuple[MethodEdit, ...] = ()
-    shows_failure_with: str | None = None
     kept_out: str = ""
+    proposal: str = ""
     needs: str = ""
     how: tuple[str, ...] = ()
 
@@ -118,7 +132,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         area="autograd",
         title="Read unset ContextVars through the launching thread's context on a traced backward's threads",
         problem=(
-            "AOTAutograd's joint trace and non-strict export call `torch.autograd.grad` under `make_fx`. "
+            "Non-strict export and `make_fx` traces of a backward call `torch.autograd.grad` under `make_fx`. "
             "The autograd engine runs the CUDA nodes of that backward on its per-device threads, which "
             "carry the launching thread's ATen thread-local state, where `_engine_run_backward` stashes "
             "its `contextvars.Context`, but do not run in that context. Per-thread state kept in "
@@ -126,11 +140,16 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "defaults there, while the backward formulas work for the launching thread's trace."
         ),
         tests=(
-            TestPlacement("autograd/test_launch_context.py", "test/autograd/test_launch_context.py", new_file=True),
+            TestPlacement(
+                "autograd/test_launch_context.py",
+                "test/autograd/test_launch_context.py",
+                new_file=True,
+                imported_from="test/test_autograd.py",
+            ),
         ),
         see_also=(173568, 191777),
         related=(
-            "#173568 added the stash of the launching context that AOTAutograd's compiled backward runs "
+            "#173568 (merged) added the stash of the launching context that AOTAutograd's compiled backward runs "
             "under. #191777 (open) proposes `AutogradContextVar`, an opt-in ContextVar that reads that "
             "snapshot; this commit gives existing ContextVars' readers the same fallback as one function, "
             "counting traced backwards so that code outside them pays one global compare."
@@ -155,7 +174,11 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
         fixes=(126024,),
         see_also=(168999,),
-        related="This is the change of #168999 for a release branch, with the flag read kept cheap.",
+        related=(
+            "#168999 (merged) makes the same flag thread-local with a `threading.local`; where it is in the "
+            "tree this commit is not needed. Here the flag is a ContextVar, which the autograd engine's "
+            "device threads running a backward this thread traces read through the previous commit."
+        ),
     ),
     UpstreamConcern(
         name="fx-tracing-flag-legacy-attribute",
@@ -188,20 +211,25 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "dispatchers that call the tracing thread's wrappers there and the originals elsewhere; the "
             "originals are put back when the last trace ends. Dynamo takes a dispatcher it reads for the "
             "original (`fx_unpatched`), so a compile during another thread's trace takes its fast paths "
-            "and its guards hold once the original is back.",
+            "and its guards hold once the original is back. The dispatchers of globals (`math.sqrt`, "
+            "`torch.fx.wrap` functions), which dynamo inlines, read the original as a global of a dict of "
+            "their own rather than from a closure, so such a compile's guards build even if the trace "
+            "ends first; each has a code object of its own, as dynamo recognises an inlined function by "
+            "its `__code__`.",
+            'A builtin that `torch.fx.wrap("len")` shadows in a module\'s globals is left there, holding '
+            "the builtin, once the last trace ends rather than deleted: a compile during the trace may "
+            "have guarded on the global.",
             "`CURRENT_PATCHER`, `_use_lazy_graph_module_flag` and `_force_skip_lazy_graph_module_flag` are "
             "properties of their module's class: reading and assigning them act on the calling thread's "
             "value, which tracing uses. They are ContextVars, which the autograd engine's device threads "
             "running a backward this thread traces read through the launching thread's context.",
         ),
-        see_also=(187589,),
+        see_also=(126024, 187589),
         related=(
-            "#187589 (open) makes `CURRENT_PATCHER` safe for a single trace at a time and leaves concurrent "
-            "symbolic traces unsupported; this commit makes concurrent traces correct. If #187589 lands "
-            "first, this rebases onto it. Left out: make_fx's current tracer, which higher-order ops "
-            "re-enter, stays a module global, because AOTAutograd's joint trace runs CUDA backward formulas "
-            "on the autograd engine's device threads, which do not see the tracing thread's Python "
-            "thread-locals."
+            "#187589 (closed without merging) made `CURRENT_PATCHER` thread-local for one trace at a time "
+            "and left concurrent symbolic traces unsupported; this commit makes concurrent traces correct. "
+            "Left out: make_fx's current tracer, which higher-order ops re-enter, stays a module global "
+            "(see DESIGN.md of this stack)."
         ),
     ),
     UpstreamConcern(
@@ -226,6 +254,11 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "the module attribute first (one global load); no module `__getattr__` is involved, which would "
             "slow every `torch.compiler.<name>` lookup on the compiled-call path.",
         ),
+        see_also=(184614,),
+        related=(
+            "#184614 (merged) holds the compiling flag for the whole `torch.compile` session, so the time "
+            "in which other threads read `is_compiling()` as True spans every compile."
+        ),
     ),
     UpstreamConcern(
         name="internal-config-overrides-thread-local",
@@ -234,12 +267,12 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         problem=(
             "flex_attention's eager path (`_set_compilation_env`), dynamo's `disable_cache_limit` and "
             "export's custom-op decomposition switch save a config value, assign a new one and restore "
-            "it. With plain assignments process-wide (the next commit; also every release before config "
-            "became thread-local), the override is seen by, and undone by, other threads."
+            "it. With plain assignments process-wide (the next commit), the override is seen by, and undone "
+            "by, other threads."
         ),
         tests=(TestPlacement("dynamo/test_config_overrides_threads.py", "test/dynamo/test_config.py"),),
-        shows_failure_with="config-process-defaults",
-        related="Prepares the next commit in this stack: its tests fail there without this change.",
+        proposal="config-assignments-process-wide",
+        related="Prepares the next commit, which makes plain assignments process-wide; not needed without it.",
     ),
     UpstreamConcern(
         name="config-process-defaults",
@@ -251,10 +284,10 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "threads: a raised `recompile_limit` is ignored there and compiles fall back to eager or fail "
             "under `fullgraph=True` (#186537). Before that change, `config.patch()` was process-wide instead, "
             "so a patch in one thread (and `torch.compile(dynamic=...)`, applied as a patch around each "
-            "compiled call) leaked into others (#118260). One patch object entered from two threads "
-            'asserts "prior should be empty when entering ConfigPatch".'
+            "compiled call) leaked into others (#118260)."
         ),
         tests=(TestPlacement("dynamo/test_config_threads.py", "test/dynamo/test_config.py"),),
+        proposal="config-assignments-process-wide",
         edits=(
             MethodEdit(
                 "test/test_utils_config_module.py",
@@ -262,7 +295,8 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
                 "tearDown",
                 "config/teardown_process_values.py",
                 "append",
-                "tearDown also clears the process-wide values that plain assignments now set.",
+                "tearDown also clears the process-wide values that plain assignments now set "
+                "(`reset_process_overrides()`).",
             ),
             MethodEdit(
                 "test/test_utils_config_module.py",
@@ -276,7 +310,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
         bc=(
             "A plain assignment (`config.X = v`, `load_config`, `unittest.mock.patch`) sets the process-wide "
-            "value again, as up to 2.11: an assignment made in a worker thread is seen by every thread. Code "
+            "value again, as before #173568: an assignment made in a worker thread is seen by every thread. Code "
             "that relied on assignments staying in their thread must use `config.patch()`.",
             "`config.patch()`, its decorator form and `_make_closure_patcher()` stay thread-local, as now; an "
             "assignment to a key the calling thread has patched goes to that patch and is undone with it.",
@@ -287,7 +321,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         see_also=(118387, 173568, 179345, 181651),
         related=(
             "Implements the design of #118387 (process-wide value plus a thread-local patch layer) on top "
-            "of the `ContextVar` layer of #173568. #179345 (closed) made one patch object reentrant across "
+            "of the `ContextVar` layer of #173568. #179345 (merged) made one patch object reentrant across "
             "threads; that behaviour is kept here."
         ),
     ),
@@ -322,12 +356,10 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
         see_also=(196637,),
         related=(
-            "#196637 (open) makes the eval-frame region flags thread-local in C with `Py_tss_t`, which "
-            "removes the shared C globals this commit guards. We support #196637: where the settings are "
-            "per-thread in C, the shared-settings gate here is wrong (its one process-wide record of the "
-            "values in force would let a thread skip setting its own) and only the per-thread "
-            "`error_on_graph_break` remains. This commit is for trees whose eval-frame settings are C "
-            "globals shared by all threads."
+            "The gate is needed while these settings are C globals shared by all threads. #196637 makes "
+            "the eval-frame region flags thread-local in C with `Py_tss_t`; with that change the gate "
+            "is wrong (its one process-wide record of the values in force would let a thread skip "
+            "setting its own) and only the per-thread `error_on_graph_break` of this commit remains."
         ),
     ),
     UpstreamConcern(
@@ -348,9 +380,9 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "(`prev_error_on_graph_break` becomes a view of the calling thread's stack); a copy or pickle "
             "of an instance starts with empty stacks.",
             "The eval-frame settings that `compile_wrapper` also saves and restores around each call "
-            "(`skip_guard_eval_unsafe`, the isolate-recompiles id) are per-thread in C on this tree (set in "
-            "one thread, another thread reads its own), so that save and restore is right as it is and this "
-            "commit leaves it alone.",
+            "(`skip_guard_eval_unsafe`, the isolate-recompiles id, the fullgraph counters) are per-thread "
+            "in C (`Py_tss_t` slots in `torch/csrc/dynamo/eval_frame.c`: set in one thread, another thread "
+            "reads its own), so that save and restore is right as it is and this commit leaves it alone.",
         ),
         tests=(TestPlacement("dynamo/test_compile_wrapper_threads.py", "test/dynamo/test_compile.py"),),
         bc=(
@@ -360,9 +392,9 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
         see_also=(196637,),
         related=(
-            "#196637 makes the eval-frame region flags thread-local in C with `Py_tss_t`. On this tree the "
-            "eval-frame settings are per-thread already, so this commit carries only the per-thread "
-            "`error_on_graph_break`, the follow-up we offered there."
+            "#196637 describes the eval-frame region flags as thread-local in C with `Py_tss_t`, which "
+            "is what `torch/csrc/dynamo/eval_frame.c` does on main; the flag that `compile_wrapper` keeps "
+            "in Python, `error_on_graph_break`, is the one left, and this commit makes it per-thread too."
         ),
     ),
 )

@@ -1,5 +1,6 @@
 """Put a concern's tests where PyTorch's CI runs them: merged into existing test files, or a new
-``test/fx/`` file imported from ``test/test_fx.py`` (``test/run_test.py`` skips ``test/fx``).
+``test/fx/`` or ``test/autograd/`` file imported from ``test/test_fx.py`` / ``test/test_autograd.py``
+(``test/run_test.py`` skips both folders: their tests run through those files).
 
 Every edit is made on the text of the file as it is in the tree (located with :mod:`ast`, never by
 line numbers fixed in advance), so it follows the tree's version of each file.
@@ -11,6 +12,7 @@ import ast
 import importlib.resources
 
 from dflash.patchtools.upstream.concerns import MethodEdit, TestPlacement, UpstreamConcern
+from dflash.patchtools.upstream.lint import insert_imports
 from dflash.patchtools.upstream.tree import UpstreamKitError
 
 
@@ -58,7 +60,8 @@ def _segment(lines: list[str], node: ast.stmt) -> str:
 def merge_tests(target_text: str, tests_text: str, target: str) -> str:
     """``target_text`` with the imports, helpers and test classes of ``tests_text`` added.
 
-    Imports the inserted code needs and the target lacks go after the target's last top-level import;
+    Imports the inserted code needs and the target lacks go where usort sorts them among the target's
+    leading imports;
     definitions go before the target's ``if __name__ == "__main__":`` block (or at the end). The module
     docstring and main guard of ``tests_text`` are dropped.
 
@@ -86,28 +89,28 @@ def merge_tests(target_text: str, tests_text: str, target: str) -> str:
         if clashes:
             raise UpstreamKitError(f"{target} already defines {', '.join(clashes)} differently; rename the test's")
         new_definitions.append(_segment(test_lines, node))
-    last_import = max(
-        (n.end_lineno for n in target_tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0
-    )
     guard = next((n for n in target_tree.body if _is_main_guard(n)), None)
     insert_at = guard.lineno - 1 if guard is not None else len(target_lines)
     block = "".join(f"\n\n{d.rstrip()}\n" for d in new_definitions) + ("\n\n" if guard is not None else "")
-    head = target_lines[:last_import] + new_imports + target_lines[last_import:insert_at]
-    return "".join(head).rstrip("\n") + "\n" + block + "".join(target_lines[insert_at:])
+    head = "".join(target_lines[:insert_at]).rstrip("\n") + "\n"
+    head = insert_imports(head, new_imports)
+    return head + block + "".join(target_lines[insert_at:])
 
 
-def add_fx_import(test_fx_text: str, module: str, classes: list[str]) -> str:
-    """``test/test_fx.py`` with ``from fx.<module> import <classes>  # noqa: F401`` among its ``from fx.test_*``
-    imports (sorted position), so PyTorch's CI, which runs ``test/fx`` through this file, runs them."""
-    tree = ast.parse(test_fx_text)
-    lines = test_fx_text.splitlines(keepends=True)
-    fx_imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fx.test_")]
-    line = f"from fx.{module} import {', '.join(classes)}  # noqa: F401\n"
-    if not fx_imports:
+def add_package_import(runner_text: str, package: str, module: str, classes: list[str]) -> str:
+    """The runner file (``test/test_fx.py``, ``test/test_autograd.py``) with ``from <package>.<module>
+    import <classes>  # noqa: F401`` among its ``from <package>.test_*`` imports (sorted position), so
+    PyTorch's CI, which runs ``test/<package>`` through that file, runs them."""
+    tree = ast.parse(runner_text)
+    lines = runner_text.splitlines(keepends=True)
+    prefix = f"{package}.test_"
+    siblings = [n for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(prefix)]
+    line = f"from {package}.{module} import {', '.join(classes)}  # noqa: F401\n"
+    if not siblings:
         anchor = max((n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))), default=0)
     else:
-        before = [n for n in fx_imports if n.module < f"fx.{module}"]
-        anchor = (before[-1].end_lineno) if before else fx_imports[0].lineno - 1
+        before = [n for n in siblings if n.module < f"{package}.{module}"]
+        anchor = (before[-1].end_lineno) if before else siblings[0].lineno - 1
     return "".join(lines[:anchor] + [line] + lines[anchor:])
 
 
@@ -127,8 +130,8 @@ def apply_placement(placement: TestPlacement, read) -> dict[str, str]:
                 raise UpstreamKitError(
                     f"{placement.imported_from} is not in the tree (the kit imports its tests there)"
                 )
-            module = placement.target.rsplit("/", 1)[1].removesuffix(".py")
-            out[placement.imported_from] = add_fx_import(current, module, test_classes(tests_text))
+            package, module = placement.target.removesuffix(".py").split("/")[-2:]
+            out[placement.imported_from] = add_package_import(current, package, module, test_classes(tests_text))
         return out
     current = read(placement.target)
     if current is None:

@@ -83,7 +83,7 @@ def base_torch(src: Path, python: str) -> tuple[Path, str]:
     if proc.returncode != 0:
         raise RuntimeError(f"{python} cannot import torch: {proc.stderr.strip()[-500:]}")
     folder, version = proc.stdout.split()[-2:]
-    return Path(folder), f"an installed torch {version} (its compiled parts, the tree's Python files)"
+    return Path(folder), f"the compiled parts of an installed torch build (`{version}`) under the tree's Python files"
 
 
 def _shadow(base: Path, overlay: dict[str, str], dest: Path) -> None:

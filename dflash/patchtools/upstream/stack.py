@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from dflash.patchtools.upstream.tree import UpstreamKitError, git, head_file, re
 
 # States of a concern in the kit, besides the plan's `upstream` and `not-applicable`.
 REBASED, PRESENT, DOES_NOT_APPLY, KEPT_OUT = "rebased", "already-present", "does-not-apply", "kept-out"
+PROPOSED = "proposed"  # drafted on top of the stack for a design proposal, not a PR of its own
 
 
 @dataclasses.dataclass
@@ -35,6 +37,7 @@ class Commit:
     fix_files: dict[str, str]
     test_files: dict[str, str]
     notes: list[str]
+    how: list[str] = dataclasses.field(default_factory=list)  # the message's how paragraphs, set by the kit
 
     @property
     def files(self) -> dict[str, str]:
@@ -57,8 +60,18 @@ def pick_patch(concern: UpstreamConcern, variants: list[Patch], version: Version
 
 
 def _fix_present(source: str, patched_file) -> bool:
-    """Every hunk's target side (context and added lines) is in ``source`` already."""
-    return all("".join(line.value for line in hunk if not line.is_removed) in source for hunk in patched_file)
+    """Every hunk's target side (context and added lines) is in ``source`` already, up to blank lines
+    and the imports the kit tidies (:func:`.lint.tidy_imports`: ``# noqa: E402`` removed, repeated
+    imports dropped, misplaced ones moved)."""
+    for hunk in patched_file:
+        target = [line.value for line in hunk if not line.is_removed]
+        tidied = {re.sub(r"\s+# noqa: E402\n$", "\n", t) for t in target if re.search(r"# noqa: E402\n$", t)}
+        kept = [line for line in source.splitlines(keepends=True) if line.strip() and line not in tidied]
+        if tidied:
+            target = [t for t in target if not re.search(r"# noqa: E402\n$", t)]
+        if "".join(t for t in target if t.strip()) not in "".join(kept):
+            return False
+    return True
 
 
 def rebase(patch: Patch, read) -> tuple[str, str, dict[str, str], list[str]]:
@@ -114,8 +127,11 @@ def reader(src: Path, state: dict[str, str]):
     return lambda path: state[path] if path in state else head_file(src, path)
 
 
-def commit_stack(src: Path, base: str, commits: list[tuple[dict[str, str], str]], out: Path) -> list[Path]:
+def commit_stack(src: Path, base: str, commits: list[tuple[dict[str, str], str]], out: Path) -> tuple[list[Path], str]:
     """Commit each (files, message) on a private index, stacked on ``base``; ``git format-patch`` into ``out``.
+
+    Returns:
+        the patch files, and the id of the last commit (``base`` when there are none).
 
     Raises:
         UpstreamKitError: git has no author identity, or a git command fails.
@@ -140,10 +156,10 @@ def commit_stack(src: Path, base: str, commits: list[tuple[dict[str, str], str]]
             parent = git(src, "commit-tree", tree, "-p", parent, "-F", "-", stdin=message).strip()
     out.mkdir(parents=True, exist_ok=True)
     names = git(src, "format-patch", "--no-signature", "-o", str(out.resolve()), f"{base}..{parent}").split()
-    return [Path(name) for name in names]
+    return [Path(name) for name in names], parent
 
 
-def check_patches(src: Path, patches: list[Path]) -> None:
+def check_patches(src: Path, patches: list[Path]) -> None:  # in order: the stack, then the drafts
     """``git apply --check`` each patch on ``HEAD`` plus the patches before it (a private index; no file changes).
 
     Raises:

@@ -12,24 +12,33 @@ import re
 import textwrap
 
 from dflash.patching.series import Patch
-from dflash.patchtools.upstream.concerns import UpstreamConcern
+from dflash.patchtools.upstream.concerns import CONCERNS, UpstreamConcern
 
 # Text that means something only inside this project, or binds the text to one release.
 INTERNAL = {
     "project name": r"dflash|DFLASH",
-    "bug-class notes": r"torch_races|\bRace class|\bclass(?:es)? [A-K](?:\b|,)",
+    "bug-class notes": r"torch_races|\bRace class|\bclass(?:es)? [A-Z](?:\b|,)",
     "local paths": r"\.\./shared|/work/|/shared/",
     "patch-series terms": (
         r"Variant for|\bvariants?\b|Patch-Name|Verified-On|Torch-Versions|DEP-3|\bseries\b|\b(?:as in|see) 000\d\b"
+        r"|\b\d{4}-(?:" + "|".join(sorted({re.escape(c.name) for c in CONCERNS})) + r")\b"
     ),
     "where a patch was checked": (
         r"Not yet run|\binterpreter\b|checked standalone|toy config|Written against|sources not checked"
     ),
-    "release-bound wording": r"\btorch \d+\.\d+(?:\.\d+)? (?:holds|has|keeps|is|does|still|sets)\b",
+    # Text that says which releases it is for: the kit is for main, so none may.
+    "release-bound wording": (
+        r"\b[Bb]ackport|\b[Nn]ot applicable to\b|\brelease branch|\b(?:torch|PyTorch) [12]\.\d+"
+        r"|\b(?:[Ss]ince|[Uu]p to|[Bb]efore|[Aa]fter|[Ff]rom|[Uu]ntil|[Oo]n|[Ff]or|[Ii]n) [12]\.\d+(?:\.\d+)?\b"
+        r"|\b[12]\.\d+(?:\.\d+)? (?:and|or) (?:later|newer|earlier|older)\b|\b[12]\.\d+\+"
+        r"|\b(?:on|for) this tree\b|\bthis tree's\b"
+    ),
 }
 _INTERNAL_RE = {what: re.compile(pattern) for what, pattern in INTERNAL.items()}
 _SUBSTITUTIONS = (
-    (re.compile(r"\s*\((?:race )?class(?:es)? [A-K][^)]*\)"), ""),
+    (re.compile(r"\s*\((?:race )?class(?:es)? [A-Z][^)]*\)"), ""),
+    (re.compile(r"\((?:as in |see )?000\d-([a-z0-9-]+)\)"), r"(\1)"),
+    (re.compile(r"\b[Ss]ince [12]\.\d+(?:\.\d+)?,?\s+"), ""),
     (re.compile(r"\(as in 000\d for ([^)]*)\)"), r"(as for \1)"),
     (re.compile(r"pytorch (?:PR|issue) (\d+)"), r"#\1"),
     (re.compile(r"pytorch#(\d+)"), r"#\1"),
@@ -66,8 +75,11 @@ def _sentences(paragraph: str) -> list[str]:
 def _clean(paragraph: str, concern_titles: dict[str, str]) -> str:
     for rx, replacement in _SUBSTITUTIONS:
         paragraph = rx.sub(replacement, paragraph)
-    for name, title in concern_titles.items():
-        paragraph = paragraph.replace(f"({name})", f'("{title}" in this stack)')
+    for name in {c.name for c in CONCERNS}:
+        if name in concern_titles:
+            paragraph = paragraph.replace(f"({name})", f'("{concern_titles[name]}" in this stack)')
+        else:  # not a commit of this stack (upstream already, kept out or proposed)
+            paragraph = re.sub(rf"\s*\({re.escape(name)}\)", "", paragraph)
     kept = [s for s in _sentences(paragraph) if not internal_references(s)]
     return " ".join(kept).strip()
 

@@ -42,6 +42,22 @@ def release_version(release: str, src: Path) -> Version:
         raise UpstreamKitError(f"{src}: torch version {release!r} is not a PEP 440 version (e.g. 2.16.0a0)") from None
 
 
+def refuse_release_tree(release: str, src: Path) -> None:
+    """The kit is for PyTorch main: a tree whose version has no development suffix is a release tree.
+
+    Raises:
+        UpstreamKitError: ``release`` (``version.txt``) is a final release such as ``2.15.0``.
+    """
+    version = Version(release)
+    if not (version.is_prerelease or version.is_devrelease):
+        raise UpstreamKitError(
+            f"{src} is a release tree (version {release}); the upstream kit is made for a PyTorch main "
+            "checkout only (version.txt of a development version, such as 2.16.0a0). Release trees get the "
+            "fix through the startup hook (pip install -e . in this project, then import torch) and the "
+            "rebuilt wheel (`dflash patches build-wheel`)."
+        )
+
+
 def git(src: Path, *args: str, env: dict | None = None, stdin: str | bytes | None = None) -> str:
     """stdout of ``git args`` in ``src``.
 

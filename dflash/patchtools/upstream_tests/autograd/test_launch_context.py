@@ -2,11 +2,11 @@
 """A ContextVar unset in this thread's context reads the launching thread's value on the
 autograd threads of a backward traced by make_fx (#118260).
 
-The autograd engine runs a backward's device nodes on its per-device threads, which carry the
-launching thread's ATen thread-local state (where ``_engine_run_backward`` stashes its
-``contextvars.Context``) but not the context itself. A CPU backward runs on the launching thread, so
-the test gives a second thread that stash, as the engine gives a device thread, from inside the
-backward while it is in progress.
+The autograd engine runs a backward's device nodes on its per-device threads, which
+carry the launching thread's ATen thread-local state (where ``_engine_run_backward``
+stashes its ``contextvars.Context``) but not the context itself. A CPU backward runs on
+the launching thread, so the test gives a second thread that stash, as the engine gives
+a device thread, from inside the backward while it is in progress.
 """
 
 import contextvars
@@ -14,7 +14,7 @@ import threading
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.common_utils import run_tests, TestCase
 
 FLAG = contextvars.ContextVar("flag")
 
@@ -57,7 +57,9 @@ class TestLaunchContext(TestCase):
     def test_traced_backward_reads_the_launching_threads_value(self):
         token = FLAG.set("launcher")
         try:
-            make_fx(lambda x: torch.autograd.grad(Probe.apply(x).sum(), x)[0])(torch.randn(3, requires_grad=True))
+            make_fx(lambda x: torch.autograd.grad(Probe.apply(x).sum(), x)[0])(
+                torch.randn(3, requires_grad=True)
+            )
         finally:
             FLAG.reset(token)
         self.assertEqual(Probe.seen, ["launcher"])

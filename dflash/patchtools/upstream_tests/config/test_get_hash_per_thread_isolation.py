@@ -1,6 +1,7 @@
-"""Replaces ``TestConfigModule.test_get_hash_per_thread_isolation`` in ``test/test_utils_config_module.py``.
+"""Replaces ``TestConfigModule.test_get_hash_per_thread_isolation``.
 
-A plain assignment is process-wide again, so per-thread isolation is what ``config.patch()`` gives.
+In test/test_utils_config_module.py. A plain assignment is process-wide again, so
+per-thread isolation is what ``config.patch()`` gives.
 """
 
 import threading
@@ -9,7 +10,8 @@ from torch.testing._internal import fake_config_module as config
 
 
 def test_get_hash_per_thread_isolation(self):
-    """A patch in one thread changes only that thread's hash; a plain assignment changes every thread's."""
+    """A patch in one thread changes only that thread's hash; a plain assignment
+    changes every thread's."""
     base_hash = config.get_hash()
     thread_hash = []
 

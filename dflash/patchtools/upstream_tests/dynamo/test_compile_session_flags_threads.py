@@ -27,7 +27,8 @@ def plus_one(x):
 
 class CompileSessionFlagsThreadTests(torch._dynamo.test_case.TestCase):
     def run_blocked(self, target, entered, release, check):
-        """Run ``target`` in a thread; once it sets ``entered``, call ``check`` here, then release it."""
+        """Run ``target`` in a thread; once it sets ``entered``, call ``check`` here,
+        then release it."""
         errors = []
 
         def run():

@@ -41,7 +41,9 @@ class CompileWrapperThreadTests(torch._dynamo.test_case.TestCase):
         finally:
             release.set()
             thread.join(TIMEOUT_S)
-        self.assertFalse(thread.is_alive(), "the thread holding the region did not finish")
+        self.assertFalse(
+            thread.is_alive(), "the thread holding the region did not finish"
+        )
         self.assertEqual(out, sin_graph_break_plus_one(x))
 
     def test_shared_error_on_graph_break_restores_each_threads_value(self):
@@ -49,7 +51,11 @@ class CompileWrapperThreadTests(torch._dynamo.test_case.TestCase):
         from torch._dynamo.utils import _get_error_on_graph_break
 
         allow_graph_breaks = torch._dynamo.error_on_graph_break(False)
-        a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+        a_inside, b_inside, a_left = (
+            threading.Event(),
+            threading.Event(),
+            threading.Event(),
+        )
         seen = {}
 
         @allow_graph_breaks
@@ -79,8 +85,11 @@ class CompileWrapperThreadTests(torch._dynamo.test_case.TestCase):
             thread.start()
         for thread in threads:
             thread.join(TIMEOUT_S)
-            self.assertFalse(thread.is_alive(), "a thread entering the shared region did not finish")
-        # Each thread is back to the value it had when it entered: A's default, B's outer region's.
+            self.assertFalse(
+                thread.is_alive(), "a thread entering the shared region did not finish"
+            )
+        # Each thread is back to the value it had when it entered: A's default, B's
+        # outer region's.
         self.assertDictEqual(seen, {"a": False, "b": True})
 
 

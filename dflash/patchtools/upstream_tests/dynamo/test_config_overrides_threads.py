@@ -17,8 +17,8 @@ import types
 from unittest import mock
 
 import torch
-import torch._dynamo.test_case
 from torch._dynamo import convert_frame
+import torch._dynamo.test_case
 from torch._dynamo.test_case import run_tests
 from torch._dynamo.utils import disable_cache_limit
 from torch._higher_order_ops.utils import _set_compilation_env
@@ -29,8 +29,9 @@ TIMEOUT_S = 60
 
 class ConfigOverrideThreadTests(torch._dynamo.test_case.TestCase):
     def read_while_held(self, run, read):
-        """(``read()`` in a worker thread at the point where ``run(held)`` calls ``held()``, ``read()`` here
-        meanwhile). ``run`` runs in the worker and must call ``held()`` once, inside the region."""
+        """(``read()`` in a worker thread where ``run(held)`` calls ``held()``,
+        ``read()`` here meanwhile). ``run`` runs in the worker and must call
+        ``held()`` once, inside the region."""
         entered, release = threading.Event(), threading.Event()
         inside, errors = [], []
 
@@ -49,7 +50,9 @@ class ConfigOverrideThreadTests(torch._dynamo.test_case.TestCase):
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
         try:
-            self.assertTrue(entered.wait(TIMEOUT_S), "the worker never entered the region")
+            self.assertTrue(
+                entered.wait(TIMEOUT_S), "the worker never entered the region"
+            )
             here = read()
         finally:
             release.set()
@@ -99,9 +102,13 @@ class ConfigOverrideThreadTests(torch._dynamo.test_case.TestCase):
 
                 def run(held):
                     if config.debug_dir_root != root:
-                        raise AssertionError("the worker does not see this thread's plain assignment")
+                        raise AssertionError(
+                            "the worker does not see this thread's plain assignment"
+                        )
                     with DebugDirManager():
-                        os.makedirs(config.debug_dir_root)  # the manager removes it on exit
+                        os.makedirs(
+                            config.debug_dir_root
+                        )  # the manager removes it on exit
                         held()
 
                 inside, here = self.read_while_held(run, lambda: config.debug_dir_root)
@@ -114,22 +121,30 @@ class ConfigOverrideThreadTests(torch._dynamo.test_case.TestCase):
     def test_replay_stays_in_its_thread(self):
         config = torch._dynamo.config
         old = config.replay_record_enabled
-        record = types.SimpleNamespace(code=None, globals={}, locals={}, builtins={}, closure=())
+        record = types.SimpleNamespace(
+            code=None, globals={}, locals={}, builtins={}, closure=()
+        )
         config.replay_record_enabled = True
         try:
             with (
                 tempfile.TemporaryDirectory() as tmp,
-                mock.patch.object(convert_frame.ExecutionRecord, "load", return_value=record),
+                mock.patch.object(
+                    convert_frame.ExecutionRecord, "load", return_value=record
+                ),
             ):
                 path = os.path.join(tmp, "record")
                 open(path, "wb").close()
 
                 def run(held):
                     # replay() compiles the recorded frame with _compile; hold it there.
-                    with mock.patch.object(convert_frame, "_compile", lambda *args, **kwargs: held()):
+                    with mock.patch.object(
+                        convert_frame, "_compile", lambda *args, **kwargs: held()
+                    ):
                         convert_frame.replay(path)
 
-                inside, here = self.read_while_held(run, lambda: config.replay_record_enabled)
+                inside, here = self.read_while_held(
+                    run, lambda: config.replay_record_enabled
+                )
             self.assertFalse(inside)
             self.assertTrue(here)
             self.assertTrue(config.replay_record_enabled)

@@ -9,8 +9,8 @@ and one patch object may be entered from several threads at once.
 import threading
 
 import torch
-import torch._dynamo.test_case
 from torch._dynamo import config
+import torch._dynamo.test_case
 from torch._dynamo.test_case import run_tests
 
 TIMEOUT_S = 60
@@ -74,7 +74,8 @@ class ConfigThreadTests(torch._dynamo.test_case.TestCase):
         self.assertEqual(config.recompile_limit, old)
 
     def test_delete_inside_a_patch_stays_in_its_thread(self):
-        # unittest.mock.patch's undo (delete, then assign the original) inside a config.patch().
+        # unittest.mock.patch's undo (delete, then assign the original) inside a
+        # config.patch().
         old = config.recompile_limit
         with config.patch(recompile_limit=old + 4):
             del config.recompile_limit

@@ -1,5 +1,7 @@
 # Owner(s): ["module: dynamo"]
-"""A compiled call runs under its own eval-frame settings while another thread's call ends (#118260).
+"""A compiled call keeps its eval-frame settings while another thread's call ends.
+
+Part of #118260.
 
 For trees whose eval-frame settings (``skip_guard_eval_unsafe``, the
 isolate-recompiles id) are C globals shared by all threads: ``compile_wrapper``
@@ -33,7 +35,8 @@ class EvalFrameSettingsThreadTests(torch._dynamo.test_case.TestCase):
 
         @torch._dynamo.disable
         def hold():
-            # Runs inside the compiled call (at a graph break) and reads the setting in force there.
+            # Runs inside the compiled call (at a graph break) and reads the setting in
+            # force there.
             name = threading.current_thread().name
             if name in entered:
                 entered[name].set()
@@ -57,7 +60,8 @@ class EvalFrameSettingsThreadTests(torch._dynamo.test_case.TestCase):
             except Exception as e:  # reported by the test, not lost in the thread
                 errors.append(e)
 
-        # A (default settings) is inside its call; B (isolated) starts while A is still inside.
+        # A (default settings) is inside its call; B (isolated) starts while A is
+        # still inside.
         a = threading.Thread(target=call, args=(plain,), name="a", daemon=True)
         b = threading.Thread(target=call, args=(isolated,), name="b", daemon=True)
         a.start()
@@ -73,7 +77,9 @@ class EvalFrameSettingsThreadTests(torch._dynamo.test_case.TestCase):
             for thread in (a, b):
                 if thread.ident is not None:
                     thread.join(TIMEOUT_S)
-                    self.assertFalse(thread.is_alive(), f"thread {thread.name} did not finish")
+                    self.assertFalse(
+                        thread.is_alive(), f"thread {thread.name} did not finish"
+                    )
         self.assertEqual(errors, [])
         # B read its setting after A's call had ended: it must still be B's own.
         self.assertEqual(seen["b"], isolated._isolate_recompiles_id)

@@ -15,13 +15,14 @@ import threading
 import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.common_utils import run_tests, TestCase
 
 TIMEOUT_S = 60
 
 
 class BlockingNet(torch.nn.Module):
-    """One submodule; forward, run by the tracer, signals ``entered`` and waits for ``release``."""
+    """One submodule; forward, run by the tracer, signals ``entered`` and waits for
+    ``release``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +42,9 @@ def call_module_targets(gm: torch.fx.GraphModule) -> list:
 
 
 class TestFxPatcherThreads(TestCase):
-    def start_trace(self, net: BlockingNet, results: dict, key: str) -> threading.Thread:
+    def start_trace(
+        self, net: BlockingNet, results: dict, key: str
+    ) -> threading.Thread:
         def trace():
             try:
                 results[key] = call_module_targets(torch.fx.symbolic_trace(net))
@@ -50,7 +53,9 @@ class TestFxPatcherThreads(TestCase):
 
         thread = threading.Thread(target=trace, daemon=True)
         thread.start()
-        self.assertTrue(net.entered.wait(TIMEOUT_S), "the tracing thread never reached forward()")
+        self.assertTrue(
+            net.entered.wait(TIMEOUT_S), "the tracing thread never reached forward()"
+        )
         return thread
 
     def join(self, thread: threading.Thread) -> None:
@@ -73,7 +78,8 @@ class TestFxPatcherThreads(TestCase):
         first, second, results = BlockingNet(), BlockingNet(), {}
         first_thread = self.start_trace(first, results, "first")
         second_thread = self.start_trace(second, results, "second")
-        # The first trace ends (and reverts its patches) while the second is still inside forward.
+        # The first trace ends (and reverts its patches) while the second is still
+        # inside forward.
         first.release.set()
         self.join(first_thread)
         second.release.set()
@@ -91,13 +97,16 @@ class TestFxPatcherThreads(TestCase):
         compiled = torch.compile(lambda x: x + 1, backend=holding_backend)
         thread = threading.Thread(target=compiled, args=(torch.ones(2),), daemon=True)
         thread.start()
-        self.assertTrue(inside.wait(TIMEOUT_S), "the compiling thread never reached its backend")
+        self.assertTrue(
+            inside.wait(TIMEOUT_S), "the compiling thread never reached its backend"
+        )
         try:
             gm = torch.fx.symbolic_trace(torch.nn.ReLU())
         finally:
             release.set()
             self.join(thread)
-        # A _LazyGraphModule is what dynamo makes inside its own compile; torch.jit.script rejects it.
+        # A _LazyGraphModule is what dynamo makes inside its own compile;
+        # torch.jit.script rejects it.
         self.assertNotIsInstance(gm, _LazyGraphModule)
         torch.jit.script(gm)
 

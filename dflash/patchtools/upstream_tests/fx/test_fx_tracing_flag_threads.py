@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.fx
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torch.testing._internal.common_utils import TestCase, run_tests
+from torch.testing._internal.common_utils import run_tests, TestCase
 
 TIMEOUT_S = 60
 
