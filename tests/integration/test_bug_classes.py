@@ -61,3 +61,17 @@ def test_rerun_while_passing_doubles_the_chances_until_a_failure():
     assert rerun_while_passing(False, rerun, bool, attempts=1) is False and scales == [2]
     scales.clear()
     assert rerun_while_passing(True, rerun, bool, attempts=3) is True and scales == []
+
+
+def test_the_k_check_leaves_out_only_the_mode_stack_race():
+    from dflash.patchtools.verify.cold_start import other_race
+
+    mode_stack = "first export: AssertionError: Trying to pop empty mode stack"
+    half_imported = (
+        "first compile:aot_eager: ImportError: cannot import name 'IndentedBuffer' "
+        "from partially initialized module 'torch._inductor.utils'"
+    )
+    assert other_race(mode_stack)
+    assert not other_race(half_imported)
+    assert not other_race("first export: _DeadlockError: deadlock detected by _ModuleLock('torch._dynamo')")
+    assert not other_race(None)

@@ -83,8 +83,7 @@ def applies_to(bug_class: str, torch_version: str) -> bool | str:
         return (
             "its import failures seen only on torch 2.9-2.13 (fresh processes racing first exports and "
             "compiles, 2026-12-02: 0 of 5 on 2.5.1 and on 2.8.0, 0 of 16 on 2.14.1, 0 of 26 on 2.15.0; "
-            "2.6 and 2.7 not probed); the check's plain failures there are other races (A, an export "
-            "racing a compile on the pre-dispatch mode stack)"
+            "2.6 and 2.7 not probed); the check's plain failures there are another race (A)"
         )
     if bug_class == "F":
         return True if version >= (2, 12) else "dynamo config is process-global before torch 2.12 (class E instead)"
