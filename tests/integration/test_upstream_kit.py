@@ -228,6 +228,8 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(main_tree, tmp_path, capsy
     printed = capsys.readouterr()
     assert re.search(r"fx-tracing-flag-legacy-attribute\s+kept-out", printed.out)
     assert re.search(r"config-process-defaults\s+proposed", printed.out)
+    for name in ("fx-node-meta-thread-local", "export-deserializer-thread-local", "cold-start-imports-lock"):
+        assert re.search(rf"{name}\s+kept-out", printed.out), name
     assert "NOT MEASURED" in printed.err or "without instruction counts" in printed.err
     patches = sorted((kit / "patches").glob("*.patch"))
     # On main the FX tracing flag is upstream, and the config change is a design proposal.
@@ -356,6 +358,13 @@ def test_leaking_or_stale_text_stops_the_kit(main_tree, tmp_path, monkeypatch):
     monkeypatch.setattr("dflash.patchtools.upstream.kit.CONCERNS", stale)
     with pytest.raises(UpstreamKitError, match="_no_such_function"):
         make_kit(main_tree, tmp_path / "kit2", run=False)
+
+
+def test_a_series_concern_without_upstream_text_stops_the_kit(main_tree, tmp_path, monkeypatch):
+    without = tuple(c for c in concerns_module.CONCERNS if c.name != "export-deserializer-thread-local")
+    monkeypatch.setattr("dflash.patchtools.upstream.kit.CONCERNS", without)
+    with pytest.raises(UpstreamKitError, match="export-deserializer-thread-local"):
+        make_kit(main_tree, tmp_path / "kit", run=False)
 
 
 def test_crlf_files_are_reported(tmp_path):

@@ -27,7 +27,8 @@ caused), #179345 (PR, merged: config.patch reentrant across threads), #181651 (P
 config hash), #191777 (PR, open: ``AutogradContextVar``), #195355 (PR, closed: ExtraState lock, a
 thread-local isolate-recompiles id; not in main), #196637 (PR: the four eval-frame region flags
 thread-local in C; the search index's copy lists it open, main behaves as it describes: each flag
-per thread, probed on the 2.15.0 wheel).
+per thread, probed on the 2.15.0 wheel), #184917 (PR, open: thread-local FX traceback
+state), #195099 (issue, open) and #195100 (PR, open: a ContextVar for export's current deserializer).
 """
 
 from __future__ import annotations
@@ -395,6 +396,38 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
             "#196637 describes the eval-frame region flags as thread-local in C with `Py_tss_t`, which "
             "is what `torch/csrc/dynamo/eval_frame.c` does on main; the flag that `compile_wrapper` keeps "
             "in Python, `error_on_graph_break`, is the one left, and this commit makes it per-thread too."
+        ),
+    ),
+    UpstreamConcern(
+        name="fx-node-meta-thread-local",
+        area="fx",
+        title="Make torch.fx.traceback's node metadata thread-local",
+        problem="",
+        kept_out=(
+            "#184917 (open) makes the same state thread-local on main and carries it to autograd's "
+            "threads through C++ thread-local state; a second change to the same module would compete with it"
+        ),
+    ),
+    UpstreamConcern(
+        name="export-deserializer-thread-local",
+        area="export",
+        title="Make torch.export's current deserializer thread-local",
+        problem="",
+        kept_out=(
+            "#195099 (issue, open) and #195100 (PR, open) make `_CURRENT_DESERIALIZER` a ContextVar on "
+            "main; the saving half (the FakeTensor reducer in `copyreg.dispatch_table`) belongs in that "
+            "review rather than in a competing change"
+        ),
+    ),
+    UpstreamConcern(
+        name="cold-start-imports-lock",
+        area="dynamo",
+        title="Import the modules of the first compile and export in one order",
+        problem="",
+        kept_out=(
+            "an import-order workaround for releases whose first compile and first export, started "
+            "together, fail on import cycles among torch._dynamo, torch._inductor and torch.export; "
+            "main's fresh processes do not show that failure"
         ),
     ),
 )

@@ -107,6 +107,11 @@ def _collect(src: Path, version) -> tuple[list[Commit], dict[str, list[Commit]],
     """(the stack's commits, each design proposal's draft commits on top of the stack, what became of
     every concern)."""
     variants_of = series_concerns()
+    if unknown := sorted(set(variants_of) - set(forms_of(CONCERNS))):
+        raise UpstreamKitError(
+            f"no upstream text for the series' concern(s) {unknown}: add an UpstreamConcern to "
+            "dflash/patchtools/upstream/concerns.py (kept_out with the reason when it stays out)"
+        )
     commits, reports, state = [], [], {}
     proposed: list[tuple[UpstreamConcern, object, list[str]]] = []
     for forms in forms_of(CONCERNS).values():
