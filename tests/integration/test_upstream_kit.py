@@ -228,7 +228,7 @@ def test_kit_writes_a_stack_of_one_commit_per_concern(main_tree, tmp_path, capsy
     printed = capsys.readouterr()
     assert re.search(r"fx-tracing-flag-legacy-attribute\s+kept-out", printed.out)
     assert re.search(r"config-process-defaults\s+proposed", printed.out)
-    for name in ("fx-node-meta-thread-local", "export-deserializer-thread-local", "cold-start-imports-lock"):
+    for name in ("fx-node-meta-thread-local", "export-deserializer-thread-local", "cold-start-import-order"):
         assert re.search(rf"{name}\s+kept-out", printed.out), name
     assert "NOT MEASURED" in printed.err or "without instruction counts" in printed.err
     patches = sorted((kit / "patches").glob("*.patch"))

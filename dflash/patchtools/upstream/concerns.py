@@ -420,7 +420,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
     ),
     UpstreamConcern(
-        name="cold-start-imports-lock",
+        name="cold-start-import-order",
         area="dynamo",
         title="Import the modules of the first compile and export in one order",
         problem="",
