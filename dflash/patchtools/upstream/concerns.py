@@ -404,7 +404,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         title="Make torch.fx.traceback's node metadata thread-local",
         problem="",
         kept_out=(
-            "#184917 (open) makes the same state thread-local on main and carries it to autograd's "
+            "#184917 (open) would make the same state thread-local on main and carry it to autograd's "
             "threads through C++ thread-local state; a second change to the same module would compete with it"
         ),
     ),
@@ -414,9 +414,10 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         title="Make torch.export's current deserializer thread-local",
         problem="",
         kept_out=(
-            "#195099 (issue, open) and #195100 (PR, open) make `_CURRENT_DESERIALIZER` a ContextVar on "
-            "main; the saving half (the FakeTensor reducer in `copyreg.dispatch_table`) belongs in that "
-            "review rather than in a competing change"
+            "#195099 (issue, open) and #195100 (PR, open) would make `_CURRENT_DESERIALIZER` a ContextVar "
+            "on main, for loading only; the race of two saves on the FakeTensor reducer in "
+            "`copyreg.dispatch_table` has no upstream issue yet and needs one of its own, with this "
+            "patch's saving half as the proposed fix"
         ),
     ),
     UpstreamConcern(
@@ -427,7 +428,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         kept_out=(
             "an import-order workaround for releases whose first compile and first export, started "
             "together, fail on import cycles among torch._dynamo, torch._inductor and torch.export; "
-            "main's fresh processes do not show that failure"
+            "the newest releases did not show that failure in 42 fresh processes, and main was not probed"
         ),
     ),
 )
