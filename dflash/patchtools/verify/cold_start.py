@@ -30,9 +30,14 @@ from dflash.patchtools.verify.workloads import sin_plus_one
 FIRST_CALLS = ("export", "compile:aot_eager", "compile:aot_eager")
 #: An export racing a compile's trace on the process-wide pre-dispatch mode stack (torch/_ops.py):
 #: another race than K's, out of scope (docs/bug-classes.md), seen plain and patched alike (1 of 18
-#: patched children on 2.13.0). Only the export thread's failure with this error alone, nothing
-#: chained to it, is that race; such a race is run again (:func:`race_telling_k`).
-MODE_STACK_RACE = re.compile(r"first export: AssertionError: Trying to pop empty mode stack")
+#: patched children on 2.13.0). It shows as the stack's pop failing, alone or at the exit of a trace
+#: whose proxy mode another thread had already popped (proxy_tensor.py); only the export thread's
+#: failure made of these errors and nothing else is that race, and the race is run again
+#: (:func:`race_telling_k`).
+_MODE_STACK_ERROR = (
+    r"AssertionError: (?:Trying to pop empty mode stack|Expected ProxyTorchDispatchMode, got <class 'NoneType'>)"
+)
+MODE_STACK_RACE = re.compile(rf"first export: {_MODE_STACK_ERROR}(?: <- {_MODE_STACK_ERROR})*")
 #: Fresh processes one race may take in all while its export thread keeps failing on the mode stack.
 RACE_ATTEMPTS = 3
 #: Fresh processes per check at least, whatever its seconds: one takes about 13 s on 2 loaded cores.
