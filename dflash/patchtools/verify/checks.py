@@ -376,11 +376,16 @@ def _check_k(tally: Tally, seconds: float) -> None:
     from dflash.patchtools.verify.cold_start import MIN_RACES, race_telling_k
 
     deadline = time.monotonic() + seconds
+    exports_told = 0
     for race_number in itertools.count(1):
-        for problem in race_telling_k():
+        problems, export_told = race_telling_k()
+        exports_told += export_told
+        for problem in problems:
             tally.check(lambda problem=problem: problem)
         if race_number >= MIN_RACES and time.monotonic() >= deadline:
-            return
+            break
+    if not exports_told:  # an export that never gets past the mode stack tests nothing of K's export side
+        tally.fail(f"in all {race_number} races every first export failed on the pre-dispatch mode stack")
 
 
 CHECKS: dict[str, Callable[[Tally, float], None]] = {

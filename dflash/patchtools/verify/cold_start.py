@@ -33,7 +33,7 @@ FIRST_CALLS = ("export", "compile:aot_eager", "compile:aot_eager")
 #: patched children on 2.13.0). It shows as the stack's pop failing, alone or at the exit of a trace
 #: whose proxy mode another thread had already popped (proxy_tensor.py); only the export thread's
 #: failure made of these errors and nothing else is that race, and the race is run again
-#: (:func:`race_telling_k`).
+#: (:func:`race_telling_k`); an import failure chained to them still counts.
 _MODE_STACK_ERROR = (
     r"AssertionError: (?:Trying to pop empty mode stack|Expected ProxyTorchDispatchMode, got <class 'NoneType'>)"
 )
@@ -62,16 +62,24 @@ def race_in_fresh_interpreter(first_calls: tuple[str, ...] = FIRST_CALLS) -> lis
     return json.loads(lines[-1])
 
 
-def race_telling_k(first_calls: tuple[str, ...] = FIRST_CALLS) -> list[str | None]:
+def race_telling_k(first_calls: tuple[str, ...] = FIRST_CALLS) -> tuple[list[str | None], bool]:
     """:func:`race_in_fresh_interpreter`, run again in another fresh interpreter while the export
     thread failed on :data:`MODE_STACK_RACE` (a race that neither shows nor rules out K's), at most
-    :data:`RACE_ATTEMPTS` processes; then one failure saying so, so that an export failing that way
-    every time is a failure too."""
+    :data:`RACE_ATTEMPTS` processes.
+
+    Returns:
+        (one entry per thread as :func:`race_in_fresh_interpreter` gives them, whether the export
+        thread ran to an outcome that tells about K). When every attempt's export failed on the
+        mode stack, the last attempt's entries, that export's read as None: its whole exception
+        chain is in the message, and it holds no import failure; the compile threads still tell.
+    """
     for _ in range(RACE_ATTEMPTS):
         problems = race_in_fresh_interpreter(first_calls)
         if not any(problem is not None and MODE_STACK_RACE.fullmatch(problem) for problem in problems):
-            return problems
-    return [f"in {RACE_ATTEMPTS} fresh interpreters in a row the first export failed on the pre-dispatch mode stack"]
+            return problems, True
+    return [
+        None if problem is not None and MODE_STACK_RACE.fullmatch(problem) else problem for problem in problems
+    ], False
 
 
 def _describe(exc: BaseException) -> str:
