@@ -75,11 +75,10 @@ def race_telling_k(first_calls: tuple[str, ...] = FIRST_CALLS) -> tuple[list[str
     """
     for _ in range(RACE_ATTEMPTS):
         problems = race_in_fresh_interpreter(first_calls)
-        if not any(problem is not None and MODE_STACK_RACE.fullmatch(problem) for problem in problems):
+        told = [None if problem and MODE_STACK_RACE.fullmatch(problem) else problem for problem in problems]
+        if told == problems:
             return problems, True
-    return [
-        None if problem is not None and MODE_STACK_RACE.fullmatch(problem) else problem for problem in problems
-    ], False
+    return told, False
 
 
 def _describe(exc: BaseException) -> str:
