@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dflash import document_separation, masks
+from dflash import document_separation, early_exit, masks
 
 logger = logging.getLogger(__name__)
 
@@ -203,12 +203,13 @@ class TargetStates:
     Args:
         context (torch.Tensor): ``[B, S, K*H]`` the tapped layer outputs concatenated on the
             feature dim in ``layer_ids`` order; bf16 on GPU, fp32 on CPU.
-        last_hidden (torch.Tensor): ``[B, S, H]`` final-norm hidden state (input of the LM
-            head), for soft labels.
+        last_hidden (torch.Tensor, optional): ``[B, S, H]`` final-norm hidden state (input of
+            the LM head), for soft labels; None when the capture skipped the layers past the
+            deepest tap (:mod:`dflash.early_exit`).
     """
 
     context: torch.Tensor
-    last_hidden: torch.Tensor
+    last_hidden: torch.Tensor | None
 
 
 class Target:
@@ -289,6 +290,8 @@ class Target:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        *,
+        last_hidden: bool = True,
     ) -> TargetStates:
         """Target hidden states of a right-padded batch.
 
@@ -309,9 +312,12 @@ class Target:
             document_ids (torch.Tensor, optional): int ``[B, S]``, documents as maximal runs of
                 equal ids (-1 on padding); None: one conversation per row. Host tensors spare
                 device syncs.
+            last_hidden (bool): also return the final hidden state; False skips the layers past
+                the deepest tap (:mod:`dflash.early_exit`), which change no tapped state.
 
         Returns:
-            TargetStates: ``context [B, S, K*H]`` and ``last_hidden [B, S, H]``.
+            TargetStates: ``context [B, S, K*H]`` and ``last_hidden [B, S, H]`` (None without
+            ``last_hidden``).
 
         Raises:
             ValueError: ``document_ids`` with an attention backend that takes no document mask.
@@ -341,9 +347,18 @@ class Target:
                 )
         if position_ids is not None:
             position_ids = position_ids.to(self.device)
-        with apart:
+        shallow = early_exit.skipping() if not last_hidden and self._skips_past_taps else contextlib.nullcontext()
+        with apart, shallow:
             out = self.decoder_forward(input_ids, position_ids=position_ids, attention_mask=attention_mask)
-        return TargetStates(context=self.select(out.hidden_states), last_hidden=out.hidden_states[-1])
+        return TargetStates(self.select(out.hidden_states), out.hidden_states[-1] if last_hidden else None)
+
+    @functools.cached_property
+    def _skips_past_taps(self) -> bool:
+        layers = getattr(self.model.get_decoder(), "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or len(layers) != self.num_layers:
+            logger.info("target %s: no decoder layer list, every capture runs all layers", type(self.model).__name__)
+            return False
+        return early_exit.make_skippable(layers, max(self.layer_ids))
 
     @functools.cached_property
     def _linear_mixers(self) -> dict[int, torch.nn.Module]:

@@ -82,7 +82,8 @@ class LocalEngine:
         jobs = [self.source.take() for _ in range(self.grad_accum)]
         data_s = time.perf_counter() - start
         target_start = self.clock.mark()
-        batches = [produce_target_states(self.target, job.batch) for job in jobs]
+        last_hidden = self.settings.needs_last_hidden
+        batches = [produce_target_states(self.target, job.batch, last_hidden=last_hidden) for job in jobs]
         drafter_start = self.clock.mark()
         r.flat.zero_()
         for job, batch in zip(jobs, batches):

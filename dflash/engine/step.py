@@ -114,7 +114,8 @@ class TargetBatch:
         loss_mask (Tensor): bool ``[B, S]``.
         position_ids (Tensor): int64 ``[B, S]``, positions within each document (packed rows).
         document_ids (Tensor): int64 ``[B, S]``, document of each token, -1 on padding.
-        states (TargetStates): context ``[B, S, K*H]`` and last hidden ``[B, S, H]`` (no grad).
+        states (TargetStates): context ``[B, S, K*H]`` and, for soft labels, last hidden
+            ``[B, S, H]`` (no grad).
         num_tokens (int): real (non-padding) tokens, counted on the host.
     """
 
@@ -125,26 +126,26 @@ class TargetBatch:
     states: TargetStates
     num_tokens: int
 
-    def to(self, device: torch.device, *, keep_last_hidden: bool) -> TargetBatch:
+    def to(self, device: torch.device) -> TargetBatch:
         """A copy on ``device`` (asynchronous from pinned or peer memory; no host sync)."""
-        move = lambda t: t.to(device, non_blocking=True)
-        last = move(self.states.last_hidden) if keep_last_hidden else None
-        states = TargetStates(move(self.states.context), last)
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        states = TargetStates(move(self.states.context), move(self.states.last_hidden))
         ids, mask, positions, documents = map(
             move, (self.input_ids, self.loss_mask, self.position_ids, self.document_ids)
         )
         return TargetBatch(ids, mask, positions, documents, states, self.num_tokens)
 
 
-def produce_target_states(target: Target, batch: Batch) -> TargetBatch:
+def produce_target_states(target: Target, batch: Batch, *, last_hidden: bool) -> TargetBatch:
     """Run the frozen target on a host batch and keep what the drafter needs (stage 1).
 
     Each conversation's states are those of the conversation run alone (:meth:`Target.capture`
-    with the batch's documents, taken from the host copy: no sync).
+    with the batch's documents, taken from the host copy: no sync). Without ``last_hidden``
+    (:attr:`LossSettings.needs_last_hidden`) the target stops at its deepest tapped layer.
     """
     num_tokens, host_documents = batch.num_tokens, batch.document_ids
     batch = batch.to(target.device)
-    states = target.capture(batch.input_ids, batch.position_ids, host_documents)
+    states = target.capture(batch.input_ids, batch.position_ids, host_documents, last_hidden=last_hidden)
     return TargetBatch(batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, states, num_tokens)
 
 

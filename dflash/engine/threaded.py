@@ -186,10 +186,10 @@ class TargetWorker(_Worker):
     the job's drafter inbox. ``busy`` = target forward + copy; ``wait`` = drawing the job;
     ``blocked`` = waiting for room in a full inbox (the drafters are the bottleneck)."""
 
-    def __init__(self, name: str, target: Target, source: JobSource, inboxes, devices, control, *, keep_last_hidden):
+    def __init__(self, name: str, target: Target, source: JobSource, inboxes, devices, control, *, last_hidden: bool):
         super().__init__(name, control)
         self.target, self.source, self.inboxes, self.devices = target, source, inboxes, devices
-        self.keep_last_hidden = keep_last_hidden
+        self.last_hidden = last_hidden
 
     def loop(self) -> None:
         cuda = self.target.device.type == "cuda"
@@ -204,7 +204,7 @@ class TargetWorker(_Worker):
                 return
             self._enter("busy_s")
             device = self.devices[job.drafter]
-            states = produce_target_states(self.target, job.batch).to(device, keep_last_hidden=self.keep_last_hidden)
+            states = produce_target_states(self.target, job.batch, last_hidden=self.last_hidden).to(device)
             item = Prefetched(
                 job, states, job.anchors.to(device, non_blocking=True), job.valid.to(device, non_blocking=True)
             )
@@ -389,7 +389,7 @@ class ThreadedEngine:
                 self.inboxes,
                 devices,
                 control,
-                keep_last_hidden=self.settings.needs_last_hidden,
+                last_hidden=self.settings.needs_last_hidden,
             )
             for i, t in enumerate(self.targets)
         ]

@@ -167,7 +167,7 @@ def test_one_document_rows_take_the_segmented_route_too(hybrid, monkeypatch):
     monkeypatch.setattr(
         document_separation, "_gated_deltanet_forward", lambda *a, **k: segmented.append(1) or original(*a, **k)
     )
-    produce_target_states(hybrid, packed_batch([[9], [13]], seq_len=16, seed=1))
+    produce_target_states(hybrid, packed_batch([[9], [13]], seq_len=16, seed=1), last_hidden=True)
     assert len(segmented) == len(document_separation.linear_layers(hybrid.model))
 
 

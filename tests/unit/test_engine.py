@@ -129,11 +129,11 @@ def test_a_failing_target_thread_stops_all_threads_and_is_reraised_with_its_name
     calls = {"n": 0}
     real = threaded.produce_target_states
 
-    def flaky(target, batch):
+    def flaky(target, batch, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("target exploded")
-        return real(target, batch)
+        return real(target, batch, **kwargs)
 
     monkeypatch.setattr(threaded, "produce_target_states", flaky)
     trainer = Trainer(_config(assets, tmp_path))

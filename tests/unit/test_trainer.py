@@ -210,7 +210,7 @@ def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
     engine = trainer.engine
     engine.source.restart(first_step=1, last_step=1)
     job = engine.source.take()
-    batch = produce_target_states(engine.target, job.batch)
+    batch = produce_target_states(engine.target, job.batch, last_hidden=engine.settings.needs_last_hidden)
     r = engine.replica
     with FlopCounterMode(display=False) as counter:
         stats = drafter_step(
@@ -372,9 +372,9 @@ def test_packing_is_the_default_and_fills_rows(assets, tmp_path, monkeypatch):
     documents = []
     real = local_module.produce_target_states
 
-    def spy(target, batch):
+    def spy(target, batch, **kwargs):
         documents.append(int(batch.document_ids.max()) + 1)  # documents in the fullest row
-        return real(target, batch)
+        return real(target, batch, **kwargs)
 
     monkeypatch.setattr(local_module, "produce_target_states", spy)
     packed = Trainer(_config(assets, tmp_path / "packed", seq_len=96))
