@@ -9,10 +9,12 @@ The target is a random-weight Qwen3.6-27B language model (``benchmarks/shapes.py
 ``--layers`` layers) in bf16 on the device; the input is ``--batch`` packed rows of
 ``--seq-len`` tokens holding documents of log-normal lengths (median 744 tokens, as
 ``packing_e2e.py``'s synthetic chats), captured as the trainer does (``Target.capture`` with
-``document_ids``). One run prints, for each batch size: target tok/s and peak memory; then, for
-the largest: milliseconds per layer type (CUDA events around each decoder layer's token mixer and
-MLP) and GPU time by kernel kind (``torch.profiler``: matmuls, flash-linear-attention's Triton
-kernels, attention, the rest).
+``document_ids``, the DFlash default 5 taps, stopping at the deepest). One run prints, for each
+batch size: target tok/s and peak memory; then, for the largest: the capture that stops at the
+deepest tap against the one that runs every layer (as soft labels need), timed alternately;
+milliseconds per layer type (CUDA events around each decoder layer's token mixer and MLP) and GPU
+time by kernel kind (``torch.profiler``: matmuls, flash-linear-attention's Triton kernels,
+attention, the rest).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -52,13 +55,15 @@ def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
 
 
 def layer_timers(target, device: torch.device):
-    """CUDA-event timers around every decoder layer's token mixer and MLP, by layer type."""
+    """CUDA-event timers around the token mixer and MLP of every decoder layer a capture runs (up to
+    the deepest tap), by layer type."""
     events = defaultdict(list)
     if device.type != "cuda":
         return events, []
     hooks = []
     types = target.config.get_text_config().layer_types
-    for layer, layer_type in zip(target.model.get_decoder().layers, types):
+    layers = target.model.get_decoder().layers[: max(target.layer_ids) + 1]
+    for layer, layer_type in zip(layers, types):
         mixer = layer.linear_attn if layer_type == "linear_attention" else layer.self_attn
         for name, module in ((f"{layer_type} mixer", mixer), (f"{layer_type} MLP", layer.mlp)):
             start = torch.cuda.Event(enable_timing=True)
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.seq_len, args.batches, args.repeats = 8, 128, "1,2", 1
     from transformers import Qwen3_5ForCausalLM
 
+    from dflash.layer_taps import default_target_layer_ids
     from dflash.target import Target
 
     device = torch.device(device)
@@ -95,29 +101,42 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(device):
         model = Qwen3_5ForCausalLM(hybrid_text_config(shape, args.layers))
     torch.set_default_dtype(torch.float32)
-    target = Target(model, [1, args.layers // 2, args.layers - 2])
+    target = Target(model, default_target_layer_ids(args.layers, 5))
     vocab = SHAPES[shape]["vocab_size"]
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     print(f"target_profile: Qwen3.6-27B layout, {shape} width, {args.layers} layers, seq {args.seq_len}, {device}")
 
-    def capture(batch: int):
+    def capture(batch: int, last_hidden: bool = False):
         documents = packed_documents(batch, args.seq_len)
         ids = torch.randint(5, vocab, documents.shape)
-        return lambda: target.capture(ids, document_ids=documents)
+        return lambda: target.capture(ids, document_ids=documents, last_hidden=last_hidden)
+
+    def seconds(run) -> float:
+        sync()
+        began = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - began
 
     for batch in map(int, args.batches.split(",")):
         run = capture(batch)
         run()
-        sync()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        began = time.perf_counter()
-        for _ in range(args.repeats):
-            run()
-        sync()
-        seconds = (time.perf_counter() - began) / args.repeats
+        took = sum(seconds(run) for _ in range(args.repeats)) / args.repeats
         peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else ""
-        print(f"batch {batch}: {batch * args.seq_len / seconds:,.0f} tok/s, {1e3 * seconds:.1f} ms{peak}")
+        print(f"batch {batch}: {batch * args.seq_len / took:,.0f} tok/s, {1e3 * took:.1f} ms{peak}")
+
+    shallow, full = run, capture(batch, last_hidden=True)
+    full()
+    pairs = [(seconds(shallow), seconds(full)) for _ in range(args.repeats)]
+    shallow_s, full_s = (statistics.median(times) for times in zip(*pairs))
+    deepest = max(target.layer_ids)
+    print(
+        f"batch {batch}, taps {target.layer_ids}: stopping after layer {deepest} {full_s / shallow_s:.3f}x the "
+        f"capture of all {args.layers} layers ({1e3 * shallow_s:.1f} vs {1e3 * full_s:.1f} ms, medians of "
+        f"{args.repeats} alternate calls)"
+    )
 
     events, hooks = layer_timers(target, device)
     run()
