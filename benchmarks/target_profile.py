@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target_profile: Qwen3.6-27B layout, {shape} width, {args.layers} layers, seq {args.seq_len}, {device}")
 
     def capture(batch: int, last_hidden: bool = False):
+        """The trainer's capture of ``batch`` packed rows (the same rows for a given batch size)."""
         documents = packed_documents(batch, args.seq_len)
-        ids = torch.randint(5, vocab, documents.shape)
+        ids = torch.randint(5, vocab, documents.shape, generator=torch.Generator().manual_seed(batch))
         return lambda: target.capture(ids, document_ids=documents, last_hidden=last_hidden)
 
     def seconds(run) -> float:
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         sync()
         return time.perf_counter() - began
 
-    for batch in map(int, args.batches.split(",")):
+    batches = list(map(int, args.batches.split(",")))
+    for batch in batches:
         run = capture(batch)
         run()
         if device.type == "cuda":
@@ -127,15 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else ""
         print(f"batch {batch}: {batch * args.seq_len / took:,.0f} tok/s, {1e3 * took:.1f} ms{peak}")
 
-    shallow, full = run, capture(batch, last_hidden=True)
+    largest = batches[-1]
+    run, full = capture(largest), capture(largest, last_hidden=True)
     full()
-    pairs = [(seconds(shallow), seconds(full)) for _ in range(args.repeats)]
+    pairs = [(seconds(run), seconds(full)) for _ in range(args.repeats)]
     shallow_s, full_s = (statistics.median(times) for times in zip(*pairs))
-    deepest = max(target.layer_ids)
     print(
-        f"batch {batch}, taps {target.layer_ids}: stopping after layer {deepest} {full_s / shallow_s:.3f}x the "
-        f"capture of all {args.layers} layers ({1e3 * shallow_s:.1f} vs {1e3 * full_s:.1f} ms, medians of "
-        f"{args.repeats} alternate calls)"
+        f"batch {largest}, taps {target.layer_ids}: stopping after layer {max(target.layer_ids)} "
+        f"{full_s / shallow_s:.3f}x the capture of all {args.layers} layers ({1e3 * shallow_s:.1f} vs "
+        f"{1e3 * full_s:.1f} ms, medians of {args.repeats} alternate calls)"
     )
 
     events, hooks = layer_timers(target, device)

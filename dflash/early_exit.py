@@ -6,69 +6,82 @@ capture that does not need the final hidden state skips them: the default taps o
 (``[1, 16, 31, 46, 61]`` of 64 layers) and of Qwen3-8B (``[1, 9, 17, 25, 33]`` of 36) leave the
 last 2 layers unread.
 
-Skipping holds for one call in one thread (a context variable): the skippable layers run as
-usual everywhere else, so another thread decoding with the same model (acceptance measured
-during training) runs every layer. A skipped layer returns the very output object of the deepest
-tapped layer, tensor or tuple, which fits both calling conventions of Hugging Face decoder stacks
-(``hidden_states = layer(...)`` and ``layer_outputs = layer(...)`` then ``layer_outputs[0]``);
-the stack's final norm then runs on that state, and the result is not the final hidden state.
+Skipping holds inside :meth:`LayerSkip.skipping` of one :class:`LayerSkip`, in the thread that
+entered it (a context variable of that object, checked against the thread too, since a thread can
+inherit its parent's context): the same layers run as usual everywhere else, so another thread
+decoding with the same model (acceptance measured during training) runs every layer, and two
+:class:`LayerSkip` on one model (targets tapping different layers) compose. A skipped layer
+returns the very output object of the deepest tapped layer, tensor or tuple, which fits both
+calling conventions of Hugging Face decoder stacks (``hidden_states = layer(...)`` and
+``layer_outputs = layer(...)`` then ``layer_outputs[0]``); the stack's final norm then runs on
+that state, so the stack's final hidden state is not the model's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 
 import torch
 
-#: Inside :func:`skipping`: a one-item list holding the deepest tapped layer's output once it ran.
-_deepest_output: ContextVar[list | None] = ContextVar("dflash_deepest_tap_output", default=None)
 
+class LayerSkip:
+    """The decoder layers past the deepest tap, made skippable: their ``forward`` is wrapped and
+    the deepest tapped layer hooked, once, when this is built (before threads share the model).
 
-def make_skippable(layers: Sequence[torch.nn.Module], deepest: int) -> bool:
-    """Let :func:`skipping` skip ``layers[deepest + 1 :]`` (once per model: it wraps their
-    ``forward`` and hooks ``layers[deepest]``).
+    A forward inside :meth:`skipping` must not use a KV cache: the skipped layers' caches stay
+    empty. The wrappers hold the layers' bound ``forward``; a copied model keeps calling the
+    original's.
 
     Args:
-        layers: the decoder layers in the order the stack runs them.
-        deepest (int): index of the deepest tapped layer.
+        layers: the decoder layers in the order the stack runs them (tensor or tuple outputs).
+        deepest (int): index of the deepest tapped layer, below ``len(layers) - 1``.
 
-    Returns:
-        bool: whether any layer can be skipped (False when ``deepest`` is the last layer).
+    Raises:
+        ValueError: ``deepest`` leaves no layer to skip (use :meth:`past`).
     """
-    if deepest >= len(layers) - 1:
-        return False
-    layers[deepest].register_forward_hook(_keep_output)
-    for layer in layers[deepest + 1 :]:
-        layer.forward = _skippable(layer.forward)
-    return True
 
+    def __init__(self, layers: Sequence[torch.nn.Module], deepest: int):
+        if not 0 <= deepest < len(layers) - 1:
+            raise ValueError(f"deepest tapped layer {deepest} of {len(layers)}: no layer after it to skip")
+        self._kept: ContextVar[tuple[int, list] | None] = ContextVar(f"dflash_layer_skip_{id(self)}", default=None)
+        layers[deepest].register_forward_hook(self._keep)
+        for layer in layers[deepest + 1 :]:
+            layer.forward = self._skippable(layer.forward)
 
-@contextlib.contextmanager
-def skipping() -> Iterator[None]:
-    """In this thread, until exit, the layers :func:`make_skippable` prepared pass the deepest
-    tapped layer's output through instead of running."""
-    token = _deepest_output.set([None])
-    try:
-        yield
-    finally:
-        _deepest_output.reset(token)
+    @classmethod
+    def past(cls, layers: Sequence[torch.nn.Module], deepest: int) -> LayerSkip | None:
+        """A :class:`LayerSkip` of the layers after ``deepest``; None when it is the last layer."""
+        return cls(layers, deepest) if deepest < len(layers) - 1 else None
 
+    @contextlib.contextmanager
+    def skipping(self) -> Iterator[None]:
+        """In this thread, until exit, the skippable layers pass the deepest tapped layer's output
+        through instead of running."""
+        token = self._kept.set((threading.get_ident(), [None]))
+        try:
+            yield
+        finally:
+            self._kept.reset(token)
 
-def _keep_output(module, args, output) -> None:
-    kept = _deepest_output.get()
-    if kept is not None:
-        kept[0] = output
+    def _slot(self) -> list | None:
+        state = self._kept.get()
+        return state[1] if state is not None and state[0] == threading.get_ident() else None
 
+    def _keep(self, module, args, output) -> None:
+        slot = self._slot()
+        if slot is not None:
+            slot[0] = output
 
-def _skippable(forward):
-    @functools.wraps(forward)
-    def forward_unless_skipping(*args, **kwargs):
-        kept = _deepest_output.get()
-        if kept is None or kept[0] is None:
-            return forward(*args, **kwargs)
-        return kept[0]
+    def _skippable(self, forward):
+        @functools.wraps(forward)
+        def forward_unless_skipping(*args, **kwargs):
+            slot = self._slot()
+            if slot is None or slot[0] is None:
+                return forward(*args, **kwargs)
+            return slot[0]
 
-    return forward_unless_skipping
+        return forward_unless_skipping

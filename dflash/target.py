@@ -234,6 +234,14 @@ class Target:
                 f"target_layer_ids {self.layer_ids}: each id must be in [0, {self.num_layers}) "
                 f"for a target with {self.num_layers} decoder layers"
             )
+        self._layer_skip = self._skip_past_taps()
+
+    def _skip_past_taps(self) -> early_exit.LayerSkip | None:
+        layers = getattr(self.model.get_decoder(), "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or len(layers) != self.num_layers:
+            logger.info("target %s: no decoder layer list, every capture runs all layers", type(self.model).__name__)
+            return None
+        return early_exit.LayerSkip.past(layers, max(self.layer_ids))
 
     @property
     def num_layers(self) -> int:
@@ -347,18 +355,11 @@ class Target:
                 )
         if position_ids is not None:
             position_ids = position_ids.to(self.device)
-        shallow = early_exit.skipping() if not last_hidden and self._skips_past_taps else contextlib.nullcontext()
+        skip = self._layer_skip
+        shallow = skip.skipping() if skip and not last_hidden else contextlib.nullcontext()
         with apart, shallow:
             out = self.decoder_forward(input_ids, position_ids=position_ids, attention_mask=attention_mask)
         return TargetStates(self.select(out.hidden_states), out.hidden_states[-1] if last_hidden else None)
-
-    @functools.cached_property
-    def _skips_past_taps(self) -> bool:
-        layers = getattr(self.model.get_decoder(), "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList) or len(layers) != self.num_layers:
-            logger.info("target %s: no decoder layer list, every capture runs all layers", type(self.model).__name__)
-            return False
-        return early_exit.make_skippable(layers, max(self.layer_ids))
 
     @functools.cached_property
     def _linear_mixers(self) -> dict[int, torch.nn.Module]:

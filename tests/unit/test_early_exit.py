@@ -6,7 +6,7 @@ import torch
 from tiny import in_thread, make_target, packed_batch
 
 from dflash import early_exit
-from dflash.target import load_target
+from dflash.target import Target, load_target
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -33,7 +33,9 @@ def _capture_skips_the_layers_past_the_deepest_tap(target, *args):
 
 
 def test_dense_target_stops_at_its_deepest_tap(dense_dir):
-    target = load_target(dense_dir, layer_ids=[0, 2, 3], device="cpu")
+    # Deepest tap L - 2: the stack's last hidden state (a skipped layer's) is the one transformers
+    # replaces by the final norm's output, next to the deepest tapped one.
+    target = load_target(dense_dir, layer_ids=[0, 2, 4], device="cpu")
     _capture_skips_the_layers_past_the_deepest_tap(target, torch.randint(5, 200, (2, 11)))
 
 
@@ -55,14 +57,34 @@ def test_a_tap_on_the_last_layer_runs_every_layer(dense_dir):
 
 
 def test_another_thread_runs_every_layer_while_a_capture_skips(dense_dir):
+    # The other thread runs in the middle of a skipping capture, when the deepest tapped layer's
+    # output is kept and the layers after it are about to be skipped.
     target = load_target(dense_dir, layer_ids=[0, 2], device="cpu")
     ids = torch.randint(5, 200, (1, 9))
     reference = target.capture(ids)
-    target.capture(ids, last_hidden=False)  # prepares the skippable layers
-    with early_exit.skipping():
-        during = in_thread(lambda: target.capture(ids))
-    torch.testing.assert_close(during.last_hidden, reference.last_hidden, rtol=0, atol=0)
+    during = []
+
+    def capture_in_another_thread(*_):
+        if not during:  # once, from the main thread's capture (the other thread passes here too)
+            during.append(None)
+            during.append(in_thread(lambda: target.capture(ids)))
+
+    hook = target.model.get_decoder().layers[2].register_forward_hook(capture_in_another_thread)
+    try:
+        shallow = target.capture(ids, last_hidden=False)
+    finally:
+        hook.remove()
+    torch.testing.assert_close(during[1].last_hidden, reference.last_hidden, rtol=0, atol=0)
+    assert torch.equal(shallow.context, reference.context)
     torch.testing.assert_close(target.capture(ids).last_hidden, reference.last_hidden, rtol=0, atol=0)
+
+
+def test_two_targets_on_one_model_skip_their_own_layers(dense_dir):
+    shallow = load_target(dense_dir, layer_ids=[0, 2], device="cpu")
+    deeper = Target(shallow.model, [1, 4])
+    ids = torch.randint(5, 200, (2, 8))
+    for target in (deeper, shallow):
+        assert torch.equal(target.capture(ids, last_hidden=False).context, target.capture(ids).context)
 
 
 class _TupleLayer(torch.nn.Module):
@@ -86,8 +108,20 @@ def test_a_skipped_layer_returns_the_deepest_output_in_its_convention():
     layers = torch.nn.ModuleList(_TupleLayer(s) for s in (2.0, 3.0, 5.0, 7.0))
     x = torch.ones(2, 3)
     deepest = layers[1](layers[0](x)[0])[0]
-    assert early_exit.make_skippable(layers, 1)
-    with early_exit.skipping():
+    skip = early_exit.LayerSkip.past(layers, 1)
+    with skip.skipping():
         assert torch.equal(_tuple_stack(layers, x), deepest)
     assert torch.equal(_tuple_stack(layers, x), ((deepest * 5 + 1) * 7 + 1))
-    assert not early_exit.make_skippable(layers, 3)
+    assert early_exit.LayerSkip.past(layers, 3) is None
+    with pytest.raises(ValueError, match="no layer after it to skip"):
+        early_exit.LayerSkip(layers, 3)
+
+
+def test_an_exception_inside_a_skipping_forward_leaves_no_skipping_behind():
+    layers = torch.nn.ModuleList(_TupleLayer(s) for s in (2.0, 3.0, 5.0))
+    skip = early_exit.LayerSkip.past(layers, 0)
+    x = torch.ones(1, 2)
+    with pytest.raises(RuntimeError, match="boom"), skip.skipping():
+        _tuple_stack(layers, x)
+        raise RuntimeError("boom")
+    assert torch.equal(_tuple_stack(layers, x), ((x * 2 + 1) * 3 + 1) * 5 + 1)
