@@ -26,11 +26,10 @@ refused for packing (:func:`check_packable`), naming the type and ``--no-pack``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import importlib.util
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash import masks
+from dflash.forward_override import ForwardOverride
 
 logger = logging.getLogger(__name__)
 
@@ -324,41 +324,26 @@ def linear_layers(model) -> dict[int, torch.nn.Module]:
 
 
 #: The segments (and kernels) of the packed forward running in this thread, if any.
-_PACKED: contextvars.ContextVar[tuple[Segments, LinearAttentionKernels] | None] = contextvars.ContextVar(
-    "dflash_packed_segments", default=None
-)
+_PACKED = ForwardOverride("dflash_packed_segments")
 
 
 def install_segmented_forward(mixers: Iterable[torch.nn.Module]) -> None:
     """Give each of ``mixers`` a forward that runs over the segments of :func:`linear_layers_apart`
-    when the calling thread is inside it, and its own forward (whatever it was: the class's, or
-    one accelerate put on the instance) otherwise. Once per mixer; the per-call cost is one
-    ``ContextVar.get``. Per thread, so another thread using the same model meanwhile (decoding,
-    regeneration) runs transformers' forward untouched."""
+    when the calling thread is inside it, and its own forward otherwise (once per mixer;
+    :class:`dflash.forward_override.ForwardOverride`), so another thread using the same model
+    meanwhile (decoding, regeneration) runs transformers' forward untouched."""
     for mixer in mixers:
-        if getattr(mixer.forward, "dflash_segmented", False):
-            continue
-        own = mixer.forward
-
-        def forward(*args, _mixer=mixer, _own=own, **kwargs):
-            packed = _PACKED.get()
-            if packed is None:
-                return _own(*args, **kwargs)
-            return _gated_deltanet_forward(_mixer, *args, segments=packed[0], kernels=packed[1], **kwargs)
-
-        forward.dflash_segmented = True
-        mixer.forward = forward
+        _PACKED.install(mixer, _segmented)
 
 
-@contextlib.contextmanager
-def linear_layers_apart(segments: Segments, kernels: LinearAttentionKernels) -> Iterator[None]:
+def _segmented(mixer, packed: tuple[Segments, LinearAttentionKernels], own_forward, *args, **kwargs):
+    return _gated_deltanet_forward(mixer, *args, segments=packed[0], kernels=packed[1], **kwargs)
+
+
+def linear_layers_apart(segments: Segments, kernels: LinearAttentionKernels) -> AbstractContextManager[None]:
     """Within the block, in this thread, mixers given :func:`install_segmented_forward` run over
     ``segments`` (:func:`_gated_deltanet_forward`) with ``kernels``."""
-    token = _PACKED.set((segments, kernels))
-    try:
-        yield
-    finally:
-        _PACKED.reset(token)
+    return _PACKED.active((segments, kernels))
 
 
 def _gated_deltanet_forward(

@@ -6,26 +6,24 @@ capture that does not need the final hidden state skips them: the default taps o
 (``[1, 16, 31, 46, 61]`` of 64 layers) and of Qwen3-8B (``[1, 9, 17, 25, 33]`` of 36) leave the
 last 2 layers unread.
 
-Skipping holds inside :meth:`LayerSkip.skipping` of one :class:`LayerSkip`, in the thread that
-entered it (a context variable of that object, checked against the thread too, since a thread can
-inherit its parent's context): the same layers run as usual everywhere else, so another thread
-decoding with the same model (acceptance measured during training) runs every layer, and two
-:class:`LayerSkip` on one model (targets tapping different layers) compose. A skipped layer
-returns the very output object of the deepest tapped layer, tensor or tuple, which fits both
-calling conventions of Hugging Face decoder stacks (``hidden_states = layer(...)`` and
+Skipping holds inside :meth:`LayerSkip.skipping`, in the thread that entered it
+(:class:`dflash.forward_override.ForwardOverride`): the same layers run as usual everywhere else,
+so another thread decoding with the same model (acceptance measured during training) runs every
+layer, and two :class:`LayerSkip` on one model (targets tapping different layers) compose. A
+skipped layer returns the very output object of the deepest tapped layer, tensor or tuple, which
+fits both calling conventions of Hugging Face decoder stacks (``hidden_states = layer(...)`` and
 ``layer_outputs = layer(...)`` then ``layer_outputs[0]``); the stack's final norm then runs on
 that state, so the stack's final hidden state is not the model's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import torch
+
+from dflash.forward_override import ForwardOverride
 
 
 class LayerSkip:
@@ -47,41 +45,26 @@ class LayerSkip:
     def __init__(self, layers: Sequence[torch.nn.Module], deepest: int):
         if not 0 <= deepest < len(layers) - 1:
             raise ValueError(f"deepest tapped layer {deepest} of {len(layers)}: no layer after it to skip")
-        self._kept: ContextVar[tuple[int, list] | None] = ContextVar(f"dflash_layer_skip_{id(self)}", default=None)
+        self._override = ForwardOverride(f"dflash_layer_skip_{id(self)}")
         layers[deepest].register_forward_hook(self._keep)
         for layer in layers[deepest + 1 :]:
-            layer.forward = self._skippable(layer.forward)
+            self._override.install(layer, _pass_kept_output)
 
     @classmethod
     def past(cls, layers: Sequence[torch.nn.Module], deepest: int) -> LayerSkip | None:
         """A :class:`LayerSkip` of the layers after ``deepest``; None when it is the last layer."""
         return cls(layers, deepest) if deepest < len(layers) - 1 else None
 
-    @contextlib.contextmanager
-    def skipping(self) -> Iterator[None]:
+    def skipping(self) -> AbstractContextManager[None]:
         """In this thread, until exit, the skippable layers pass the deepest tapped layer's output
         through instead of running."""
-        token = self._kept.set((threading.get_ident(), [None]))
-        try:
-            yield
-        finally:
-            self._kept.reset(token)
-
-    def _slot(self) -> list | None:
-        state = self._kept.get()
-        return state[1] if state is not None and state[0] == threading.get_ident() else None
+        return self._override.active([None])
 
     def _keep(self, module, args, output) -> None:
-        slot = self._slot()
+        slot = self._override.value()
         if slot is not None:
             slot[0] = output
 
-    def _skippable(self, forward):
-        @functools.wraps(forward)
-        def forward_unless_skipping(*args, **kwargs):
-            slot = self._slot()
-            if slot is None or slot[0] is None:
-                return forward(*args, **kwargs)
-            return slot[0]
 
-        return forward_unless_skipping
+def _pass_kept_output(layer, slot: list, own_forward, *args, **kwargs):
+    return own_forward(*args, **kwargs) if slot[0] is None else slot[0]
