@@ -90,6 +90,8 @@ class EvalReport:
         intervals (dict[str, tuple[float, float]]): for a sample of the held-out prompts, the 95%
             interval of each of tau_per_step, tau_per_prompt, speedup and decode_speedup
             (:func:`bootstrap_intervals`); empty for the whole set.
+        mismatches (int): prompts whose speculative output differs from the target's greedy output.
+        dtype (str): the target's dtype during the measurement (``"float32"``, ``"bfloat16"``).
     """
 
     tau_per_step: float
@@ -105,6 +107,14 @@ class EvalReport:
     num_tokens: int
     block_size: int
     intervals: dict = field(default_factory=dict)
+    mismatches: int = 0
+    dtype: str = "float32"
+
+    @property
+    def verification_failed(self) -> bool:
+        """Whether a speculative output differed from greedy decoding in float32, where verification
+        is exact (in lower precision the batched verify forward may break argmax ties otherwise)."""
+        return self.mismatches > 0 and self.dtype == "float32"
 
     def to_dict(self) -> dict:
         return {k: (dict(sorted(v.items())) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -407,10 +417,11 @@ def evaluate(
     """Run target-only greedy and speculative decoding on every prompt and compare.
 
     The first prompt is run once untimed by both methods as a warm-up. Each speculative output
-    is checked against the greedy one. A mismatch is an error in float32 (verification must be
-    exact there) and a warning in bf16, where the batched verify forward and one-token decoding
-    round differently and can break argmax ties. ``sample``: the prompts are a random sample of
-    the held-out set, and the report gets the 95% interval of each figure.
+    is checked against the greedy one and the report counts the mismatches
+    (:attr:`EvalReport.verification_failed` in float32, where verification must be exact; a
+    warning in bf16, where the batched verify forward and one-token decoding round differently and
+    can break argmax ties). ``sample``: the prompts are a random sample of the held-out set, and
+    the report gets the 95% interval of each figure.
     """
     from tqdm import tqdm
 
@@ -421,32 +432,32 @@ def evaluate(
     for prompt in tqdm(prompts, desc="eval", disable=not progress):
         plains.append(greedy_generate(target, prompt, **kwargs))
         specs.append(speculative_generate(target, drafter, prompt, **kwargs))
-    mismatches = sum(plain.tokens != spec.tokens for plain, spec in zip(plains, specs))
-    if mismatches and target.dtype == torch.float32:
+    report = summarize(plains, specs, block_size=drafter.config.block_size, dtype=target.dtype)
+    if report.verification_failed:
         logger.error(
-            "%d/%d speculative outputs differ from the target's greedy output in float32: "
-            "a bug in verification, please report it",
-            mismatches,
+            "%d/%d speculative outputs differ from the target's greedy output in float32: verification is wrong, so "
+            "is the acceptance measured; please report it",
+            report.mismatches,
             len(prompts),
         )
-    elif mismatches:
+    elif report.mismatches:
         logger.warning(
-            "%d/%d speculative outputs differ from the target's greedy output: in %s the "
-            "batched verify forward and one-token decoding round differently and can break "
-            "argmax ties; rerun with float32 to check exactness",
-            mismatches,
+            "%d/%d speculative outputs differ from the target's greedy output: in %s the batched verify forward and "
+            "one-token decoding round differently and can break argmax ties; rerun with float32 to check exactness",
+            report.mismatches,
             len(prompts),
-            target.dtype,
+            report.dtype,
         )
-    report = summarize(plains, specs, block_size=drafter.config.block_size)
     if sample:
         report.intervals = bootstrap_intervals(plains, specs)
     return report
 
 
-def summarize(plains: list[Generation], specs: list[Generation], *, block_size: int) -> EvalReport:
+def summarize(
+    plains: list[Generation], specs: list[Generation], *, block_size: int, dtype: torch.dtype = torch.float32
+) -> EvalReport:
     """The report of target-only (``plains``) and speculative (``specs``) generations of the same
-    prompts, in both conventions of the module docstring.
+    prompts by a target in ``dtype``, in both conventions of the module docstring.
 
     A generation without steps (its prefill token was a stop token, or the whole budget) has no
     per-prompt tau and is left out of ``tau_per_prompt``; a figure with nothing to average is NaN.
@@ -470,6 +481,8 @@ def summarize(plains: list[Generation], specs: list[Generation], *, block_size: 
         num_prompts=len(specs),
         num_tokens=sum(len(s.tokens) for s in specs),
         block_size=block_size,
+        mismatches=sum(plain.tokens != spec.tokens for plain, spec in zip(plains, specs)),
+        dtype=str(dtype).removeprefix("torch."),
     )
 
 

@@ -11,7 +11,8 @@ What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflas
 - a directory name containing ``dflash``: vLLM recognises a DFlash drafter from its path;
 - ``README.md`` with the vLLM and SGLang launch lines (vLLM ignores ``block_size``:
   ``num_speculative_tokens = block_size - 1``; SGLang drafts ``--speculative-num-draft-tokens =
-  block_size``) and the acceptance measured for that checkpoint (:mod:`dflash.acceptance_log`).
+  block_size``) and the acceptance measured for that checkpoint (:mod:`dflash.acceptance_log`),
+  unless it was measured while verification was wrong (a float32 mismatch against greedy decoding).
 
 The directory is written next to its final place and renamed into it, so it is never half there.
 """
@@ -19,6 +20,7 @@ The directory is written next to its final place and renamed into it, so it is n
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import shutil
 from pathlib import Path
@@ -27,6 +29,8 @@ import torch
 
 from dflash import acceptance_log
 from dflash.checkpoint import DRAFTER_FILES, find_checkpoint, write_drafter_files
+
+logger = logging.getLogger(__name__)
 
 README_NAME = "README.md"
 
@@ -157,6 +161,20 @@ def _measured(step_dir: Path) -> str:
         return (
             f"Not measured: run `dflash eval --drafter {shlex.quote(str(run_dir))}` on held-out conversations "
             "and export again."
+        )
+    if found.get("mismatches") and found.get("dtype", "float32") == "float32":
+        logger.warning(
+            "%s: the acceptance kept for %s was measured while %d/%d speculative outputs differed from greedy "
+            "decoding in float32; the README does not quote it",
+            run_dir / acceptance_log.LOG_NAME,
+            step_dir.name,
+            found["mismatches"],
+            found["num_prompts"],
+        )
+        return (
+            f"Not quoted: the measurement kept for this checkpoint ({found['source']}) was wrong ({found['mismatches']}"
+            f"/{found['num_prompts']} speculative outputs differed from greedy decoding in float32); run `dflash eval "
+            f"--drafter {shlex.quote(str(run_dir))}` again and export again."
         )
     return (
         f"Acceptance length tau {found['tau_per_prompt']:.3f} per prompt (z-lab's convention, as its benchmark "

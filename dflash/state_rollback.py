@@ -16,9 +16,11 @@ them and advances them by the kept tokens, in one of two ways (:data:`STRATEGIES
 - ``forward``: re-run the kept tokens through the whole target (KV cropped to before the block).
 
 Reads transformers 5.x's cache layout: ``cache.layers[i].conv_states`` / ``recurrent_states``, a
-tensor each (5.7-5.14) or a dict of them by state index (5.15-5.24). Older releases verify a block
-from a zero state (:data:`dflash.target.FIRST_TRANSFORMERS_FOR_DECODING`; ``dflash eval`` refuses
-them before loading).
+tensor each (5.7-5.14) or a dict of them by state index (5.15-5.25); from 5.25 a linear-attention
+layer also counts its tokens (``cumulative_length_linear``, which ``cache.get_seq_length()`` reads
+when layer 0 is linear, and so the positions of the next forward), saved and restored with the
+states. Older releases verify a block from a zero state, newer ones may lay the cache out otherwise
+(:data:`dflash.target.TRANSFORMERS_FOR_DECODING`; ``dflash eval`` refuses both before loading).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 import torch
 
 from dflash import document_separation
+from dflash.target import decoding_transformers_range
 
 #: How a rejected block's linear-attention states are advanced by the kept tokens (module docstring).
 STRATEGIES = ("mixers", "forward")
@@ -45,15 +48,16 @@ def new_cache(target):
 
 def crop(cache, keep: int, *, skip: frozenset[int] = frozenset()) -> None:
     """Drop every cached token past the first ``keep`` of the attention layers of ``cache``; layers
-    in ``skip`` (linear attention) have no tokens to drop."""
-    remove = cache.get_seq_length() - keep
-    if remove <= 0:
-        return
+    in ``skip`` (linear attention) have no tokens to drop. Each layer's own length decides: the
+    cache's length is layer 0's, a linear-attention count on a hybrid target (transformers 5.25)."""
     if not skip:
-        cache.crop(-remove)  # DynamicCache.crop(-n) drops the last n tokens in transformers 4.x and 5.x
+        remove = cache.get_seq_length() - keep
+        if remove > 0:
+            cache.crop(-remove)  # DynamicCache.crop(-n) drops the last n tokens in transformers 4.x and 5.x
         return
     for index, layer in enumerate(cache.layers):
-        if index not in skip:
+        remove = 0 if index in skip else layer.get_seq_length() - keep
+        if remove > 0:
             layer.crop(-remove)
 
 
@@ -74,7 +78,7 @@ class StateRollback:
             raise ValueError(f"rollback strategy {strategy!r}: use one of {STRATEGIES}")
         self.target, self.cache, self.strategy = target, cache, strategy
         self.mixers = document_separation.linear_layers(target.model)
-        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._saved: dict[int, tuple[torch.Tensor, ...]] = {}
         self._inputs: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -108,10 +112,9 @@ class StateRollback:
         kept = kept_ids.shape[1]
         if kept == next(iter(self._inputs.values())).shape[1]:
             return
-        for index, (conv, recurrent) in self._saved.items():
-            now_conv, now_recurrent = self._states(index)
-            now_conv.copy_(conv)
-            now_recurrent.copy_(recurrent)
+        for index, saved in self._saved.items():
+            for now, then in zip(self._states(index), saved):
+                now.copy_(then)
         if self.strategy == "forward":
             crop(self.cache, verified, skip=self.linear_layers)
             self.target.decoder_forward(kept_ids, past_key_values=self.cache)
@@ -121,7 +124,10 @@ class StateRollback:
             for index, mixer in self.mixers.items():
                 mixer(self._inputs[index][:, :kept], self.cache)
 
-    def _states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _states(self, index: int) -> tuple[torch.Tensor, ...]:
+        """The tensors a linear-attention layer's place in the sequence lives in: its conv window and
+        recurrent state, and from transformers 5.25 its token count (restored in place, so a
+        ``mark_static_address`` on them holds)."""
         layer = self.cache.layers[index]
         states = getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)
         states = tuple(state[0] if isinstance(state, dict) else state for state in states)
@@ -129,9 +135,10 @@ class StateRollback:
             raise RuntimeError(
                 f"cache layer {index} ({type(layer).__name__}) holds no conv and recurrent state tensors after the "
                 "prompt: this transformers release lays its cache out otherwise; dflash eval reads the layouts of "
-                "transformers 5.7-5.24"
+                f"transformers {decoding_transformers_range()}"
             )
-        return states
+        length = getattr(layer, "cumulative_length_linear", None)
+        return (*states, length) if isinstance(length, torch.Tensor) else states
 
     def _recorder(self, index: int):
         def record(module, args, kwargs):

@@ -37,9 +37,17 @@ _QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 #: Qwen3.6, dense and MoE, came with 5.2.0; transformers 4.x maps them to nothing).
 FIRST_TRANSFORMERS = dict.fromkeys(_QWEN3_5_TYPES, "5.2.0")
 
-#: The first release whose Gated DeltaNet resumes a multi-token forward from the cache's recurrent
-#: state (speculative verification; 5.2-5.6 start every chunked forward from a zero state).
-FIRST_TRANSFORMERS_FOR_DECODING = dict.fromkeys(_QWEN3_5_TYPES, "5.7.0")
+#: The transformers releases (first, last minor) whose hybrid cache :mod:`dflash.state_rollback` puts
+#: back after a rejected draft: 5.2-5.6 start every chunked Gated DeltaNet forward from a zero state,
+#: and a minor release may lay the linear-attention cache out anew (5.15 and 5.25 did), so eval
+#: refuses a newer one rather than measure acceptance against a wrongly restored target.
+TRANSFORMERS_FOR_DECODING = dict.fromkeys(_QWEN3_5_TYPES, ("5.7.0", "5.25"))
+
+
+def decoding_transformers_range(model_type: str = "qwen3_5") -> str:
+    """The releases :data:`TRANSFORMERS_FOR_DECODING` names for ``model_type``, as ``"5.7-5.25"``."""
+    first, last = TRANSFORMERS_FOR_DECODING[model_type]
+    return f"{first.removesuffix('.0')}-{last}"
 
 
 def require_transformers_for(config: dict, source: str | Path, *, decoding: bool = False) -> None:
@@ -52,21 +60,37 @@ def require_transformers_for(config: dict, source: str | Path, *, decoding: bool
         decoding (bool): the target decodes with a cache (``dflash eval``).
 
     Raises:
-        TargetLoadError: names the model type, the transformers release needed, the installed one,
-            and the upgrade command.
+        TargetLoadError: names the model type, the transformers releases that work, the installed
+            one, and the pip command that installs one of them.
     """
     from importlib.metadata import version
 
     from packaging.version import Version
 
     model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
-    first = (FIRST_TRANSFORMERS_FOR_DECODING if decoding else FIRST_TRANSFORMERS).get(model_type)
     installed = version("transformers")
+    first = FIRST_TRANSFORMERS.get(model_type)
     if first and Version(installed) < Version(first):
-        what = "verifies speculative drafts from its cache" if decoding else "loads"
         raise TargetLoadError(
-            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) {what} with transformers {first} or "
+            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) loads with transformers {first} or "
             f"newer; this environment has {installed}: pip install -U 'transformers>={first}'"
+        )
+    if not decoding or model_type not in TRANSFORMERS_FOR_DECODING:
+        return
+    first, last = TRANSFORMERS_FOR_DECODING[model_type]
+    if Version(installed) < Version(first):
+        raise TargetLoadError(
+            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) verifies speculative drafts from its "
+            f"cache with transformers {first} or newer; this environment has {installed}: "
+            f"pip install -U 'transformers>={first}'"
+        )
+    if Version(installed).release[:2] > Version(last).release[:2]:
+        upper = f"{Version(last).major}.{Version(last).minor + 1}"
+        raise TargetLoadError(
+            f"target {source}: dflash eval rolls back the linear-attention cache of model_type {model_type!r} "
+            f"(Qwen3.5 / Qwen3.6) as transformers {decoding_transformers_range(model_type)} lay it out; this "
+            f"environment has {installed}, whose layout it has not been tested on and could measure acceptance "
+            f"wrongly: pip install 'transformers>={first},<{upper}' to evaluate (training is not affected)"
         )
 
 

@@ -3,6 +3,8 @@
 Prints the acceptance length tau (per step, and per prompt as z-lab's published numbers count
 it), its histogram and the speedup over target-only greedy decoding with and without prefill on
 held-out prompts (``--json`` for machine-readable output; conventions in :mod:`dflash.evaluate`).
+Exits 1 when a speculative output differs from the target's greedy output in float32
+(:attr:`dflash.evaluate.EvalReport.verification_failed`), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -76,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         held_out = {**prompts.to_dict(), "embedded_default": args.data is None}
         print(json.dumps({**report.to_dict(), "prompts": held_out}, indent=2))
-        return 0
-    _print_prompts(prompts, embedded_default=args.data is None)
-    _print_report(report)
-    return 0
+    else:
+        _print_prompts(prompts, embedded_default=args.data is None)
+        _print_report(report)
+    # A measurement against a wrongly verified target is no measurement: scripts must see it fail.
+    return 1 if report.verification_failed else 0
 
 
 def _print_prompts(prompts, *, embedded_default: bool) -> None:
@@ -121,6 +124,11 @@ def _interval(report, name: str, unit: str = "") -> str:
 
 def _print_report(report) -> None:
     total = sum(report.histogram.values())
+    if report.mismatches:
+        exact = "verification is wrong" if report.verification_failed else "argmax ties, see the warning above"
+        print(f"greedy check: {report.mismatches}/{report.num_prompts} outputs differ ({report.dtype}: {exact})")
+    else:
+        print(f"greedy check: all {report.num_prompts} outputs equal the target's greedy output ({report.dtype})")
     print(
         f"acceptance length tau (block size {report.block_size}, {report.num_prompts} prompts, "
         f"{report.num_tokens} tokens, {total} steps):"

@@ -71,8 +71,16 @@ def test_the_multimodal_checkpoint_loads_its_language_model_only(tmp_path):
     assert not [name for name, _ in target.model.named_parameters() if "visual" in name]
 
 
-@pytest.mark.parametrize(("installed", "refused"), [("5.5.0", True), ("5.7.0", False)])
-def test_decoding_a_hybrid_target_names_the_release_that_verifies_from_the_cache(monkeypatch, installed, refused):
+@pytest.mark.parametrize(
+    ("installed", "refusal"),
+    [
+        ("5.5.0", r"verifies speculative drafts.*5\.7\.0 or newer.*5\.5\.0"),
+        ("5.7.0", None),
+        ("5.25.3", None),
+        ("5.26.0", r"5\.7-5\.25.*has 5\.26\.0.*not been tested.*'transformers>=5\.7\.0,<5\.26'.*training is not"),
+    ],
+)
+def test_decoding_a_hybrid_target_names_the_releases_whose_cache_it_rolls_back(monkeypatch, installed, refusal):
     import importlib.metadata
 
     from dflash.target import require_transformers_for
@@ -80,9 +88,9 @@ def test_decoding_a_hybrid_target_names_the_release_that_verifies_from_the_cache
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "transformers" else real(name))
     config = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}
-    require_transformers_for(config, "t/config.json")  # 5.2.0 loads it
-    if refused:
-        with pytest.raises(TargetLoadError, match=r"verifies speculative drafts.*5\.7\.0 or newer.*5\.5\.0"):
+    require_transformers_for(config, "t/config.json")  # every one of them loads it for training
+    if refusal:
+        with pytest.raises(TargetLoadError, match=refusal):
             require_transformers_for(config, "t/config.json", decoding=True)
     else:
         require_transformers_for(config, "t/config.json", decoding=True)
