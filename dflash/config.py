@@ -64,7 +64,7 @@ class TrainConfig:
     """Drafter to fine-tune: a published drafter directory (config.json + model.safetensors, z-lab layout) or a
     dflash run (its latest checkpoint): its shape, layer
     types, window, block size, mask token, tapped layers and RoPE are kept and its weights loaded strictly; held-out
-    acceptance (--eval-data) is measured before step 1 and after the last step."""
+    acceptance is measured before step 1 and after the last step (on --eval-data, else the embedded held-out set)."""
     block_size: int | None = None
     """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel; empty = 8, 16 (the published
     drafters') for Qwen3.5/3.6 targets."""
@@ -135,10 +135,14 @@ class TrainConfig:
     """D-PACE confidence smoothing alpha in [0, 1]: slot confidence (1 - alpha) * p + alpha (SpecForge and
     speculators default 0.5)."""
 
-    # ---- held-out acceptance (with --init-from) ---------------------------------------------
+    # ---- held-out acceptance ------------------------------------------------------------------
     eval_data: str | None = None
-    """JSONL chat file of held-out conversations for the acceptance measured with --init-from (as dflash eval
-    does); empty = the embedded held-out set (chit-chat)."""
+    """JSONL chat file of held-out conversations: acceptance (tau, as dflash eval measures it) is measured on them
+    before step 1, every --eval-every steps and after the last step (with --init-from, on the embedded held-out set
+    when empty)."""
+    eval_every: int | None = None
+    """Measure held-out acceptance every N steps too (with --eval-data or --init-from); empty = before step 1 and
+    after the last step only. Training waits while it runs (its seconds are logged)."""
     eval_prompts: int = 20
     """Held-out prompts decoded for that acceptance: a random sample of the usable ones (as dflash eval
     --num-prompts --seed 0 draws it)."""
@@ -238,7 +242,13 @@ class TrainConfig:
             "eval_prompts",
             "eval_max_new_tokens",
         )
-        optional_positive = ("num_draft_layers", "num_target_layers", "draft_sliding_window", "draft_heads")
+        optional_positive = (
+            "num_draft_layers",
+            "num_target_layers",
+            "draft_sliding_window",
+            "draft_heads",
+            "eval_every",
+        )
         optional_positive += ("draft_kv_heads", "draft_head_dim", "draft_intermediate_size")
         for name in positive + optional_positive:
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -247,8 +257,10 @@ class TrainConfig:
             from dflash.drafter_shape import parse_layer_types
 
             parse_layer_types(self.draft_layer_types)
-        if self.eval_data and not self.init_from:
-            raise ValueError("eval_data: held-out acceptance is measured with --init-from; pass it, or use dflash eval")
+        if self.eval_every is not None and not (self.eval_data or self.init_from):
+            raise ValueError(
+                "eval_every: held-out acceptance needs held-out conversations; pass --eval-data FILE (JSONL chats)"
+            )
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft slot), got {self.block_size}")
         if (self.steps is None) == (self.epochs is None):
@@ -318,6 +330,11 @@ class TrainConfig:
             raise ValueError(f"vary_seq_len must be >= 0, got {self.vary_seq_len}")
         if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):
             raise ValueError(f"target_layer_ids must be non-negative layer ids, got {self.target_layer_ids}")
+
+    @property
+    def measures_acceptance(self) -> bool:
+        """Whether the run measures held-out acceptance (``--eval-data``, or ``--init-from``'s before/after)."""
+        return bool(self.eval_data or self.init_from)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

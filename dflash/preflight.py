@@ -219,7 +219,7 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> dict:
     from dflash.weight_files import check_weight_files
 
     raw = read_target_config(target_dir)
-    require_transformers_for(raw, target_dir / "config.json")
+    require_transformers_for(raw, target_dir / "config.json", decoding=config.measures_acceptance)
     require_tokenizer_files(target_dir)
     check_weight_files(target_dir)
     text = raw.get("text_config") or raw  # multimodal configs nest the language model's

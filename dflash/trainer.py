@@ -24,6 +24,7 @@ import math
 import random
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -215,8 +216,8 @@ class Trainer:
         tokens = None if self._regenerates else self._token_cache(self.data_sha256).complete()
         # Every line checked before the target loads.
         conversations = read_conversations(data, progress=config.progress and self.is_main) if tokens is None else None
-        self.heldout = self._heldout_prompts(target_dir) if config.init_from and self.process.is_main else None
-        self.acceptance: dict[str, float] = {}  # tau per prompt by when it was measured (--init-from)
+        self.heldout = self._heldout_prompts(target_dir) if config.measures_acceptance and self.is_main else None
+        self.acceptance: dict[str, float] = {}  # held-out tau per prompt by when it was measured
         targets = [
             load_target(
                 target_dir,
@@ -237,8 +238,6 @@ class Trainer:
         if config.save and self.is_main:  # before the steps a failed first save would lose
             check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
         self.eval_target = targets[0]
-        if self.heldout is not None and not config.resume:
-            self._measure_acceptance(drafter, when="before step 1", checkpoint=None)
         self.settings = LossSettings.from_config(config, drafter.config.mask_token_id)
         self.dynamo_warnings = DynamoWarnings()
         self.total_steps = self._total_steps()
@@ -431,16 +430,19 @@ class Trainer:
             max_new_tokens=cfg.eval_max_new_tokens,
         )
 
-    def _measure_acceptance(self, drafter, *, when: str, checkpoint: str | None) -> None:
-        """Held-out acceptance of ``drafter`` (:func:`dflash.evaluate.evaluate`, on a copy in the
-        target's dtype and on its device), logged, kept in ``self.acceptance`` (``dflash train``
-        prints it) and in ``acceptance.json`` of ``--out``. Rank 0 only; the other processes wait
-        at their next collective."""
+    def _measure_acceptance(self, *, when: str, writer, started: float, saved: bool) -> None:
+        """Held-out acceptance of the drafter now (:func:`dflash.evaluate.evaluate`, on a copy in the
+        target's dtype and on its device), logged with its cost, kept in ``self.acceptance``
+        (``dflash train`` prints it), in TensorBoard and ``metrics.jsonl`` (``heldout/*`` at this
+        step; step 0 before step 1) and in ``acceptance.json`` of ``--out`` (for this step's
+        checkpoint when ``saved``). Training waits while it runs. Rank 0 only; the other processes
+        wait at their next collective."""
         from dflash import acceptance_log
         from dflash.evaluate import evaluate, stop_token_ids
         from dflash.model import DFlashDraftModel
 
-        target = self.eval_target
+        began = time.perf_counter()
+        target, drafter = self.eval_target, self.drafter
         with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
             copy = DFlashDraftModel._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
         copy.load_state_dict(drafter.state_dict())
@@ -451,19 +453,38 @@ class Trainer:
             max_new_tokens=self.heldout.max_new_tokens,
             eos_ids=stop_token_ids(self.tokenizer, target.config),
         )
+        seconds = time.perf_counter() - began
         logger.info(
-            "held-out acceptance %s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s",
+            "held-out acceptance %s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
+            "(%.1f s, %.0f%% of the run's time so far)",
             when,
             report.tau_per_prompt,
             report.tau_per_step,
             report.num_prompts,
             self.heldout.source,
+            seconds,
+            100 * seconds / max(time.perf_counter() - started, 1e-9),
         )
         self.acceptance[when] = report.tau_per_prompt
-        self.out.mkdir(parents=True, exist_ok=True)
-        source = f"dflash train --init-from {self.config.init_from} ({when})"
+        figures = {
+            "heldout/tau_per_prompt": report.tau_per_prompt,
+            "heldout/tau_per_step": report.tau_per_step,
+            "heldout/mismatches": report.mismatches,
+            "heldout/seconds": seconds,
+        }
+        for name, value in figures.items():
+            writer.add_scalar(name, value, self.step)
+        with open(self.out / METRICS_NAME, "a") as f:
+            f.write(json.dumps({"step": self.step, **figures}) + "\n")
+        origin = f" --init-from {self.config.init_from}" if self.config.init_from else ""
         acceptance_log.record(
-            self.out, acceptance_log.entry(report, self.heldout, checkpoint=checkpoint, source=source)
+            self.out,
+            acceptance_log.entry(
+                report,
+                self.heldout,
+                checkpoint=checkpoint.step_dir_name(self.step) if saved else None,
+                source=f"dflash train{origin} ({when})",
+            ),
         )
 
     def _build_engine(self, targets, drafter) -> StepEngine:
@@ -542,6 +563,9 @@ class Trainer:
         throughput = _Throughput()
         first_step = self.step + 1
         stop = _StopRequest(save=cfg.save)
+        started = time.perf_counter()
+        if self.heldout is not None and self.step == 0:
+            self._measure_acceptance(when="before step 1", writer=writer, started=started, saved=False)
         try:
             with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
                 while self.step < self.total_steps:
@@ -561,8 +585,15 @@ class Trainer:
                         raise TrainingStopped(stop.signum or signal.SIGTERM, self.step)
                     if cfg.save_every and self.step % cfg.save_every == 0:
                         self.save_checkpoint()
+                    if self._eval_due():
+                        saved = bool(cfg.save and cfg.save_every and self.step % cfg.save_every == 0)
+                        self._measure_acceptance(
+                            when=f"at step {self.step}", writer=writer, started=started, saved=saved
+                        )
                 if not cfg.save_every or self.step % cfg.save_every:
                     self.save_checkpoint()
+            if self.heldout is not None and metrics:
+                self._measure_acceptance(when="after the last step", writer=writer, started=started, saved=cfg.save)
         finally:
             bar.close()
             self.engine.close()
@@ -572,10 +603,13 @@ class Trainer:
                 self._log_compile_summary()
         if self.is_main:
             self._log_throughput(throughput)
-        if self.heldout is not None and metrics:
-            saved = checkpoint.step_dir_name(self.step) if cfg.save else None
-            self._measure_acceptance(self.drafter, when="after the last step", checkpoint=saved)
         return metrics
+
+    def _eval_due(self) -> bool:
+        """Whether held-out acceptance is measured after this step (``--eval-every``; the last step's
+        measurement follows the loop)."""
+        every = self.config.eval_every
+        return self.heldout is not None and bool(every) and self.step % every == 0 and self.step < self.total_steps
 
     def _trim_metrics(self) -> None:
         """Keep only the rows of ``metrics.jsonl`` up to the step this run starts from: a resume

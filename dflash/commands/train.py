@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
         if trainer.config.save
         else "nothing saved (--no-save)"
     )
-    measured = "".join(f"; held-out tau {tau:.3f} {when}" for when, tau in trainer.acceptance.items())
+    ends = dict(list(trainer.acceptance.items())[:1] + list(trainer.acceptance.items())[-1:])  # the rest: metrics.jsonl
+    measured = "".join(f"; held-out tau {tau:.3f} {when}" for when, tau in ends.items())
     print(
         f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}{measured}; {saved}"
     )

@@ -211,5 +211,5 @@ def test_a_flag_that_contradicts_the_drafter_is_named(assets, tmp_path, caplog):
     flags = _flags(assets, tmp_path / "run", init_from=assets["drafter"], draft_sliding_window=16)
     assert main(flags) == 2
     assert "--draft-sliding-window 16 disagrees with the --init-from drafter" in caplog.text
-    assert main(["train", "--eval-data", str(assets["heldout"]), "--out", str(tmp_path / "x")]) == 2
-    assert "held-out acceptance is measured with --init-from" in caplog.text
+    assert main(["train", "--eval-every", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "--eval-every: held-out acceptance needs held-out conversations; pass --eval-data" in caplog.text
