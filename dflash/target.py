@@ -439,6 +439,7 @@ def load_target(
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
             path,
+            config=_causal_lm_config(path),
             dtype=dtype,
             local_files_only=True,
             device_map=str(device) if direct else None,
@@ -449,7 +450,9 @@ def load_target(
             f"target {path}: cannot load as a causal LM ({type(e).__name__}: {e}); "
             "check config.json and that the weight files are complete"
         ) from e
-    if not random_missing:
+    if random_missing:
+        _warn_of_random_weights(path, loading)
+    else:
         _refuse_missing_weights(path, loading)
     if not direct:
         model.to(device)
@@ -467,6 +470,37 @@ def load_target(
     return Target(model, layer_ids)
 
 
+def _causal_lm_config(path: Path):
+    """The config ``AutoModelForCausalLM`` builds the target from. A multimodal checkpoint (Qwen3.5 /
+    Qwen3.6) says whether its LM head is tied to the embeddings at the top level, where its
+    ``*ForConditionalGeneration`` reads it, and ``save_pretrained`` writes ``false`` into
+    ``text_config``, which the causal LM reads: the tied head is not in the files, and would be
+    left random."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = config.get_text_config()
+    if text is not config and getattr(config, "tie_word_embeddings", False):
+        text.tie_word_embeddings = True
+    return config
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def _warn_of_random_weights(path: Path, loading: dict) -> None:
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        logger.warning(
+            "target %s: %d of its weights are not in its files and stay random (--random-target-weights): %s; "
+            "a drafter trained against it fits no real model",
+            path,
+            len(missing),
+            _names(missing),
+        )
+
+
 def _refuse_missing_weights(path: Path, loading: dict) -> None:
     """``from_pretrained`` initialises at random every weight the files lack and only logs it: a
     verifier that is partly random trains a drafter for a model nobody serves."""
@@ -474,12 +508,13 @@ def _refuse_missing_weights(path: Path, loading: dict) -> None:
     if not missing:
         return
     unexpected = sorted(loading.get("unexpected_keys") or ())
-    names = lambda keys: ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     found = (
-        f"; the files hold {len(unexpected)} weights the model does not use ({names(unexpected)})" if unexpected else ""
+        f"; the files hold {len(unexpected)} weights the model does not use ({_names(unexpected)})"
+        if unexpected
+        else ""
     )
     raise TargetLoadError(
-        f"target {path}: its weight files lack {len(missing)} of the model's weights ({names(missing)}){found}, "
+        f"target {path}: its weight files lack {len(missing)} of the model's weights ({_names(missing)}){found}, "
         "which would be initialised at random; restore the missing shards or weight names from the model's "
         "source (dflash train --random-target-weights keeps them random, for a benchmark of the model's shape)"
     )

@@ -88,13 +88,16 @@ HYBRID_ARCHS = ("qwen3_5", "qwen3_5_multimodal")
 MOE_ARCH = "qwen3_5_moe"
 
 
-def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32, seed: int = 0):
+def make_target(
+    directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32, seed: int = 0, tied: bool = False
+):
     """Save a random tiny causal LM plus the tiny tokenizer in ``directory`` and return the directory.
 
     ``arch``: ``qwen3`` or ``llama`` (dense), or one of :data:`HYBRID_ARCHS`: Qwen3.6's layout
     (3 Gated DeltaNet layers then 1 gated full-attention layer, repeated; partial rotary with
     M-RoPE sections), or :data:`MOE_ARCH` (the same layout with 4 experts of which 2 are active, no
-    single MLP width), transformers 5 only.
+    single MLP width), transformers 5 only. ``tied``: the LM head is the embedding matrix (the
+    multimodal checkpoint says so at its top level, as ``save_pretrained`` writes it).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -109,7 +112,7 @@ def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hi
         num_key_value_heads=2,
         head_dim=hidden // 4,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -119,14 +122,14 @@ def make_target(directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hi
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch in (*HYBRID_ARCHS, MOE_ARCH):
-        model = _hybrid_model(arch, common, hidden)
+        model = _hybrid_model(arch, common, hidden, tied)
     else:
         raise ValueError(arch)
     model.save_pretrained(directory)
     return directory
 
 
-def _hybrid_model(arch: str, common: dict, hidden: int):
+def _hybrid_model(arch: str, common: dict, hidden: int, tied: bool):
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
     text = dict(
@@ -155,7 +158,10 @@ def _hybrid_model(arch: str, common: dict, hidden: int):
             Qwen3_5MoeTextConfig(**text, **experts, shared_expert_intermediate_size=hidden // 2)
         )
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4)
-    return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    text["tie_word_embeddings"] = False  # what save_pretrained writes there; the top level decides
+    return Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tied)
+    )
 
 
 def tiny_target_config(**overrides):

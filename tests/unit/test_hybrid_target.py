@@ -71,6 +71,33 @@ def test_the_multimodal_checkpoint_loads_its_language_model_only(tmp_path):
     assert not [name for name, _ in target.model.named_parameters() if "visual" in name]
 
 
+def test_a_tied_multimodal_checkpoint_loads_its_head_from_the_embeddings(tmp_path, caplog):
+    pytest.importorskip("transformers.models.qwen3_5", reason="qwen3_5 needs transformers >= 5.2")
+
+    directory = make_target(tmp_path, arch="qwen3_5_multimodal", num_layers=4, tied=True)
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["tie_word_embeddings"] and not raw["text_config"]["tie_word_embeddings"]  # as save_pretrained writes
+    with caplog.at_level("WARNING"):
+        target = load_target(directory, layer_ids=[1], device="cpu")
+    assert target.lm_head.weight.data_ptr() == target.embed_tokens.weight.data_ptr()
+    assert "random" not in caplog.text
+
+
+def test_random_target_weights_says_which_weights_stay_random(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    directory = make_target(tmp_path, num_layers=4)
+    weights = load_file(directory / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, directory / "model.safetensors")
+    with pytest.raises(TargetLoadError, match="lack 1 of the model's weights \\(lm_head.weight\\)"):
+        load_target(directory, layer_ids=[1], device="cpu")
+    with caplog.at_level("WARNING", logger="dflash.target"):
+        load_target(directory, layer_ids=[1], device="cpu", random_missing=True)
+    assert "1 of its weights are not in its files and stay random (--random-target-weights): lm_head.weight" in (
+        caplog.text
+    )
+
+
 @pytest.mark.parametrize(
     ("installed", "refusal"),
     [
