@@ -29,7 +29,15 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import TemplateRejected, char_budget, encode, prompt_messages, read_conversations, render_chat
+from dflash.data import (
+    DatasetError,
+    TemplateRejected,
+    char_budget,
+    encode,
+    prompt_messages,
+    read_conversations,
+    render_chat,
+)
 from dflash.distributed import barrier, broadcast_from_main
 from dflash.target import Target
 
@@ -405,8 +413,17 @@ def _join(conversations, cache: Path, key_path: Path, key: dict) -> None:
             f"{cache.parent}: the regenerated replies of all processes cover {len(replies)} of "
             f"{len(conversations)} conversations; every host must write to the same --out (a shared filesystem)"
         )
+    regenerated = with_replies(conversations, replies)
+    if not regenerated:
+        answered = sum(r is not None for r in replies.values())
+        raise DatasetError(
+            f"--responses target: the target's replies to all {answered} prompts it answered are empty (it ended "
+            f"each with a stop token at once; {len(replies) - answered} conversation(s) had no usable prompt), so there "
+            "is nothing to train on; check the target's chat template and its eos ids (generation_config.json), or "
+            f"train on the data's own replies with --responses data (the empty replies stay in {cache.parent})"
+        )
     key_path.unlink(missing_ok=True)
-    write_conversations(cache, with_replies(conversations, replies))
+    write_conversations(cache, regenerated)
     tmp = key_path.with_name(key_path.name + ".tmp")
     tmp.write_text(json.dumps(key, indent=1) + "\n")
     tmp.replace(key_path)

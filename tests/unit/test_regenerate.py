@@ -272,3 +272,20 @@ def test_the_turns_regeneration_does_not_keep_are_counted(caplog):
     with caplog.at_level("WARNING", logger="dflash.regenerate"):
         with_replies(conversations[:1], {0: "four"})
     assert not caplog.text  # a single-turn chat loses nothing
+
+
+def test_replies_that_all_come_back_empty_are_named_as_the_target_s(target, target_dir, tmp_path, monkeypatch):
+    from dflash.data import DatasetError
+
+    eos = load_tokenizer(target_dir).eos_token_id
+
+    def stops_at_once(*, input_ids, **kwargs):
+        return torch.cat([input_ids, torch.full_like(input_ids[:, :1], eos)], dim=1)
+
+    monkeypatch.setattr(target.model, "generate", stops_at_once)
+    with pytest.raises(
+        DatasetError, match=r"target.s replies to all 8 prompts it answered are empty.*--responses data"
+    ):
+        _corpus([target], target_dir, tmp_path / "regenerated.jsonl")
+    assert not (tmp_path / "regenerated.jsonl").exists()
+    assert len(ReplyJournal(next(tmp_path.glob("*.partial")), KEY).read()) == len(INDEXED)  # nothing is lost
