@@ -362,10 +362,14 @@ def find_checkpoint(path: str | Path, *, verify: bool = True, files: Sequence[st
             with a warning.
 
     Raises:
-        CheckpointError: nothing there, ``latest`` names a missing directory and no step is left,
+        CheckpointError: no such directory, nothing there, ``latest`` names a missing directory and no step is left,
             or a file is missing/truncated/altered (see :func:`verify_checkpoint`).
     """
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: does not exist; pass a run directory (--out of dflash train) or a step_N directory"
+        )
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     latest_file = path / LATEST_NAME
@@ -460,11 +464,21 @@ def verify_checkpoint(step_dir: Path, *, files: Sequence[str] | None = None, pic
             raise CheckpointError(f"{file}: missing from the checkpoint; {fix}")
         size = file.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(
-                f"{file}: {size} bytes, expected {expected['bytes']} (truncated or incomplete write); {fix}"
-            )
-        if sha256_file(file) != expected["sha256"]:
-            raise CheckpointError(f"{file}: content does not match its sha256 in {MANIFEST_NAME} (corrupt); {fix}")
+            changed = f"{size} bytes, but {manifest_path} lists {expected['bytes']}"
+        elif sha256_file(file) != expected["sha256"]:
+            changed = f"its content does not match the sha256 {manifest_path} lists"
+        else:
+            continue
+        # Only where an unlisted directory is read at all (a drafter, not a resumed training state).
+        on_purpose = (
+            f" (edited on purpose? delete {manifest_path}: the directory is then read unverified)"
+            if files is not None
+            else ""
+        )
+        raise CheckpointError(
+            f"{file}: {changed}: it changed after the checkpoint was saved (edited, corrupt, or cut short by a "
+            f"copy){on_purpose}; {fix}"
+        )
     return True
 
 

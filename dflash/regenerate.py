@@ -418,9 +418,9 @@ def _join(conversations, cache: Path, key_path: Path, key: dict) -> None:
         answered = sum(r is not None for r in replies.values())
         raise DatasetError(
             f"--responses target: the target's replies to all {answered} prompts it answered are empty (it ended "
-            f"each with a stop token at once; {len(replies) - answered} conversation(s) had no usable prompt), so there "
-            "is nothing to train on; check the target's chat template and its eos ids (generation_config.json), or "
-            f"train on the data's own replies with --responses data (the empty replies stay in {cache.parent})"
+            f"each with a stop token at once; {len(replies) - answered} conversation(s) had no usable prompt), so "
+            "there is nothing to train on; check the target's chat template and its eos ids (generation_config.json), "
+            f"or train on the data's own replies with --responses data (the empty replies stay in {cache.parent})"
         )
     key_path.unlink(missing_ok=True)
     write_conversations(cache, regenerated)

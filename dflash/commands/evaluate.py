@@ -185,7 +185,7 @@ def _evaluate(args: argparse.Namespace):
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
         raise CheckpointError(
-            f"{args.drafter}: no checkpoint here (no such directory); pass a run directory (--out of dflash "
+            f"{args.drafter}: does not exist; pass a run directory (--out of dflash "
             "train), a step_N directory or a drafter directory (config.json + model.safetensors)"
         )
     device = resolve_device(args.device)

@@ -69,16 +69,22 @@ def test_truncated_or_corrupt_files_are_named_with_the_fix(tmp_path):
     weights = step_dir / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[:-4])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: \d+ bytes, expected \d+ .*delete .*step_00000005"):
+    changed = (
+        r"model\.safetensors: \d+ bytes, but .*manifest\.json lists \d+: it changed after the checkpoint was saved"
+    )
+    with pytest.raises(CheckpointError, match=changed + r".*delete .*step_00000005"):
         find_checkpoint(tmp_path)
     weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: content does not match its sha256"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: its content does not match the sha256 .*manifest"):
         find_checkpoint(step_dir)
     (step_dir / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"manifest\.json: missing or unreadable.*incomplete"):
         find_checkpoint(step_dir)
-    with pytest.raises(CheckpointError, match=r"no checkpoint here"):
+    with pytest.raises(CheckpointError, match=r"elsewhere: does not exist"):
         find_checkpoint(tmp_path / "elsewhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"empty: no checkpoint here"):
+        find_checkpoint(tmp_path / "empty")
     (tmp_path / "checkpoints" / "latest").write_text("step_00000099\n")
     # `latest` naming a deleted step falls back to the newest step left (here the broken one).
     with pytest.raises(CheckpointError, match=r"manifest\.json: missing or unreadable"):
@@ -86,6 +92,18 @@ def test_truncated_or_corrupt_files_are_named_with_the_fix(tmp_path):
     shutil.rmtree(step_dir)
     with pytest.raises(CheckpointError, match=r"names step_00000099, which does not exist, and no other step"):
         find_checkpoint(tmp_path)
+
+
+def test_a_hand_edited_drafter_config_is_named_as_changed_with_the_manifest_to_delete(tmp_path, caplog):
+    step_dir = _save(tmp_path, 5, 1.0)
+    config = step_dir / "config.json"
+    config.write_text(config.read_text().replace("{", '{"note": "edited", ', 1))
+    manifest = step_dir / "manifest.json"
+    with pytest.raises(CheckpointError, match=rf"config\.json: \d+ bytes, but {manifest} lists .*delete {manifest}"):
+        find_checkpoint(step_dir, files=ckpt.DRAFTER_FILES)
+    manifest.unlink()
+    assert find_checkpoint(step_dir, files=ckpt.DRAFTER_FILES) == step_dir
+    assert "its files were not verified" in caplog.text
 
 
 def test_weights_only_export_cannot_be_resumed(tmp_path):

@@ -148,7 +148,7 @@ def test_eval_command_reports_a_missing_drafter(tmp_path, caplog):
     from dflash.cli import main
 
     assert main(["eval", "--drafter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
-    assert "no checkpoint here" in caplog.text and "--out of dflash train" in caplog.text
+    assert "does not exist" in caplog.text and "--out of dflash train" in caplog.text
 
 
 def test_eval_defaults_to_the_target_the_run_was_trained_against(tmp_path):
@@ -182,7 +182,7 @@ def test_a_missing_drafter_is_named_before_the_held_out_data_is_read(tmp_path, c
 
     monkeypatch.setattr("dflash.evaluate.load_prompts", unread)
     assert main(["eval", "--drafter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
-    assert "nope: no checkpoint here (no such directory)" in caplog.text
+    assert "nope: does not exist; pass a run directory" in caplog.text
 
 
 def _z_lab_acceptance_lengths(

@@ -87,7 +87,7 @@ def _cases(inputs, tmp_path):
         (dict(mask_token_id=10**6), ValueError, "--mask-token-id 1000000 is not a token of the target"),
         (dict(seq_len=4096), ValueError, "--seq-len 4096 is longer than the target's max_position_embeddings 512"),
         (dict(out=str(run)), ValueError, "already holds a training run .*step_00000010.*--resume"),
-        (dict(out=str(tmp_path / "empty"), resume=True), CheckpointError, "no checkpoint here"),
+        (dict(out=str(tmp_path / "empty"), resume=True), CheckpointError, "empty: does not exist"),
         (dict(out=str(a_file)), ValueError, f"--out {a_file} is a file"),
         (dict(device=cuda), ValueError, "--device cuda"),
         (dict(target_devices="cpu", drafter_devices="cpu,cpu"), DeviceSpecError, "write --drafter-devices cpu:0-1"),

@@ -75,7 +75,7 @@ def test_resume_with_a_different_config_is_refused(assets, tmp_path):
     Trainer(_config(assets, tmp_path / "run", steps=1)).train()
     with pytest.raises(CheckpointError, match=r"different config \(lr: 0\.01 -> 0\.02\).*same flags"):
         Trainer(_config(assets, tmp_path / "run", steps=2, lr=2e-2, resume=True))
-    with pytest.raises(CheckpointError, match="no checkpoint here"):
+    with pytest.raises(CheckpointError, match="empty: does not exist"):
         Trainer(_config(assets, tmp_path / "empty", resume=True))
 
 
@@ -268,7 +268,7 @@ def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypat
         raise AssertionError("the target was loaded before the inputs were checked")
 
     monkeypatch.setattr(trainer_module, "load_target", no_target)
-    with pytest.raises(CheckpointError, match="no checkpoint here"):
+    with pytest.raises(CheckpointError, match="nothing: does not exist"):
         Trainer(_config(assets, tmp_path / "nothing", resume=True))
     with pytest.raises(ValueError, match="a directory, not a file; pass --data"):
         Trainer(_config(assets, tmp_path / "run", data=str(tmp_path)))
