@@ -5,9 +5,13 @@ A packed row (:mod:`dflash.packing`) holds several conversations ("documents", n
 states of every document must equal those of the document run alone, or the drafter learns from
 states the verifier never produces. Each layer type needs its own means:
 
-- ``full_attention`` (Qwen3, Llama, Mistral, ... and Qwen3.5's gated attention): a
-  document-causal attention mask in the form of the attention backend (:func:`attention_mask`);
-  positions restart per document through ``position_ids``.
+- ``full_attention`` (Qwen3, Llama, ... and Qwen3.5's gated attention): a document-causal
+  attention mask in the form of the attention backend (:func:`attention_mask`); positions restart
+  per document through ``position_ids``.
+- ``sliding_attention`` (Mistral; Qwen3, Qwen2 and Gemma layers with a window): the same mask
+  limited to the layer's window (a 4-D mask replaces the one transformers would build, window
+  included). Where a target mixes sliding and full layers, each type gets its own mask
+  (:func:`attention_masks`: transformers' per-layer-type mapping).
 - ``linear_attention`` (Qwen3.5 / Qwen3.6 Gated DeltaNet, arXiv 2412.06464): the mask never
   reaches these layers (transformers hands them a 2-D padding mask, None for a 4-D one), and their
   causal conv and gated delta-rule recurrence run straight across document boundaries. Here the
@@ -20,8 +24,8 @@ states the verifier never produces. Each layer type needs its own means:
   elsewhere. transformers' own route (``cu_seq_lens_q`` / ``seq_idx`` kwargs) needs Dao's
   causal-conv1d, a CUDA source build, for the conv, and raises without it.
 
-Any other layer type (e.g. ``sliding_attention``, whose window a 4-D mask would override) is
-refused for packing (:func:`check_packable`), naming the type and ``--no-pack``.
+Any other layer type (chunked attention, say) is refused for packing (:func:`check_packable`),
+naming the type and ``--no-pack``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ from dflash.forward_override import ForwardOverride
 logger = logging.getLogger(__name__)
 
 #: Layer types whose documents this module keeps apart (module docstring: how).
-PACKABLE_LAYER_TYPES = ("full_attention", "linear_attention")
+PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
+#: The layer type of attention restricted to the last ``sliding_window`` tokens.
+SLIDING_ATTENTION = "sliding_attention"
 
 #: The layer type of a hybrid target's linear-attention layers.
 LINEAR_ATTENTION = "linear_attention"
@@ -94,7 +101,7 @@ def layer_types(config: dict) -> list[str]:
         interval = int(config.get("full_attention_interval") or 4)
         return [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(num_layers)]
     sliding = config.get("sliding_window") is not None and config.get("use_sliding_window", True)
-    return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    return [SLIDING_ATTENTION if sliding else "full_attention"] * num_layers
 
 
 def is_hybrid(config: dict) -> bool:
@@ -172,8 +179,32 @@ class Segments:
         )
 
 
-def attention_mask(document_ids: Tensor, backend: str, dtype: torch.dtype):
-    """The document-causal mask of the attention layers, in the form of the attention ``backend``:
+def attention_masks(document_ids: Tensor, config, dtype: torch.dtype):
+    """What a target's forward takes as ``attention_mask`` for packed rows: the document-causal
+    mask of its attention layers (:func:`attention_mask`), limited to ``config.sliding_window``
+    for sliding-window layers; one mask where every attention layer is of one type, else a dict by
+    layer type (transformers' ``causal_mask_mapping``, which models listing ``layer_types`` read).
+
+    Args:
+        document_ids (Tensor): int ``[B, S]`` on the target's device.
+        config: the target's (text) config; its ``_attn_implementation`` is the backend.
+        dtype (torch.dtype): the target's dtype (eager masks).
+
+    Raises:
+        ValueError: see :func:`attention_mask`.
+    """
+    kinds = set(layer_types(config.to_dict())) - {LINEAR_ATTENTION}
+    backend, window = config._attn_implementation, getattr(config, "sliding_window", None)
+    masks_by_kind = {
+        kind: attention_mask(document_ids, backend, dtype, window=window if kind == SLIDING_ATTENTION else None)
+        for kind in kinds
+    }
+    return masks_by_kind if len(masks_by_kind) > 1 else next(iter(masks_by_kind.values()))
+
+
+def attention_mask(document_ids: Tensor, backend: str, dtype: torch.dtype, *, window: int | None = None):
+    """The document-causal mask of attention layers (``window``: of sliding-window layers, as
+    :func:`dflash.masks.document_causal_mask` counts it), in the form of the attention ``backend``:
 
     - ``sdpa`` (HF's default): a dense bool ``[B, 1, S, S]`` (:func:`dflash.masks.document_causal_mask`).
       Cost: ``B * S^2`` bytes, and SDPA leaves its causal flash kernel for the masked
@@ -192,14 +223,14 @@ def attention_mask(document_ids: Tensor, backend: str, dtype: torch.dtype):
         ValueError: another backend (flash-attention kernels take no such mask), naming the fix.
     """
     if backend == "flex_attention":
-        return masks.document_causal_block_mask(document_ids)
+        return masks.document_causal_block_mask(document_ids, window=window)
     if backend not in ("sdpa", "eager"):
         raise ValueError(
             f"packed rows need a document mask, which the target's attention backend {backend!r} "
             "does not take here; load the target with attn_implementation='sdpa', 'eager' or "
             "'flex_attention', or train without packing (--no-pack)"
         )
-    mask = masks.document_causal_mask(document_ids)
+    mask = masks.document_causal_mask(document_ids, window=window)
     if backend == "eager":
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask

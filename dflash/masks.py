@@ -473,15 +473,18 @@ def build_block_mask(
     )
 
 
-def document_causal_mask(document_ids: Tensor) -> Tensor:
+def document_causal_mask(document_ids: Tensor, *, window: int | None = None) -> Tensor:
     """The frozen target's mask for packed rows: token q sees tokens ``start(q) <= kv <= q`` of its
-    own document (causal within each conversation, nothing across).
+    own document (causal within each conversation, nothing across), and with ``window`` only the
+    last ``window`` of those (``q - kv < window``: a sliding-window layer, as transformers'
+    ``sliding_window`` counts it).
 
     Padding (a run of -1 ids) is a document of its own, so its rows are never empty (SDPA kernels
     may return NaN for a query that sees nothing) and real tokens never see it.
 
     Args:
         document_ids (Tensor): int ``[B, S]``.
+        window (int, optional): tokens a query sees, itself included; None: its whole document.
 
     Returns:
         Tensor: bool ``[B, 1, S, S]``, True = attend: the 4-D mask HF's "sdpa" backend takes as is.
@@ -490,18 +493,21 @@ def document_causal_mask(document_ids: Tensor) -> Tensor:
     """
     _check_documents(document_ids, document_ids.shape)
     batch, seq_len = document_ids.shape
-    mask_mod = _document_causal_mask_mod(document_starts(document_ids))
+    mask_mod = _document_causal_mask_mod(document_starts(document_ids), window)
     return _evaluate_on_grid(mask_mod, batch, seq_len, seq_len, document_ids.device)
 
 
-def document_causal_block_mask(document_ids: Tensor, *, tile: int | tuple[int, int] = DEFAULT_TILE) -> BlockMask:
+def document_causal_block_mask(
+    document_ids: Tensor, *, window: int | None = None, tile: int | tuple[int, int] = DEFAULT_TILE
+) -> BlockMask:
     """:func:`document_causal_mask` as a BlockMask (``H=None``) for HF's "flex_attention" backend,
-    built in closed form (one interval ``[start(q), q]`` per query row, no dense grid). Tiles that
-    cross documents are skipped, so attention costs ~``sum_d len_d^2 / 2`` per row instead of
-    ``S^2 / 2``.
+    built in closed form (one interval ``[max(start(q), q - window + 1), q]`` per query row, no
+    dense grid). Tiles that cross documents (or lie behind the window) are skipped, so attention
+    costs ~``sum_d len_d^2 / 2`` per row instead of ``S^2 / 2``.
 
     Args:
         document_ids (Tensor): int ``[B, S]``.
+        window (int, optional): see :func:`document_causal_mask`.
         tile (int | tuple[int, int]): BlockMask tile (Q rows, KV columns).
 
     Returns:
@@ -510,19 +516,23 @@ def document_causal_block_mask(document_ids: Tensor, *, tile: int | tuple[int, i
     _check_documents(document_ids, document_ids.shape)
     starts = document_starts(document_ids)
     ends = torch.arange(1, document_ids.shape[1] + 1, device=document_ids.device).expand_as(starts)
+    lows = starts if window is None else torch.maximum(starts, ends - window)
     return interval_block_mask(
-        [(starts, ends)], kv_len=document_ids.shape[1], mask_mod=_document_causal_mask_mod(starts), tile=tile
+        [(lows, ends)], kv_len=document_ids.shape[1], mask_mod=_document_causal_mask_mod(starts, window), tile=tile
     )
 
 
-def _document_causal_mask_mod(starts: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+def _document_causal_mask_mod(starts: Tensor, window: int | None) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     last = starts.shape[1] - 1
 
     def mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # Clamp: flex may evaluate padded query rows of the last tile.
         return (kv_idx <= q_idx) & (kv_idx >= starts[batch, torch.clamp(q_idx, max=last)])
 
-    return mask_mod
+    def windowed_mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mask_mod(batch, head, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod if window is None else windowed_mask_mod
 
 
 def _evaluate_on_grid(mask_mod: Callable, batch: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:

@@ -374,8 +374,8 @@ class Target:
                     document_ids
                 )
             if several:
-                attention_mask = document_separation.attention_mask(
-                    document_ids, self.config._attn_implementation, self.dtype
+                attention_mask = document_separation.attention_masks(
+                    document_ids, self.config.get_text_config(), self.dtype
                 )
         if position_ids is not None:
             position_ids = position_ids.to(self.device)

@@ -89,18 +89,33 @@ MOE_ARCH = "qwen3_5_moe"
 
 
 def make_target(
-    directory: Path, *, arch: str = "qwen3", num_layers: int = 4, hidden: int = 32, seed: int = 0, tied: bool = False
+    directory: Path,
+    *,
+    arch: str = "qwen3",
+    num_layers: int = 4,
+    hidden: int = 32,
+    seed: int = 0,
+    tied: bool = False,
+    sliding_window: int | None = None,
 ):
     """Save a random tiny causal LM plus the tiny tokenizer in ``directory`` and return the directory.
 
-    ``arch``: ``qwen3`` or ``llama`` (dense), or one of :data:`HYBRID_ARCHS`: Qwen3.6's layout
+    ``arch``: ``qwen3``, ``llama`` or ``mistral`` (dense; with ``sliding_window``, Mistral's layers
+    all slide, Qwen3's second half), or one of :data:`HYBRID_ARCHS`: Qwen3.6's layout
     (3 Gated DeltaNet layers then 1 gated full-attention layer, repeated; partial rotary with
     M-RoPE sections), or :data:`MOE_ARCH` (the same layout with 4 experts of which 2 are active, no
     single MLP width), transformers 5 only. ``tied``: the LM head is the embedding matrix (the
     multimodal checkpoint says so at its top level, as ``save_pretrained`` writes it).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     tokenizer = make_tokenizer(directory)
     common = dict(
@@ -118,7 +133,10 @@ def make_target(
     )
     torch.manual_seed(seed)
     if arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
+        sliding = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=num_layers // 2)
+        model = Qwen3ForCausalLM(Qwen3Config(**common, **(sliding if sliding_window else {})))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch in (*HYBRID_ARCHS, MOE_ARCH):
@@ -255,8 +273,8 @@ def assert_same_block_mask(ours, ref) -> None:
             assert torch.equal(getattr(ours, attr)[tuple(idx)][:n], getattr(ref, attr)[tuple(idx)][:n]), attr
 
 
-def flex_eager(monkeypatch, model, *batch, attention_mask=None):
-    """Run ``model`` with flex_attention, unfused (no torch.compile, CPU forward).
+def unfused_flex(monkeypatch, model) -> None:
+    """Switch ``model`` to flex_attention, unfused (no torch.compile, CPU forward).
 
     transformers wraps flex_attention in torch.compile, which on CPU costs ~30 s of C++ builds;
     calling the eager op keeps the test fast. Eager flex evaluates the mask_mod on the full grid;
@@ -273,6 +291,11 @@ def flex_eager(monkeypatch, model, *batch, attention_mask=None):
     )
     model.set_attn_implementation("flex_attention")
     assert model.config._attn_implementation == "flex_attention"
+
+
+def flex_eager(monkeypatch, model, *batch, attention_mask=None):
+    """Run ``model`` with flex_attention, unfused (:func:`unfused_flex`)."""
+    unfused_flex(monkeypatch, model)
     with torch.no_grad():
         return model(*batch, attention_mask=attention_mask)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny import make_target, packed_batch
+from tiny import make_target, packed_batch, unfused_flex
 
 from dflash import document_separation
 from dflash.target import TargetStates, load_target
@@ -127,9 +127,10 @@ def test_layer_types_of_configs_that_do_not_list_them():
 
 
 def test_a_layer_type_packing_cannot_keep_apart_is_named_with_no_pack():
-    config = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
-    with pytest.raises(document_separation.UnknownLayerType, match=r"'sliding_attention'.*--no-pack"):
+    config = {"num_hidden_layers": 2, "layer_types": ["chunked_attention", "full_attention"]}
+    with pytest.raises(document_separation.UnknownLayerType, match=r"'chunked_attention'.*--no-pack"):
         document_separation.check_packable(config, "t/config.json")
+    document_separation.check_packable({**config, "layer_types": ["sliding_attention", "full_attention"]}, "c")
     document_separation.check_packable({"num_hidden_layers": 4, "linear_conv_kernel_dim": 4}, "t/config.json")
 
 
@@ -149,10 +150,10 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
 
     target = make_target(tmp_path / "target", num_layers=2)
     config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "layer_types": ["sliding_attention", "full_attention"]}))
+    (target / "config.json").write_text(json.dumps({**config, "layer_types": ["chunked_attention", "full_attention"]}))
     run = dict(target=str(target), data=str(write_chat_data(tmp_path / "chats.jsonl")), out=str(tmp_path / "run"))
     run.update(num_target_layers=1)
-    with pytest.raises(document_separation.UnknownLayerType, match=r"'sliding_attention'.*--no-pack"):
+    with pytest.raises(document_separation.UnknownLayerType, match=r"'chunked_attention'.*--no-pack"):
         validate_inputs(resolve_drafter_shape(TrainConfig(**run)))
     validate_inputs(resolve_drafter_shape(TrainConfig(**run, pack=False)))
 
@@ -182,3 +183,34 @@ def test_the_segmented_conv_indexes_without_a_host_sync():
     with profile() as prof:
         document_separation.segmented_conv(x, weight, None, "silu", segments)
     assert not [e.key for e in prof.key_averages() if "nonzero" in e.key]
+
+
+WINDOW = 4  # shorter than most of SIZES' documents, so the window decides what a later token sees
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen3"])
+def sliding_dir(request, tmp_path_factory):
+    """A target whose attention slides over WINDOW tokens: Mistral's every layer, Qwen3's second half."""
+    return make_target(tmp_path_factory.mktemp(request.param), arch=request.param, sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex_attention"])
+def test_packed_rows_of_a_sliding_window_target_equal_each_conversation_alone(sliding_dir, backend, monkeypatch):
+    target = load_target(sliding_dir, layer_ids=[0, 1, 2, 3], device="cpu")
+    if backend == "flex_attention":
+        unfused_flex(monkeypatch, target.model)
+    else:
+        target.model.set_attn_implementation(backend)
+    batch = packed_batch([SIZES, SIZES[::-1]], seq_len=40, seed=3)
+    packed = target.capture(batch.input_ids, batch.position_ids, batch.document_ids)
+    assert _worst_later_difference(target, packed, batch) <= 1e-4
+
+
+def test_a_document_mask_without_the_window_changes_the_later_documents(sliding_dir):
+    # Teeth: the window matters here, so a packed mask that forgot it would be caught above.
+    target = load_target(sliding_dir, layer_ids=[0, 1, 2, 3], device="cpu")
+    batch = packed_batch([SIZES, SIZES[::-1]], seq_len=40, seed=3)
+    mask = document_separation.attention_mask(batch.document_ids, "sdpa", target.dtype)
+    out = target.decoder_forward(batch.input_ids, position_ids=batch.position_ids, attention_mask=mask)
+    windowless = TargetStates(target.select(out.hidden_states), out.hidden_states[-1])
+    assert _worst_later_difference(target, windowless, batch) > 1e-3
