@@ -752,16 +752,29 @@ def usable_examples(tokenized: Tokenized, *, seq_len: int, overflow: str, source
             tokenized.first_rejected,
         )
     if not tokenized.examples:
-        reason = (
-            f"; {tokenized.rejected} rejected by the chat template (first: {tokenized.first_rejected})"
-            if tokenized.rejected
-            else ""
-        )
-        raise DatasetError(
-            f"{source}: no usable conversation (need an assistant turn of at least two "
-            f"tokens within seq_len={seq_len}){reason}; raise --seq-len or check the roles"
-        )
+        raise DatasetError(f"{source}: no conversation left to train on: {_why_none(tokenized, seq_len, overflow)}")
     return tokenized.examples
+
+
+def _why_none(tokenized: Tokenized, seq_len: int, overflow: str) -> str:
+    """Why no conversation of ``tokenized`` is usable, each reason with its count and its fix."""
+    reasons = []
+    if tokenized.unsupervised:
+        reasons.append(
+            f"{tokenized.unsupervised} have no assistant reply of at least two tokens within --seq-len {seq_len} "
+            "(each needs an assistant turn after its prompt: only system or user turns train nothing)"
+        )
+    if tokenized.too_long and overflow == "drop":
+        reasons.append(
+            f"{tokenized.too_long} are longer than --seq-len {seq_len} and were dropped (raise --seq-len, or pass "
+            "--overflow truncate)"
+        )
+    if tokenized.rejected:
+        reasons.append(
+            f"{tokenized.rejected} were rejected by the target's chat template or had their tool use left out "
+            f"(first: {tokenized.first_rejected}; write their roles and tool calls as the template renders them)"
+        )
+    return "; ".join(reasons) or f"the file holds {tokenized.conversations} conversations"
 
 
 def tokenizing_bar(total: int, *, source: str, progress: bool, initial: int = 0):

@@ -78,6 +78,25 @@ def prompt_that_fits(tokenizer, conversation, *, max_prompt_tokens: int) -> list
     return messages
 
 
+def require_a_prompt(tokenizer, conversations, *, source: str, seq_len: int, max_new_tokens: int) -> None:
+    """Check, before the target loads, that some conversation has a prompt the target can answer
+    (:func:`prompt_that_fits`); cheap: it stops at the first one.
+
+    Raises:
+        DatasetError: none has (only system turns, user turns with no assistant turn after them,
+            prompts the chat template rejects or that leave no room for the reply), naming ``source``.
+    """
+    max_prompt_tokens = max(1, seq_len - max_new_tokens)
+    if any(prompt_that_fits(tokenizer, c, max_prompt_tokens=max_prompt_tokens) for c in conversations):
+        return
+    raise DatasetError(
+        f"{source}: none of its {len(conversations)} conversations has a prompt the target can answer (messages "
+        "before a first assistant turn that the chat template renders, with the tools offered, in at most "
+        f"--seq-len {seq_len} minus --regenerate-max-new-tokens {max_new_tokens} tokens); --responses target needs "
+        "user turns followed by an assistant turn"
+    )
+
+
 def response_prompts(tokenizer, conversations, *, max_prompt_tokens: int) -> list[list[dict[str, str]]]:
     """:func:`prompt_that_fits` of each conversation, those that have one, in order."""
     prompts = (prompt_that_fits(tokenizer, c, max_prompt_tokens=max_prompt_tokens) for c in conversations)

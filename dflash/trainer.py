@@ -33,7 +33,15 @@ import torch
 from dflash import checkpoint
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import SAVED_CONFIG_NAME, TrainConfig
-from dflash.data import BatchLoader, ShardedSampler, Tokenized, check_token_ids, read_conversations, usable_examples
+from dflash.data import (
+    BatchLoader,
+    Example,
+    ShardedSampler,
+    Tokenized,
+    check_token_ids,
+    read_conversations,
+    usable_examples,
+)
 from dflash.devices import DeviceLayout, Slot, parse_layout
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.engine import StepEngine, StepStats
@@ -46,6 +54,7 @@ from dflash.mask_token import resolve_mask_token_id
 from dflash.packing import row_packer
 from dflash.preflight import check_drafter_config, validate_inputs
 from dflash.progress_logging import log_above_progress_bars
+from dflash.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
 from dflash.resume import check_process_count, check_resume_config
 from dflash.run_dir import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
 from dflash.target import load_target, load_tokenizer, resolve_device
@@ -214,8 +223,13 @@ class Trainer:
         self.data_sha256 = checkpoint.sha256_file(data)
         # Data tokenized before (a resume) is not read again: its lines were checked then.
         tokens = None if self._regenerates else self._token_cache(self.data_sha256).complete()
-        # Every line checked before the target loads.
+        # Every line checked, and the examples (or, to regenerate, the prompts) found, before the target loads.
         conversations = read_conversations(data, progress=config.progress and self.is_main) if tokens is None else None
+        source = data if config.data else "the embedded chat corpus"
+        if self._regenerates:
+            require_a_prompt(self.tokenizer, conversations, source=str(source), **self._regeneration_lengths)
+        else:
+            examples = self._examples(conversations, tokens, source=source, data_sha256=self.data_sha256)
         self.heldout = self._heldout_prompts(target_dir) if config.measures_acceptance and self.is_main else None
         self.acceptance: dict[str, float] = {}  # held-out tau per prompt by when it was measured
         targets = [
@@ -233,7 +247,11 @@ class Trainer:
             )
             for s in self.layout.targets[1:]
         ]
-        self.loader = self._build_loader(targets, conversations, tokens)
+        if self._regenerates:
+            source = self.out / REGENERATED_NAME
+            conversations = self._regenerated(targets, conversations)
+            examples = self._examples(conversations, None, source=source, data_sha256=checkpoint.sha256_file(source))
+        self.loader = self._build_loader(examples, source=source, vocab_size=targets[0].embed_tokens.num_embeddings)
         drafter = self._build_drafter(targets[0])
         if config.save and self.is_main:  # before the steps a failed first save would lose
             check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
@@ -288,15 +306,15 @@ class Trainer:
         )
         return TokenCache(self.out, key)
 
-    def _build_loader(self, targets, conversations, tokens: Tokenized | None) -> BatchLoader:
-        """The batches of the run's examples: ``tokens`` (read from the cache), else the cached
-        tokens of ``conversations`` (their replies regenerated first with ``--responses target``),
-        else their tokenizing (:mod:`dflash.token_cache`)."""
+    def _examples(self, conversations, tokens: Tokenized | None, *, source, data_sha256: str) -> list[Example]:
+        """The run's examples: ``tokens`` (read from the cache), else the cached tokens of
+        ``conversations`` (from ``source``, whose contents hash to ``data_sha256``), else their
+        tokenizing (:mod:`dflash.token_cache`).
+
+        Raises:
+            DatasetError: no usable conversation (names ``source``).
+        """
         cfg = self.config
-        source, data_sha256 = Path(cfg.data) if cfg.data else "the embedded chat corpus", self.data_sha256
-        if self._regenerates:
-            conversations, source = self._regenerated(targets, conversations), self.out / REGENERATED_NAME
-            data_sha256 = checkpoint.sha256_file(source)
         self._log_replies(source)
         cache = self._token_cache(data_sha256)
         tokens = tokens or cache.complete()
@@ -313,8 +331,12 @@ class Trainer:
                 write=self.is_main,
                 workers=usable_workers(),
             )
-        examples = usable_examples(tokens, seq_len=cfg.seq_len, overflow=cfg.overflow, source=str(source))
-        check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
+        return usable_examples(tokens, seq_len=cfg.seq_len, overflow=cfg.overflow, source=str(source))
+
+    def _build_loader(self, examples: list[Example], *, source, vocab_size: int) -> BatchLoader:
+        """The batches of ``examples``, sharded by process (and packed with ``--pack``)."""
+        cfg = self.config
+        check_token_ids(examples, vocab_size=vocab_size, source=str(source))
         # Sharded by process; within a process jobs go round-robin to the drafter replicas.
         sampler = ShardedSampler(
             len(examples),
@@ -348,15 +370,13 @@ class Trainer:
         """Target-regenerated conversations (:func:`dflash.regenerate.regenerated_corpus`), cached
         in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
         from dflash.assets import default_target_dir
-        from dflash.regenerate import regenerated_corpus, regeneration_key
 
         cfg = self.config
         key = regeneration_key(
             Path(cfg.target) if cfg.target else default_target_dir(),
             dtype=targets[0].model.dtype,
             data_sha256=self.data_sha256,
-            seq_len=cfg.seq_len,
-            max_new_tokens=cfg.regenerate_max_new_tokens,
+            **self._regeneration_lengths,
         )
         return regenerated_corpus(
             targets,
@@ -367,10 +387,13 @@ class Trainer:
             resume=cfg.resume,
             rank=self.process.rank,
             world_size=self.process.world_size,
-            seq_len=cfg.seq_len,
-            max_new_tokens=cfg.regenerate_max_new_tokens,
             progress=cfg.progress and self.process.is_main,
+            **self._regeneration_lengths,
         )
+
+    @property
+    def _regeneration_lengths(self) -> dict[str, int]:
+        return {"seq_len": self.config.seq_len, "max_new_tokens": self.config.regenerate_max_new_tokens}
 
     def _resumed_drafter_config(self) -> dict:
         """``config.json`` of the checkpoint ``--resume`` continues; {} for a new run."""

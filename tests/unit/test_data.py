@@ -128,7 +128,8 @@ def test_length_policy_truncates_or_drops(tokenizer):
     assert all(len(e.input_ids) <= seq_len for e in truncated + dropped)
     assert len(dropped) == sum(n <= seq_len for n in lengths)
     assert len(truncated) > len(dropped)
-    with pytest.raises(DatasetError, match="no usable conversation"):
+    dropped_all = r"no conversation left to train on: .*longer than --seq-len 3 and were dropped \(raise --seq-len"
+    with pytest.raises(DatasetError, match=dropped_all):
         build_examples(tokenizer, CONVERSATIONS, seq_len=3, overflow="drop")
     with pytest.raises(ValueError, match="overflow must be one of"):
         build_examples(tokenizer, CONVERSATIONS, seq_len=64, overflow="wrap")
@@ -229,7 +230,9 @@ def test_conversations_the_chat_template_rejects_are_skipped_and_named(tmp_path,
         "use (first: conversation 2: "
         "the target's chat template rejects it: Conversation roles must alternate" in caplog.text
     )
-    with pytest.raises(DatasetError, match=r"1 rejected by the chat template \(first: conversation 1: .*alternate"):
+    with pytest.raises(
+        DatasetError, match=r"1 were rejected by the target's chat template .*\(first: conversation 1: .*alternate"
+    ):
         build_examples(strict, [two_users], seq_len=64, source="chats.jsonl", progress=False)
 
 

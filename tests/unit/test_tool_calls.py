@@ -11,7 +11,14 @@ import logging
 import pytest
 from tiny import chat_template, make_tokenizer, supervised_text, write_jsonl
 
-from dflash.data import build_examples, prompt_messages, read_conversations, render_chat, tokenize_conversation
+from dflash.data import (
+    DatasetError,
+    build_examples,
+    prompt_messages,
+    read_conversations,
+    render_chat,
+    tokenize_conversation,
+)
 from dflash.regenerate import write_conversations
 
 # Qwen3's chat template (Qwen/Qwen3-8B, tokenizer_config.json "chat_template"), whitespace control as shipped.
@@ -215,6 +222,10 @@ def test_a_template_that_leaves_tool_use_out_skips_the_conversation_with_a_count
     with chat_template(tokenizer, without_tools), caplog.at_level(logging.WARNING, logger="dflash.data"):
         examples = build_examples(tokenizer, conversations[:2], seq_len=256, source="chats.jsonl", progress=False)
     assert len(examples) == 1 and "does not render the tools offered (get_weather)" in caplog.text
+    # Only tool conversations: the error names the template's refusal and its fix, not --seq-len.
+    with pytest.raises(DatasetError, match=r"2 were rejected by the target's chat template .*tool calls as the") as e:
+        build_examples(tokenizer, [conversations[0], conversations[2]], seq_len=256, source="c", progress=False)
+    assert "--seq-len" not in str(e.value)
 
 
 def test_prompts_and_regenerated_corpora_keep_the_tools(tokenizer, tmp_path):

@@ -8,11 +8,12 @@ import os
 
 import pytest
 import torch
-from tiny import make_target, record_losses, train_config, write_chat_data
+from tiny import make_target, record_losses, train_config, write_chat_data, write_jsonl
 
 from dflash.checkpoint import CheckpointError, find_checkpoint
 from dflash.cli import main
 from dflash.config import TrainConfig
+from dflash.data import DatasetError
 from dflash.trainer import Trainer
 
 
@@ -273,6 +274,28 @@ def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypat
     with pytest.raises(ValueError, match="a directory, not a file; pass --data"):
         Trainer(_config(assets, tmp_path / "run", data=str(tmp_path)))
     assert not (tmp_path / "nothing").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("responses", "named"),
+    [("data", "no conversation left to train on"), ("target", "none of its 2 conversations has a prompt")],
+)
+def test_data_without_a_usable_conversation_fails_before_the_target_loads(
+    assets, tmp_path, monkeypatch, responses, named
+):
+    import dflash.trainer as trainer_module
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was found unusable")
+
+    monkeypatch.setattr(trainer_module, "load_target", no_target)
+    unusable = [
+        {"messages": [{"role": "system", "content": "be brief"}]},
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ]
+    data = write_jsonl(tmp_path / "unusable.jsonl", unusable)
+    with pytest.raises(DatasetError, match=named):
+        Trainer(_config(assets, tmp_path / "run", data=data, responses=responses))
 
 
 def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets, tmp_path, monkeypatch):
