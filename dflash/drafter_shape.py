@@ -28,6 +28,7 @@ import logging
 from pathlib import Path
 
 from dflash.config import TrainConfig
+from dflash.layer_taps import max_captured_layers
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,27 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         rule = {"dense": PUBLISHED_QWEN3_5, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
         values = {k: v for k, v in rule.items() if getattr(config, k) is None}
         values |= _layer_types(config, values, sliding_rule=family == "dense")
+        values |= _default_taps_that_fit(config, values, target)
     return dataclasses.replace(config, **values)
+
+
+def _default_taps_that_fit(config: TrainConfig, values: dict, target: dict) -> dict:
+    """The rule's tap count, lowered to what the target's depth spreads (a flag the user passed
+    is checked as given, with an error naming it: :func:`dflash.layer_taps.check_taps`)."""
+    layers = (target.get("text_config") or target).get("num_hidden_layers")
+    if "num_target_layers" not in values or config.target_layer_ids is not None or not isinstance(layers, int):
+        return {}
+    fits = max_captured_layers(layers)
+    if values["num_target_layers"] <= fits:
+        return {}
+    logger.info(
+        "tapping %d target layers, the most the default spread fits in a %d-layer target (the rule's %d need %d)",
+        fits,
+        layers,
+        values["num_target_layers"],
+        values["num_target_layers"] + 3,
+    )
+    return {"num_target_layers": fits}
 
 
 def drafter_config(

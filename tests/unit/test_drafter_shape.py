@@ -284,6 +284,20 @@ def test_a_qwen3_5_target_gets_the_published_rule_for_any_layer_count(tmp_path):
     assert full.draft_sliding_window is None and full.num_draft_layers == 2
 
 
+@needs_qwen3_5
+def test_a_shallow_target_taps_what_fits_unless_the_flag_asks_for_more(tmp_path, caplog):
+    from dflash.preflight import validate_inputs
+
+    target_dir = make_target(tmp_path / "target", arch="qwen3_5", num_layers=6)
+    run = dict(target=str(target_dir), data=str(write_chat_data(tmp_path / "chats.jsonl")), out=str(tmp_path / "r"))
+    with caplog.at_level("INFO", logger="dflash.drafter_shape"):
+        rule = resolve_drafter_shape(TrainConfig(**run))
+    assert rule.num_target_layers == 3 and "the rule's 5 need 8" in caplog.text  # 6 layers spread 3 taps
+    validate_inputs(rule)
+    with pytest.raises(ValueError, match="--num-target-layers 5: the default spread taps at most 3"):
+        validate_inputs(resolve_drafter_shape(TrainConfig(**run, num_target_layers=5)))
+
+
 def test_contradicting_flags_are_named(tmp_path):
     target_dir = make_target(tmp_path / "target")
     with pytest.raises(ValueError, match="--draft-layer-types names 2 layers, --num-draft-layers is 3"):
