@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import types
 import typing
@@ -131,8 +132,6 @@ def _out_lock(config):
 
 def _resume_hint(out: str, what: str) -> None:
     """After a stop: how to go on (once per job, from rank 0)."""
-    import shlex
-
     from dflash.checkpoint import CheckpointError, find_checkpoint
 
     if int(os.environ.get("RANK", 0)) != 0:
@@ -219,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     saved = (
-        f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter {trainer.out})"
+        f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter "
+        f"{shlex.quote(str(trainer.out))})"
         if trainer.config.save
         else "nothing saved (--no-save)"
     )

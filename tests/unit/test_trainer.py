@@ -248,18 +248,22 @@ def test_a_new_run_never_overwrites_an_existing_one(tmp_path):
 
 
 def test_cli_resume_takes_unrepeated_flags_from_the_saved_run(assets, tmp_path, capsys):
+    import shlex
+
     flags = ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48"]
     flags += ["--batch-size", "2", "--max-anchors", "4", "--lr", "0.02", "--seed", "3", "--no-progress"]
     inputs = ["--target", str(assets["qwen3"]), "--data", str(assets["data"])]
-    assert main(["train", *inputs, *flags, "--out", str(tmp_path), "--steps", "2"]) == 0
-    capsys.readouterr()
+    out = tmp_path / "my run"  # a space: the printed commands must survive a copy into a shell
+    assert main(["train", *inputs, *flags, "--out", str(out), "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert shlex.split(printed.split("evaluate with: ")[1].rstrip(")\n")) == ["dflash", "eval", "--drafter", str(out)]
     # Only --out, --resume and a longer --steps: every other flag (block size, lr, seed, inputs)
     # must come from train_config.json, or the resume would be refused as a different config.
-    assert main(["train", "--resume", "--out", str(tmp_path), "--steps", "3", "--no-progress"]) == 0
+    assert main(["train", "--resume", "--out", str(out), "--steps", "3", "--no-progress"]) == 0
     assert "trained 3 steps" in capsys.readouterr().out
-    saved = json.loads((tmp_path / "train_config.json").read_text())
+    saved = json.loads((out / "train_config.json").read_text())
     assert (saved["block_size"], saved["lr"], saved["seed"], saved["steps"]) == (4, 0.02, 3, 3)
-    assert find_checkpoint(tmp_path).name == "step_00000003"
+    assert find_checkpoint(out).name == "step_00000003"
 
 
 def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypatch):
