@@ -24,11 +24,37 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(f"dflash.commands.{name}").register(subparsers)
+    _name_each_command(parser)
     return parser
 
 
+def _name_each_command(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command parser under ``parser`` puts itself into the namespace it parses (the
+    innermost one is last, so it wins)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.set_defaults(command_parser=command)
+                _name_each_command(command)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's arguments; a flag the command does not know is named by that command's
+    usage (not the top-level one), with the flag it most likely meant."""
+    import difflib
+
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        command = args.command_parser
+        flags = [flag for flag in command._option_string_actions if flag.startswith("--")]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     with output_may_close():
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

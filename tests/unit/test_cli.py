@@ -39,3 +39,21 @@ def test_verbose_turns_on_dflash_debug_lines(tmp_path):
         assert logging.getLogger("dflash").level == logging.NOTSET
     finally:
         logging.getLogger("dflash").setLevel(logging.NOTSET)
+
+
+@pytest.mark.parametrize(
+    "argv, usage, unknown, meant",
+    [
+        (["train", "--stepz", "3"], "dflash train", "--stepz 3", "--steps"),
+        (["eval", "--drafter", "d", "--num-promts=3"], "dflash eval", "--num-promts=3", "--num-prompts"),
+        (["patches", "status", "--jsn"], "dflash patches status", "--jsn", "--json"),
+    ],
+)
+def test_a_misspelled_flag_is_named_by_its_command_with_the_flag_it_meant(argv, usage, unknown, meant, capsys):
+    from dflash.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"usage: {usage} ")
+    assert f"unrecognized arguments: {unknown} (did you mean {meant}?)" in err
