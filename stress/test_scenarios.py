@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -19,6 +18,7 @@ from hypothesis import assume, example, given
 from dflash.patching.startup import env_disabled
 from dflash.patchtools.verify.catalogue import applies_to
 from dflash.patchtools.verify.runner import rerun_while_passing
+from dflash.watchdog import run_watched
 
 from .runner import run_schedule, unsupported
 from .scenarios import SCENARIOS
@@ -27,6 +27,8 @@ from .strategies import MaskSpec, Schedule, Step
 REGRESSIONS: dict[str, tuple[Schedule, ...]] = {name: () for name in SCENARIOS}
 TEETH_EXAMPLES = 6
 TEETH_RETRIES = 2
+#: A teeth run's watchdog, per schedule (600 s for 6 schedules, as the run's limit was before).
+TEETH_SECONDS_PER_EXAMPLE = 100.0
 TORCH_VERSION = version("torch")
 _ROOT = Path(__file__).parent.parent
 
@@ -62,9 +64,10 @@ def test_schedules_hold(scenario, device, stress_run, table_row):
 
 
 def _teeth_run(scenario: str, patched: bool, examples: int = TEETH_EXAMPLES) -> dict:
+    """The runner's JSON result; a hang raises :class:`dflash.watchdog.Hang` with every thread's stack."""
     env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0")
     cmd = [sys.executable, "-m", "stress.runner", scenario, "--examples", str(examples), "--json"]
-    proc = subprocess.run(cmd, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_watched(cmd, seconds=TEETH_SECONDS_PER_EXAMPLE * examples, env=env, cwd=_ROOT)
     assert proc.returncode == 0 and proc.stdout.strip(), f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "requested": examples}
 

@@ -2,12 +2,15 @@
 
 Reads ``DFLASH_PATCHES`` itself (0/false/no/off disables the hook, like
 setuptools' own ``.pth`` honours its variable) and never imports torch: it only
-puts a ``sys.meta_path`` finder in place (``importhook.install``).
+puts a ``sys.meta_path`` finder in place (``importhook.install``). With
+``DFLASH_WATCHDOG_S`` set (a parent that watches this process for hangs), it
+first arms the process's watchdog (``dflash.watchdog``), patched or not.
 """
 
 import os
 
 DISABLE_ENV = "DFLASH_PATCHES"
+WATCHDOG_ENV = "DFLASH_WATCHDOG_S"
 
 
 def env_disabled() -> bool:
@@ -16,6 +19,10 @@ def env_disabled() -> bool:
 
 
 def install() -> None:
+    if os.environ.get(WATCHDOG_ENV):
+        from dflash import watchdog
+
+        watchdog.arm_from_environment()
     if env_disabled():
         return
     from dflash.patching import importhook

@@ -1,8 +1,7 @@
 """Sequence packing (dflash/packing.py) and what it needs from data, masks, the drafter and the target:
 rows of several conversations (documents), kept apart exactly as if each ran alone.
 
-Fast (CPU, tiny models); the flex_attention target path and the benchmark smoke run are in
-tests/integration/test_packing_e2e.py.
+Fast (CPU, tiny models); the benchmark smoke run is in tests/integration/test_packing_e2e.py.
 """
 
 from __future__ import annotations
@@ -18,7 +17,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny import assert_same_block_mask, capture_packed_and_alone, example, make_target, packed_batch, tiny_drafter
+from tiny import (
+    assert_same_block_mask,
+    capture_packed_and_alone,
+    example,
+    make_target,
+    packed_batch,
+    tiny_drafter,
+    unfused_flex,
+)
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash import masks
@@ -421,10 +428,15 @@ def target_dir(request, tmp_path_factory):
     return make_target(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=3)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "eager"])
-def test_target_states_of_a_packed_row_equal_each_conversation_alone(target_dir, backend):
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex_attention"])
+def test_target_states_of_a_packed_row_equal_each_conversation_alone(target_dir, backend, monkeypatch):
     target = load_target(target_dir, layer_ids=[0, 2], device="cpu")
-    target.model.set_attn_implementation(backend)
+    if backend == "flex_attention":
+        # Unfused: torch 2.13's compiled CPU flex_attention returns NaN for some processes' compiles of
+        # these shapes, plain torch too (docs/results.md); CUDA compiles the Triton kernel instead.
+        unfused_flex(monkeypatch, target.model)
+    else:
+        target.model.set_attn_implementation(backend)
     batch, packed = capture_packed_and_alone(target, [7, 11, 4], seq_len=26)
     # Plain causal attention over the row would let the later conversations see the earlier ones.
     leaky = target.capture(batch.input_ids)

@@ -13,9 +13,7 @@ child imports torch, and none of what those calls import, before the race)::
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import threading
 
@@ -23,6 +21,7 @@ import torch
 
 from dflash.compile_watch import fresh_function
 from dflash.patchtools.verify.workloads import sin_plus_one
+from dflash.watchdog import Hang, run_watched
 
 #: What the racing threads do first, released together. One export: two exports at once fail on
 #: export's own process-wide state (out of scope). Two compiles: with one, the import failures showed
@@ -53,9 +52,9 @@ def race_in_fresh_interpreter(first_calls: tuple[str, ...] = FIRST_CALLS) -> lis
     thread: None, or what went wrong there."""
     cmd = [sys.executable, "-m", __name__, *first_calls]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=dict(os.environ))
-    except subprocess.TimeoutExpired:
-        return [f"the fresh interpreter did not finish within {CHILD_TIMEOUT_S:.0f} s (an import deadlock?)"]
+        proc = run_watched(cmd, seconds=CHILD_TIMEOUT_S)
+    except Hang as hang:  # an import deadlock fails the race, with every thread's stack
+        return [str(hang)]
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return [f"the fresh interpreter exited with {proc.returncode}: {proc.stderr.strip()[-500:]}"]

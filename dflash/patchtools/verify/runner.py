@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,23 +21,27 @@ from typing import TypeVar
 
 from dflash.patchtools.verify.catalogue import BUG_CLASSES, require_class
 from dflash.patchtools.verify.checks import JOIN_TIMEOUT_S, CheckResult, run_check
-from dflash.patchtools.verify.cold_start import CHILD_TIMEOUT_S, MIN_RACES
+from dflash.patchtools.verify.cold_start import CHILD_TIMEOUT_S, MIN_RACES, RACE_ATTEMPTS
+from dflash.watchdog import run_watched
 
 
 def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> CheckResult:
-    """Run ``run_check(bug_class, seconds=seconds)`` in a fresh interpreter.
+    """Run ``run_check(bug_class, seconds=seconds)`` in a fresh interpreter, under a watchdog.
 
     ``patched`` sets ``DFLASH_PATCHES=1`` (the dflash patch series applied at import, verified or
-    not) or ``0`` (plain torch) in the child's environment. Raises ``RuntimeError`` with the
-    child's output when it crashes or prints no result.
+    not) or ``0`` (plain torch) in the child's environment.
+
+    Raises:
+        dflash.watchdog.Hang: the child made no progress (every thread's stack in the message).
+        RuntimeError: the child crashed or printed no result (its output in the message).
     """
     require_class(bug_class)
     # Verifying is how a variant gets its record, so the patched run applies unverified variants too.
     env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0", DFLASH_PATCHES_ALLOW_UNVERIFIED="1")
     cmd = [sys.executable, "-m", "dflash.patchtools.verify.runner", bug_class, "--seconds", str(seconds), "--json"]
-    # A hang guard: the joins of a check's threads, or class K's fresh interpreters.
-    limit = seconds + 3 * JOIN_TIMEOUT_S + MIN_RACES * CHILD_TIMEOUT_S
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+    # Longest a check may take: the joins of its threads after the race, or class K's fresh interpreters.
+    limit = seconds + 3 * JOIN_TIMEOUT_S + MIN_RACES * RACE_ATTEMPTS * CHILD_TIMEOUT_S
+    proc = run_watched(cmd, seconds=limit, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
