@@ -119,3 +119,25 @@ def test_plain_config_module_leaks_a_patch_to_other_threads(tree, tmp_path):
     during, inside, after = read_while_other_thread_patches(config)
     assert (inside, after) == (100, 8)
     assert during == 100
+
+
+def _get_hash_as_pytorch_tests_it(config) -> None:
+    """The steps of PyTorch's ``TestConfigModule.test_get_hash`` (test/test_utils_config_module.py, up to
+    2.11, whose config modules cache the digest in ``_hash_digest``), on the toy config."""
+    first = config.get_hash()
+    assert config.get_hash() == first and config._hash_digest == first
+    config._hash_digest = "fake"
+    assert config.get_hash() == "fake"
+    config.limit = 9
+    assert config.get_hash() != first
+    config.limit = 8
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [tree for tree in TREES if Version(torch_release(tree)) < Version("2.12")],
+    ids=lambda tree: tree.parent.name,
+)
+@pytest.mark.parametrize("patched", [False, True], ids=["plain", "patched"])
+def test_assignments_to_the_hash_cache_work_as_on_plain_torch(tree, patched, tmp_path):
+    _get_hash_as_pytorch_tests_it(toy_config(load_config_module(tree, patched=patched), tmp_path))
