@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dflash.compile_watch import CountingBackend, fresh_function
 from dflash.masks import dflash_mask_mod
-from dflash.patchtools.verify.cold_start import race_telling_k
+from dflash.patchtools.verify.cold_start import race_in_fresh_interpreter
 from dflash.patchtools.verify.workloads import (
     export_load_step,
     hold_node_meta_step,
@@ -327,7 +327,7 @@ def _run_cold(schedule: Schedule) -> list[str]:
     """A schedule of first calls (``COLD_ACTIONS``, one per thread) in a fresh interpreter: its
     imports are what races, which this process did long ago."""
     first_calls = tuple(_FIRST_CALLS[steps[0].action] for steps in schedule.threads)
-    problems, _ = race_telling_k(first_calls)
+    problems = race_in_fresh_interpreter(first_calls)
     if len(problems) != len(first_calls):  # the child as a whole: a crash or a timeout
         return [f"the fresh interpreter: {problem}" for problem in problems]
     return [f"thread {index}: {problem}" for index, problem in enumerate(problems) if problem is not None]

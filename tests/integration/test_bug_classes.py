@@ -63,38 +63,6 @@ def test_rerun_while_passing_doubles_the_chances_until_a_failure():
     assert rerun_while_passing(True, rerun, bool, attempts=3) is True and scales == []
 
 
-def test_the_k_check_runs_again_only_a_race_whose_export_failed_on_the_mode_stack_alone(monkeypatch):
-    from dflash.patchtools.verify import cold_start
-
-    mode_stack = "first export: AssertionError: Trying to pop empty mode stack"
-    half_imported = (
-        "first compile:aot_eager: ImportError: cannot import name 'IndentedBuffer' "
-        "from partially initialized module 'torch._inductor.utils'"
-    )
-    hidden = mode_stack + " <- ImportError: cannot import name 'IndentedBuffer'"
-    proxy_popped = mode_stack + " <- AssertionError: Expected ProxyTorchDispatchMode, got <class 'NoneType'>"
-    children = iter(
-        [[mode_stack, None, None], [proxy_popped, None, None], [None, half_imported, None], [hidden, None, None]]
-    )
-    monkeypatch.setattr(cold_start, "race_in_fresh_interpreter", lambda first_calls: next(children))
-    assert cold_start.race_telling_k() == ([None, half_imported, None], True)  # the mode-stack races ran again
-    assert cold_start.race_telling_k() == ([hidden, None, None], True)  # an import failure under it counts
-
-    always = [mode_stack, half_imported, None]
-    monkeypatch.setattr(cold_start, "race_in_fresh_interpreter", lambda first_calls: always)
-    # After three such processes the compile threads still tell; the export did not.
-    assert cold_start.race_telling_k() == ([None, half_imported, None], False)
-
-
-def test_the_k_check_fails_when_no_export_got_past_the_mode_stack(monkeypatch):
-    from dflash.patchtools.verify import checks, cold_start
-
-    monkeypatch.setattr(cold_start, "race_telling_k", lambda: ([None, None, None], False))
-    tally = checks.Tally()
-    checks.CHECKS["K"](tally, 0.0)
-    assert tally.failures == 1 and "every first export failed on the pre-dispatch mode stack" in tally.example
-
-
 def test_the_k_child_reports_an_exception_and_the_one_it_interrupted():
     from dflash.patchtools.verify.cold_start import _describe
 

@@ -1,4 +1,4 @@
-"""The thread-safety bug classes A-K of torch.compile / FX, and which torch releases have each.
+"""The thread-safety bug classes A-L of torch.compile / FX, and which torch releases have each.
 
 The classes, their symptoms, causes and upstream links are described in ``docs/bug-classes.md``;
 the version facts below were measured with :mod:`dflash.patchtools.verify` on plain torch.
@@ -11,7 +11,8 @@ import re
 BUG_CLASSES: dict[str, str] = {
     "A": "a warm compiled function called in one thread while another thread compiles new functions "
     "raises 'Detected that you are using FX to symbolically trace a dynamo-optimized function' "
-    "or silently runs eagerly",
+    "or silently runs eagerly; with that fixed, threads sharing one compiled module (forward and backward, "
+    "recompiling on new shapes) hung on the anomaly mode a compile turns on for the process",
     "B": "a warm compiled function called in one thread while another thread runs "
     "torch.fx.symbolic_trace fails the same way as A",
     "C": "process-global compile/export session flags: torch.compiler.is_compiling() is True in an "
@@ -37,6 +38,9 @@ BUG_CLASSES: dict[str, str] = {
     "K": "the first torch.compile and torch.export.export calls of a process, started together in threads, "
     "import half-initialized modules ('cannot import name IndentedBuffer from partially initialized module "
     "torch._inductor.utils', _DeadlockError)",
+    "L": "the pre-dispatch mode stack is process-wide: a torch.compile in one thread pops the proxy mode of a "
+    "torch.export in another ('AssertionError: Trying to pop empty mode stack', 'ProxyTorchDispatchMode slot "
+    "already occupied')",
 }
 
 

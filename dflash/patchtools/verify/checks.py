@@ -26,12 +26,16 @@ from dflash.patchtools.verify.catalogue import require_class
 from dflash.patchtools.verify.workloads import (
     COUNTING,
     IS_EXPORTING,
+    SharedModule,
     compile_new_functions_step,
     compiled_call,
     export_load_step,
     export_save_step,
+    export_step,
     hold_node_meta_step,
+    make_fx_of_cond_step,
     poll_session_flags_step,
+    shared_module_step,
     sin_plus_one,
     sin_with_graph_break,
     symbolic_trace_step,
@@ -143,18 +147,30 @@ def check_flags_clean(tally: Tally) -> None:
 # --- one check per class ------------------------------------------------------------------------
 
 
+def _shared_module_steps(threads: int) -> list[Callable[[], str | None]]:
+    """One compiled module (dynamic shapes, AOT backend) for ``threads`` callers, forward and
+    backward on shapes that change, so recompiles overlap calls (:func:`shared_module_step`)."""
+    eager = SharedModule()
+    compiled = torch.compile(eager, dynamic=True, backend="aot_eager")
+    steps = [shared_module_step(compiled, eager, seed) for seed in range(threads)]
+    steps[0]()
+    return steps
+
+
 def _check_a(tally: Tally, seconds: float) -> None:
     warm, x = warm_compiled_function()
     compile_new = compile_new_functions_step("aot_eager")
     compile_new()
-    race(tally, seconds, compile_new, warm_compiled_call_step(warm, x))
+    race(tally, seconds / 2, compile_new, warm_compiled_call_step(warm, x))
+    race(tally, seconds / 2, *_shared_module_steps(3))
 
 
 def _check_b(tally: Tally, seconds: float) -> None:
     warm, x = warm_compiled_function()
     trace = symbolic_trace_step(traced_net())
     trace()
-    race(tally, seconds, trace, warm_compiled_call_step(warm, x))
+    race(tally, seconds / 2, trace, warm_compiled_call_step(warm, x))
+    race(tally, seconds / 2, trace, *_shared_module_steps(3))
 
 
 def _check_c(tally: Tally, seconds: float) -> None:
@@ -221,7 +237,11 @@ def _check_d(tally: Tally, seconds: float) -> None:
         return None if len(targets) == 2 else f"make_fx traced {targets}, expected sin and add"
 
     make_fx_step()
-    race(tally, seconds / 3, make_fx_step, make_fx_step)
+    race(tally, seconds / 6, make_fx_step, make_fx_step)
+    # A higher-order op's branches re-enter the calling thread's make_fx trace, not the other's.
+    of_cond = make_fx_of_cond_step()
+    of_cond()
+    race(tally, seconds / 6, of_cond, make_fx_step)
 
 
 def _check_e(tally: Tally, seconds: float) -> None:
@@ -373,19 +393,22 @@ def _check_j(tally: Tally, seconds: float) -> None:
 def _check_k(tally: Tally, seconds: float) -> None:
     # Each race needs a fresh process, which takes longer than a check's usual seconds: MIN_RACES
     # run whatever the time, more while time is left.
-    from dflash.patchtools.verify.cold_start import MIN_RACES, race_telling_k
+    from dflash.patchtools.verify.cold_start import MIN_RACES, race_in_fresh_interpreter
 
     deadline = time.monotonic() + seconds
-    exports_told = 0
     for race_number in itertools.count(1):
-        problems, export_told = race_telling_k()
-        exports_told += export_told
-        for problem in problems:
+        for problem in race_in_fresh_interpreter():
             tally.check(lambda problem=problem: problem)
         if race_number >= MIN_RACES and time.monotonic() >= deadline:
             break
-    if not exports_told:  # an export that never gets past the mode stack tests nothing of K's export side
-        tally.fail(f"in all {race_number} races every first export failed on the pre-dispatch mode stack")
+
+
+def _check_l(tally: Tally, seconds: float) -> None:
+    export = export_step()
+    compile_new = compile_new_functions_step("aot_eager")
+    export()
+    compile_new()
+    race(tally, seconds, export, compile_new)
 
 
 CHECKS: dict[str, Callable[[Tally, float], None]] = {
@@ -400,6 +423,7 @@ CHECKS: dict[str, Callable[[Tally, float], None]] = {
     "I": _check_i,
     "J": _check_j,
     "K": _check_k,
+    "L": _check_l,
 }
 
 

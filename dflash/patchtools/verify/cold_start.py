@@ -13,7 +13,6 @@ child imports torch, and none of what those calls import, before the race)::
 from __future__ import annotations
 
 import json
-import re
 import sys
 import threading
 
@@ -24,21 +23,11 @@ from dflash.patchtools.verify.workloads import sin_plus_one
 from dflash.watchdog import Hang, run_watched
 
 #: What the racing threads do first, released together. One export: two exports at once fail on
-#: export's own process-wide state (out of scope). Two compiles: with one, the import failures showed
+#: export's own process-wide state (out of scope). An export racing a compile's trace on the
+#: pre-dispatch mode stack is class L (0012 makes it per thread): counted here like any failure. Two
+#: compiles: with one, the import failures showed
 #: in about half of the fresh processes on plain torch 2.13, with two in 3 of 4.
 FIRST_CALLS = ("export", "compile:aot_eager", "compile:aot_eager")
-#: An export racing a compile's trace on the process-wide pre-dispatch mode stack (torch/_ops.py):
-#: another race than K's, out of scope (docs/bug-classes.md), seen plain and patched alike (1 of 18
-#: patched children on 2.13.0). It shows as the stack's pop failing, alone or at the exit of a trace
-#: whose proxy mode another thread had already popped (proxy_tensor.py); only the export thread's
-#: failure made of these errors and nothing else is that race, and the race is run again
-#: (:func:`race_telling_k`); an import failure chained to them still counts.
-_MODE_STACK_ERROR = (
-    r"AssertionError: (?:Trying to pop empty mode stack|Expected ProxyTorchDispatchMode, got <class 'NoneType'>)"
-)
-MODE_STACK_RACE = re.compile(rf"first export: {_MODE_STACK_ERROR}(?: <- {_MODE_STACK_ERROR})*")
-#: Fresh processes one race may take in all while its export thread keeps failing on the mode stack.
-RACE_ATTEMPTS = 3
 #: Fresh processes per check at least, whatever its seconds: one takes about 13 s on 2 loaded cores.
 #: On plain 2.11-2.13 about 2 in 3 of them show the import failures under load.
 MIN_RACES = 3
@@ -59,25 +48,6 @@ def race_in_fresh_interpreter(first_calls: tuple[str, ...] = FIRST_CALLS) -> lis
     if proc.returncode != 0 or not lines:
         return [f"the fresh interpreter exited with {proc.returncode}: {proc.stderr.strip()[-500:]}"]
     return json.loads(lines[-1])
-
-
-def race_telling_k(first_calls: tuple[str, ...] = FIRST_CALLS) -> tuple[list[str | None], bool]:
-    """:func:`race_in_fresh_interpreter`, run again in another fresh interpreter while the export
-    thread failed on :data:`MODE_STACK_RACE` (a race that neither shows nor rules out K's), at most
-    :data:`RACE_ATTEMPTS` processes.
-
-    Returns:
-        (one entry per thread as :func:`race_in_fresh_interpreter` gives them, whether the export
-        thread ran to an outcome that tells about K). When every attempt's export failed on the
-        mode stack, the last attempt's entries, that export's read as None: its whole exception
-        chain is in the message, and it holds no import failure; the compile threads still tell.
-    """
-    for _ in range(RACE_ATTEMPTS):
-        problems = race_in_fresh_interpreter(first_calls)
-        told = [None if problem and MODE_STACK_RACE.fullmatch(problem) else problem for problem in problems]
-        if told == problems:
-            return problems, True
-    return told, False
 
 
 def _describe(exc: BaseException) -> str:

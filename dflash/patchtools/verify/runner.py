@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from dflash.patchtools.verify.catalogue import BUG_CLASSES, require_class
 from dflash.patchtools.verify.checks import JOIN_TIMEOUT_S, CheckResult, run_check
-from dflash.patchtools.verify.cold_start import CHILD_TIMEOUT_S, MIN_RACES, RACE_ATTEMPTS
+from dflash.patchtools.verify.cold_start import CHILD_TIMEOUT_S, MIN_RACES
 from dflash.watchdog import run_watched
 
 
@@ -40,7 +40,7 @@ def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> Ch
     env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0", DFLASH_PATCHES_ALLOW_UNVERIFIED="1")
     cmd = [sys.executable, "-m", "dflash.patchtools.verify.runner", bug_class, "--seconds", str(seconds), "--json"]
     # Longest a check may take: the joins of its threads after the race, or class K's fresh interpreters.
-    limit = seconds + 3 * JOIN_TIMEOUT_S + MIN_RACES * RACE_ATTEMPTS * CHILD_TIMEOUT_S
+    limit = seconds + 3 * JOIN_TIMEOUT_S + MIN_RACES * CHILD_TIMEOUT_S
     proc = run_watched(cmd, seconds=limit, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

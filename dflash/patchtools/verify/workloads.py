@@ -211,3 +211,72 @@ def export_save_step() -> Callable[[], str | None]:
         return None if same else "serialize_torch_artifact read back a wrong value"
 
     return step
+
+
+def export_step() -> Callable[[], str | None]:
+    """``torch.export.export`` of a small module (pre-dispatch tracing: its proxy mode sits on the
+    pre-dispatch mode stack), checked against eager."""
+
+    class Exported(torch.nn.Module):
+        def forward(self, x):
+            return torch.sin(x) + 1
+
+    x = torch.randn(8)
+
+    def step() -> str | None:
+        program = torch.export.export(Exported(), (x,))
+        return None if torch.allclose(program.module()(x), sin_plus_one(x)) else "exported program gave a wrong value"
+
+    return step
+
+
+def make_fx_of_cond_step() -> Callable[[], str | None]:
+    """``make_fx`` of a function calling ``torch.cond``, a higher-order op whose branches re-enter
+    the open make_fx trace (``reenter_make_fx``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def branches(x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+    x = torch.randn(8)
+
+    def step() -> str | None:
+        gm = make_fx(branches)(x)
+        return None if torch.allclose(gm(x), branches(x)) else "make_fx of torch.cond traced a wrong graph"
+
+    return step
+
+
+class SharedModule(torch.nn.Module):
+    """Linear + relu + sum: the compiled module that threads share in :func:`shared_module_step`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)).sum()
+
+
+def shared_module_step(compiled: torch.nn.Module, eager: torch.nn.Module, seed: int) -> Callable[[], str | None]:
+    """Forward and backward of one ``torch.compile(module, dynamic=True)`` that several threads call
+    with inputs whose rank and sizes change, so one thread's recompile (an AOTAutograd joint trace)
+    overlaps other threads' calls; the output and the input's gradient are checked against
+    ``eager`` (the same module)."""
+    import random
+
+    rng = random.Random(seed)
+
+    def step() -> str | None:
+        shape = [rng.randint(1, 4) for _ in range(rng.randint(0, 3))] + [8]
+        x = torch.randn(*shape, requires_grad=True)
+        out = compiled(x)
+        (grad,) = torch.autograd.grad(out, x)
+        x_eager = x.detach().requires_grad_()
+        expected = eager(x_eager)
+        (expected_grad,) = torch.autograd.grad(expected, x_eager)
+        if not torch.allclose(out, expected, atol=1e-4) or not torch.allclose(grad, expected_grad, atol=1e-5):
+            return f"compiled shared module gave a wrong value or gradient for shape {shape}"
+        return None
+
+    return step
