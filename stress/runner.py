@@ -32,7 +32,9 @@ from dflash.compile_watch import CountingBackend, fresh_function
 from dflash.masks import dflash_mask_mod
 from dflash.patchtools.verify.cold_start import race_in_fresh_interpreter
 from dflash.patchtools.verify.workloads import (
+    SharedModule,
     export_load_step,
+    export_step,
     hold_node_meta_step,
     sin_plus_one,
     sin_with_graph_break,
@@ -152,6 +154,11 @@ class _Setup:
             self._setup_flex(schedule.mask)
         if _has_action(schedule, "export_load"):
             self.export_load = export_load_step()
+        if _has_action(schedule, "shared_module"):
+            self.shared_module_eager = SharedModule().to(device=device, dtype=self.dtype)
+            self.shared_module = torch.compile(self.shared_module_eager, dynamic=self.dynamic, backend="aot_eager")
+        if _has_action(schedule, "export"):
+            self.export = export_step()
 
     def compile(self, fn, backend=None, dynamic="schedule"):
         return torch.compile(
@@ -252,7 +259,26 @@ def _step(setup: _Setup, action: str, length: int, thread_index: int) -> str | N
         return hold_node_meta_step(f"thread {thread_index}")()
     if action == "export_load":
         return setup.export_load()
+    if action == "export":
+        return setup.export()
+    if action == "shared_module":
+        return _shared_module_step(setup, length)
     raise ValueError(f"unknown action {action!r}; see stress.strategies.ACTIONS")
+
+
+def _shared_module_step(setup: _Setup, length: int) -> str | None:
+    """Forward and backward of the shared compiled module on a tensor whose rank and sizes follow
+    ``length`` (so threads recompile it while others call it), against the eager module."""
+    shape = [length] * (length % 3) + [8]
+    x = torch.randn(*shape, device=setup.device, dtype=setup.dtype, requires_grad=True)
+    out = setup.shared_module(x)
+    (grad,) = torch.autograd.grad(out, x)
+    x_eager = x.detach().requires_grad_()
+    expected = setup.shared_module_eager(x_eager)
+    (expected_grad,) = torch.autograd.grad(expected, x_eager)
+    if not setup.close(out, expected) or not setup.close(grad, expected_grad):
+        return f"shared compiled module gave a wrong value or gradient for shape {shape}"
+    return None
 
 
 def unsupported(schedule: Schedule, device: torch.device | str) -> str | None:

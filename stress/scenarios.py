@@ -1,4 +1,4 @@
-"""The stress scenarios: which schedules each draws and which bug classes (A-K) it targets."""
+"""The stress scenarios: which schedules each draws and which bug classes (A-L) it targets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from .strategies import GENERIC_ACTIONS, Schedule, cold_schedules, schedules
+from .strategies import GENERIC_ACTIONS, IN_PROCESS_ACTIONS, Schedule, cold_schedules, schedules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,9 +19,22 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     "threads": Scenario(
         "2-8 threads mixing first compiles, recompiles, warm calls, symbolic_trace, make_fx, "
-        "eager modules, is_compiling polls, config patches and graph-break regions",
-        ("A", "B", "C", "D", "E", "G"),
+        "eager modules, is_compiling polls, config patches, graph-break regions, one shared compiled module "
+        "(forward and backward, recompiling on new shapes) and an export",
+        ("A", "B", "C", "D", "E", "G", "L"),
         schedules(st.sampled_from(GENERIC_ACTIONS)),
+    ),
+    "shared_module": Scenario(
+        "threads calling one compiled nn.Module (dynamic shapes, forward and backward) while others recompile it, "
+        "compile new functions, run symbolic_trace or make_fx",
+        ("A", "B"),
+        schedules(st.sampled_from(("shared_module", "first_compile", "symbolic_trace", "make_fx"))),
+    ),
+    "soak": Scenario(
+        "every in-process workload at once: compiled calls, recompiles, symbolic_trace, make_fx, AOT joint traces "
+        "with backward, export and export.load, config patches, node metadata, flex_attention",
+        ("A", "B", "C", "D", "E", "G", "H", "I", "J", "L"),
+        schedules(st.sampled_from(IN_PROCESS_ACTIONS)),
     ),
     "flex_attention": Scenario(
         "compiled and eager flex_attention (causal, sliding window, DFlash block masks) "

@@ -1,9 +1,9 @@
 """Hypothesis strategies for multi-threaded torch.compile / FX schedules.
 
-torch.export is not among the actions: beyond the session flags the series makes
-per-thread (class C, checked by ``dflash.patchtools.verify``), export keeps process-global
-state the series does not patch (the pre-dispatch mode stack, ``_EXPORT_FLAGS`` and
-``_EXPORT_MODULE_HIERARCHY`` in torch/export/_trace.py); see docs/bug-classes.md, "Out of scope".
+A schedule holds at most one ``export`` step: two exports at once meet export's own
+process-global state, which the series does not patch (``_EXPORT_FLAGS`` and
+``_EXPORT_MODULE_HIERARCHY`` in torch/export/_trace.py; docs/bug-classes.md, "Out of scope");
+one export against compiles and traces is classes C and L.
 
 Every value drawn here is plain data (strings, ints, tuples in frozen dataclasses),
 so the minimal failing schedule hypothesis prints can be pasted back as a regression
@@ -34,6 +34,8 @@ ACTIONS = (
     "config_patch",  # torch._dynamo.config.patch(...) and read it back inside
     "graph_break_compile",  # compile a function with a graph break (must split, not raise)
     "error_on_graph_break",  # hold torch._dynamo.error_on_graph_break(True) around a compiled call
+    "shared_module",  # forward and backward of the schedule's one compiled nn.Module (dynamic shapes, AOT backend)
+    "export",  # torch.export.export of a small module and a call of the program (one per schedule)
     "flex_attention",  # compiled flex_attention with the schedule's mask_mod
     "eager_flex_attention",  # flex_attention without torch.compile
     "own_node_meta_trace",  # make_fx under this thread's own stack trace and annotate() tag
@@ -201,9 +203,25 @@ def schedules(
         st.lists(st.lists(step, min_size=1, max_size=max_steps).map(tuple), min_size=min_threads, max_size=max_threads)
     )
     return Schedule(
-        threads=tuple(threads),
+        threads=_one_export(threads),
         dtype=draw(dtypes()),
         dynamic=draw(dynamic_settings() if dynamic is None else dynamic),
         mask=draw(mask_specs()),
         recompile_limit=draw(st.none() if recompile_limits is None else recompile_limits),
     )
+
+
+def _one_export(threads: list[tuple[Step, ...]]) -> tuple[tuple[Step, ...], ...]:
+    """``threads`` with every ``export`` step after the first made a ``make_fx`` step (a trace of
+    its own, like export's): one export per schedule (module docstring)."""
+    seen = False
+    kept = []
+    for thread in threads:
+        steps_kept = []
+        for step in thread:
+            if step.action == "export":
+                step = step if not seen else Step("make_fx", step.length)
+                seen = True
+            steps_kept.append(step)
+        kept.append(tuple(steps_kept))
+    return tuple(kept)
