@@ -195,6 +195,9 @@ class TrainConfig:
     drafters are; float32 on CPU), `bfloat16`, `float16` or `float32`. Resuming stays exact either way."""
     log_every: int = 10
     """Log metrics to the console and tensorboard every this many steps."""
+    stall_minutes: float = 10.0
+    """A step that makes no progress for this many minutes writes every thread's stack to stderr, and again every
+    as many minutes while it stays stuck (training goes on if it moves again); 0 = never."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOP/s of the device for the MFU estimate; empty = detect (H100/H200: 989)."""
     progress: bool = True
@@ -307,7 +310,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        for name in ("weight_decay", "grad_clip", "warmup_steps", "save_every"):
+        for name in ("weight_decay", "grad_clip", "warmup_steps", "save_every", "stall_minutes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

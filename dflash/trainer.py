@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflash import checkpoint
+from dflash import checkpoint, watchdog
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import SAVED_CONFIG_NAME, TrainConfig
 from dflash.data import (
@@ -593,7 +593,8 @@ class Trainer:
             with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
                 while self.step < self.total_steps:
                     self.step += 1
-                    stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
+                    with self._stall_watch():
+                        stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
                     if self.step > first_step:
                         throughput.add(stats)
                     metrics = self._metrics(stats)
@@ -627,6 +628,13 @@ class Trainer:
         if self.is_main:
             self._log_throughput(throughput)
         return metrics
+
+    def _stall_watch(self):
+        """A watchdog over one step (:mod:`dflash.watchdog`): a step that makes no progress for
+        ``--stall-minutes`` writes every thread's stack to stderr, every as many minutes until it
+        moves (a hung compile, collective or queue: the stacks say where)."""
+        minutes = self.config.stall_minutes
+        return watchdog.watching(60 * minutes, exit=False, repeat=True) if minutes else contextlib.nullcontext()
 
     def _eval_due(self) -> bool:
         """Whether held-out acceptance is measured after this step (``--eval-every``; the last step's

@@ -16,7 +16,7 @@ Three users:
   :func:`run_watched` does both sides: it raises :class:`Hang` with the child's stacks.
 - **In-process tests**: each test runs inside :func:`watching` (the repository's ``conftest.py``).
 - **dflash train**: a step that makes no progress for ``--stall-minutes`` dumps every thread's stack
-  to the log, again every as many minutes, and training goes on (``exit=False, repeat=True``).
+  to stderr, again every as many minutes, and training goes on if it moves (``exit=False, repeat=True``).
 
 faulthandler has one timer per process; :func:`watching` blocks nest, and the timer is set for the
 one whose time runs out first among those that end the process (if any; a dump-and-go-on block
@@ -77,7 +77,7 @@ def _arm_earliest() -> None:
 def watching(seconds: float, *, exit: bool = True, repeat: bool = False, file=None) -> Iterator[_Watch]:
     """Within the block, dump every thread's stack to ``file`` (default: stderr; a file object or
     descriptor, open until the block ends) if ``seconds`` pass, then exit 1 with ``exit``, or dump
-    again every ``seconds`` with ``repeat``. :func:`restart` moves the deadline.
+    again every ``seconds`` with ``repeat``.
 
     Raises:
         ValueError: ``seconds`` not positive.
@@ -94,13 +94,6 @@ def watching(seconds: float, *, exit: bool = True, repeat: bool = False, file=No
         with _lock:
             _watches.remove(watch)
             _arm_earliest()
-
-
-def restart(watch: _Watch) -> None:
-    """Give ``watch`` (of :func:`watching`) its whole time again: progress was made."""
-    with _lock:
-        watch.deadline = time.monotonic() + watch.seconds
-        _arm_earliest()
 
 
 def arm_from_environment() -> None:

@@ -56,3 +56,42 @@ with watchdog.watching(60):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == "inner left\n"
     assert done.stderr.count(watchdog.HEADER) == 1 and "line 9 in <module>" in done.stderr
+
+
+STALLED_RUN = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from tiny import make_target, train_config, write_chat_data
+from dflash.trainer import Trainer
+from pathlib import Path
+
+root = Path({root!r})
+config = train_config(
+    target=make_target(root / "target", num_layers=5), data=write_chat_data(root / "d.jsonl"), out=root / "run",
+    steps=3, stall_minutes=0.02,
+)
+trainer = Trainer(config)
+run = trainer.engine.run
+
+def stuck_in_step_two(step, **kwargs):
+    if step == 2:
+        time.sleep(4)  # no progress for over three times the 1.2 s the watchdog allows
+    return run(step, **kwargs)
+
+trainer.engine.run = stuck_in_step_two
+trainer.train()
+print("trained", trainer.step)
+"""
+
+
+def test_a_training_step_that_makes_no_progress_dumps_every_threads_stack_and_goes_on(tmp_path):
+    from pathlib import Path
+
+    script = STALLED_RUN.format(tests=str(Path(__file__).parents[1]), root=str(tmp_path))
+    # Without this test run's own watchdog in the child: one that ends the process would govern there.
+    env = {k: v for k, v in watchdog.os.environ.items() if k != watchdog.ENV}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("trained 3"), done.stderr[-3000:]
+    dumps = done.stderr.count(watchdog.HEADER)
+    assert dumps >= 2, done.stderr[-3000:]  # repeated while the step stays stuck
+    assert "in stuck_in_step_two" in done.stderr
