@@ -12,7 +12,7 @@ BUG_CLASSES: dict[str, str] = {
     "A": "a warm compiled function called in one thread while another thread compiles new functions "
     "raises 'Detected that you are using FX to symbolically trace a dynamo-optimized function' "
     "or silently runs eagerly; with that fixed, threads sharing one compiled module (forward and backward, "
-    "recompiling on new shapes) hung on the anomaly mode a compile turns on for the process",
+    "recompiling on new shapes) hung on the anomaly mode a compile turned on for the process",
     "B": "a warm compiled function called in one thread while another thread runs "
     "torch.fx.symbolic_trace fails the same way as A",
     "C": "process-global compile/export session flags: torch.compiler.is_compiling() is True in an "
