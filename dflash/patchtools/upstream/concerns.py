@@ -421,6 +421,37 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
     ),
     UpstreamConcern(
+        name="make-fx-tracer-thread-local",
+        area="fx",
+        title="Make make_fx's current tracer thread-local",
+        problem="",
+        kept_out=(
+            "written 2026-12-04: its upstream commit needs a test in test/fx that PyTorch's CI "
+            "runs and a description with a repro; until those are written it stays out of the stack"
+        ),
+    ),
+    UpstreamConcern(
+        name="pre-dispatch-mode-stack-thread-local",
+        area="export",
+        title="Make the pre-dispatch mode stack thread-local",
+        problem="",
+        kept_out=(
+            "written 2026-12-04: its upstream commit needs a test in test/export that PyTorch's CI "
+            "runs and a description with a repro; until those are written it stays out of the stack"
+        ),
+    ),
+    UpstreamConcern(
+        name="compile-without-anomaly-mode",
+        area="functorch",
+        title="Trace AOTAutograd's joint graph without turning anomaly mode on",
+        problem="",
+        kept_out=(
+            "written 2026-12-04: upstream the root is in C++ (AccumulateGrad built under the "
+            "leaf's mutex, anomaly mode one flag for the process), which an issue should raise first; the "
+            "Python change needs a test in test/functorch and a description with a repro"
+        ),
+    ),
+    UpstreamConcern(
         name="cold-start-import-order",
         area="dynamo",
         title="Import the modules of the first compile and export in one order",
