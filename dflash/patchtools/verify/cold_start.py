@@ -19,7 +19,7 @@ import threading
 import torch
 
 from dflash.compile_watch import fresh_function
-from dflash.patchtools.verify.workloads import sin_plus_one
+from dflash.patchtools.verify.workloads import install_fake_cuda_device_guard, sin_plus_one
 from dflash.watchdog import Hang, run_watched
 
 #: What the racing threads do first, released together. One export: two exports at once fail on
@@ -77,18 +77,9 @@ def _first_call(what: str, index: int) -> str | None:
     return None if torch.allclose(out, sin_plus_one(x)) else f"the first {what} computed a wrong value"
 
 
-def _install_fake_cuda_device_guard() -> None:
-    # What a process's first FakeTensorMode.__enter__ does on a host without a GPU. On the 2.10
-    # and 2.11 CUDA wheels, doing it in one thread while another runs tensor ops crashes the
-    # process (SIGSEGV; docs/patch-series.md, "Known gaps"), plain and patched: done here first,
-    # it imports nothing, so the race is still torch's first imports.
-    if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
-        torch._C._ensureCUDADeviceGuardSet()
-
-
 def main(argv: list[str] | None = None) -> int:
     first_calls = tuple(sys.argv[1:] if argv is None else argv) or FIRST_CALLS
-    _install_fake_cuda_device_guard()
+    install_fake_cuda_device_guard()
     barrier = threading.Barrier(len(first_calls))
     results: list[str | None] = [None] * len(first_calls)
 

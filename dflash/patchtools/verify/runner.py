@@ -22,6 +22,7 @@ from typing import TypeVar
 from dflash.patchtools.verify.catalogue import BUG_CLASSES, require_class
 from dflash.patchtools.verify.checks import JOIN_TIMEOUT_S, CheckResult, run_check
 from dflash.patchtools.verify.cold_start import CHILD_TIMEOUT_S, MIN_RACES
+from dflash.patchtools.verify.workloads import install_fake_cuda_device_guard
 from dflash.watchdog import run_watched
 
 
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="race duration (default 2)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
+    install_fake_cuda_device_guard()
     result = dataclasses.replace(run_check(args.bug_class, seconds=args.seconds), series=series_states())
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))

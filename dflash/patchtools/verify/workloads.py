@@ -21,6 +21,15 @@ from dflash.compile_watch import CountingBackend, fresh_function
 COUNTING = CountingBackend("eager")
 
 
+def install_fake_cuda_device_guard() -> None:
+    """Do first what a process's first ``FakeTensorMode.__enter__`` does on a host without a GPU
+    (install a no-op CUDA device guard). On the 2.10 and 2.11 CUDA wheels, doing it in one thread
+    while another runs tensor ops crashes the process, plain and patched (docs/patch-series.md,
+    "Known gaps"); it imports nothing, so what races afterwards is what a check means to race."""
+    if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+        torch._C._ensureCUDADeviceGuardSet()
+
+
 def compiled_call(fn: Callable, *args) -> tuple[object, bool]:
     """Call a function compiled with :data:`COUNTING`; returns (output, whether a compiled graph ran)."""
     before = COUNTING.runs()
