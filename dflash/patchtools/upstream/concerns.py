@@ -452,6 +452,13 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         ),
     ),
     UpstreamConcern(
+        name="dynamo-metrics-context-thread-local",
+        area="dynamo",
+        title="Keep dynamo's compilation metrics context per thread",
+        problem="",
+        kept_out="upstream since torch 2.11 (`get_metrics_context()` keeps its context in a `threading.local`)",
+    ),
+    UpstreamConcern(
         name="cold-start-import-order",
         area="dynamo",
         title="Import the modules of the first compile and export in one order",
