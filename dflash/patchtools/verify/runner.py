@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +33,12 @@ def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> Ch
     ``patched`` sets ``DFLASH_PATCHES=1`` (the dflash patch series applied at import, verified or
     not) or ``0`` (plain torch) in the child's environment.
 
+    A plain-torch child killed by a signal (torch crashing under the race, as the 2.6 CUDA wheel
+    did on a CPU host) counts as one failure of the class, naming the signal: the race shows.
+
     Raises:
         dflash.watchdog.Hang: the child made no progress (every thread's stack in the message).
-        RuntimeError: the child crashed or printed no result (its output in the message).
+        RuntimeError: a patched child crashed, or a child printed no result (its output in the message).
     """
     require_class(bug_class)
     # Verifying is how a variant gets its record, so the patched run applies unverified variants too.
@@ -44,6 +48,9 @@ def run_check_subprocess(bug_class: str, *, patched: bool, seconds: float) -> Ch
     limit = seconds + 3 * JOIN_TIMEOUT_S + MIN_RACES * CHILD_TIMEOUT_S
     proc = run_watched(cmd, seconds=limit, env=env)
     lines = proc.stdout.strip().splitlines()
+    if proc.returncode < 0 and not patched:
+        crash = f"plain torch crashed: {signal.Signals(-proc.returncode).name}"
+        return CheckResult(1, 1, f"{crash}\n{proc.stderr[-2000:]}", {crash: 1})
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
             f"`{' '.join(cmd)}` (DFLASH_PATCHES={env['DFLASH_PATCHES']}) exited with {proc.returncode}:\n"
