@@ -76,3 +76,16 @@ def test_the_k_child_reports_an_exception_and_the_one_it_interrupted():
     assert described == (
         "AssertionError: Trying to pop empty mode stack <- ImportError: cannot import name 'IndentedBuffer'"
     )
+
+
+def test_a_plain_crash_counts_as_the_race_and_a_patched_one_fails_the_run(monkeypatch):
+    import subprocess
+
+    from dflash.patchtools.verify import runner
+
+    crashed = subprocess.CompletedProcess([], -11, stdout="", stderr="Fatal Python error: Segmentation fault")
+    monkeypatch.setattr(runner, "run_watched", lambda cmd, **kwargs: crashed)
+    result = runner.run_check_subprocess("B", patched=False, seconds=0.1)
+    assert (result.calls, result.failures) == (1, 1) and "plain torch crashed: SIGSEGV" in result.example_error
+    with pytest.raises(RuntimeError, match="exited with -11"):
+        runner.run_check_subprocess("B", patched=True, seconds=0.1)
