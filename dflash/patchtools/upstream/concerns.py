@@ -456,7 +456,7 @@ CONCERNS: tuple[UpstreamConcern, ...] = (
         area="dynamo",
         title="Keep dynamo's compilation metrics context per thread",
         problem="",
-        kept_out="upstream since torch 2.11 (`get_metrics_context()` keeps its context in a `threading.local`)",
+        kept_out="main already keeps it per thread (`get_metrics_context()` holds its context in a `threading.local`)",
     ),
     UpstreamConcern(
         name="cold-start-import-order",
