@@ -92,4 +92,4 @@ def test_a_run_with_no_checkpoint_yet_is_called_that(run, tmp_path, caplog):
         "evaluate it once it has"
     ) in caplog.text
     assert main(["eval", "--drafter", str(young / "checkpoints"), *EVAL]) == 2  # not there yet either
-    assert "no such directory" in caplog.text
+    assert "does not exist" in caplog.text
