@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from dflash.config import SAVE_DTYPES
+
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
@@ -52,9 +54,6 @@ LATEST_NAME = "latest"
 DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 #: Key of the full-precision drafter weights in the training state (see :func:`save_checkpoint`).
 MASTER_WEIGHTS_KEY = "master_weights"
-
-#: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
-SAVE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class CheckpointError(ValueError):
@@ -149,7 +148,7 @@ def resolve_save_dtype(choice: str, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype to export drafter weights in, for ``--save-dtype``.
 
     Args:
-        choice (str): a key of :data:`SAVE_DTYPES`; "auto" means ``compute_dtype``.
+        choice (str): one of :data:`dflash.config.SAVE_DTYPES`; "auto" means ``compute_dtype``.
         compute_dtype (torch.dtype): what the drafter computes in (bf16 under CUDA autocast,
             float32 on CPU); published drafters are bf16.
 
@@ -158,7 +157,7 @@ def resolve_save_dtype(choice: str, compute_dtype: torch.dtype) -> torch.dtype:
     """
     if choice not in SAVE_DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {choice!r}")
-    return SAVE_DTYPES[choice] or compute_dtype
+    return compute_dtype if choice == "auto" else getattr(torch, choice)
 
 
 def save_checkpoint(

@@ -27,15 +27,10 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from dflash.config import TrainConfig
+from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, parse_layer_types
 from dflash.layer_taps import max_captured_layers
 
 logger = logging.getLogger(__name__)
-
-# The layer_types strings of dflash.modeling_dflash (which imports transformers; this module must not:
-# it runs before the cheap checks of dflash.preflight). tests/unit/test_drafter_shape.py checks they agree.
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 #: ``model_type`` of the Qwen3.5/3.6 hybrid targets (the multimodal checkpoint and its text model),
 #: dense and mixture-of-experts.
@@ -79,7 +74,6 @@ SHAPE_FIELDS = (
     "num_target_layers",
     "mask_token_id",
 )
-_SHORT_NAMES = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
 # TrainConfig field -> what a drafter's config.json calls it (for --init-from).
 _FROM_DRAFTER = {
     "block_size": "block_size",
@@ -89,24 +83,6 @@ _FROM_DRAFTER = {
     "draft_head_dim": "head_dim",
     "draft_intermediate_size": "intermediate_size",
 }
-
-
-def parse_layer_types(text: str) -> list[str]:
-    """``--draft-layer-types`` as a list of ``full_attention``/``sliding_attention``.
-
-    Accepts ``full``, ``sliding`` or the full names, separated by commas or spaces.
-
-    Raises:
-        ValueError: an empty list or an unknown entry (names the choices).
-    """
-    entries = text.replace(",", " ").split()
-    unknown = [e for e in entries if e not in _SHORT_NAMES and e not in LAYER_TYPES]
-    if not entries or unknown:
-        raise ValueError(
-            f"draft_layer_types {text!r}: give one of full / sliding per drafter layer, comma-separated "
-            "(e.g. sliding,sliding,sliding,sliding,full)"
-        )
-    return [_SHORT_NAMES.get(e, e) for e in entries]
 
 
 def qwen3_5_family(target_config: dict) -> str | None:

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-#: gamma of the position decay used by the DFlash paper per block size (Sec. 3.3).
-PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+from dflash.config import PAPER_GAMMA
 
 POSITION_WEIGHTINGS = ("decay", "dpace")
 

@@ -11,15 +11,8 @@ import torch
 from tiny import HYBRID_ARCHS, MOE_ARCH, make_target, write_chat_data
 
 from dflash import modeling_dflash
-from dflash.config import TrainConfig
-from dflash.drafter_shape import (
-    FULL_ATTENTION,
-    LAYER_TYPES,
-    SLIDING_ATTENTION,
-    drafter_config,
-    parse_layer_types,
-    resolve_drafter_shape,
-)
+from dflash.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, TrainConfig, parse_layer_types
+from dflash.drafter_shape import drafter_config, resolve_drafter_shape
 from dflash.layer_taps import check_taps
 from dflash.portable import portable_config
 

