@@ -49,7 +49,7 @@ from dflash.engine.threaded import Control, DrafterWorker, Inbox, Prefetched, ru
 from dflash.loss import DPACE_ALPHA
 from dflash.masks import sample_anchors
 from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.target import TargetStates
+from dflash.target.model import TargetStates
 
 SIZES = {
     "tiny": dict(

@@ -46,7 +46,7 @@ def measure(mode: str, data: Path, out: Path, seq_len: int) -> dict:
     from dflash.assets import default_target_dir
     from dflash.checkpoint import sha256_file
     from dflash.data import build_examples, read_conversations, usable_examples
-    from dflash.target import load_tokenizer
+    from dflash.target.files import load_tokenizer
     from dflash.token_cache import TokenCache, cache_key, usable_workers
 
     tokenizer = load_tokenizer(default_target_dir())

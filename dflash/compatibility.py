@@ -49,9 +49,9 @@ def target_geometry(target_dir: Path) -> dict:
     (of its ``text_config`` in a multimodal config), from its ``config.json``.
 
     Raises:
-        TargetLoadError: see :func:`dflash.target.read_target_config`, or a field is missing.
+        TargetLoadError: see :func:`dflash.target.files.read_target_config`, or a field is missing.
     """
-    from dflash.target import TargetLoadError, read_target_config
+    from dflash.target.files import TargetLoadError, read_target_config
 
     raw = read_target_config(target_dir)
     text = raw.get("text_config") or raw

@@ -20,7 +20,7 @@ from functools import cache
 
 # Saved absolute, so train_config.json and a resume from another directory name the same files.
 INPUT_PATHS = ("target", "data", "init_from", "eval_data")
-#: The attention of a drafter layer, as ``layer_types`` in a drafter's ``config.json`` names it (the names of
+#: The attention of a drafter layer, as ``layer_types`` in a ``config.json`` names it (the names of
 #: dflash.drafter.modeling_dflash, which imports transformers; this module must not: the CLI settles a config
 #: before anything heavy is imported). tests/unit/test_drafter_shape.py checks they agree.
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"

@@ -206,3 +206,37 @@ def parse_layout(target_devices: str, drafter_devices: str) -> DeviceLayout:
             "cpu and cuda; use one device type for all threads of a process"
         )
     return DeviceLayout(targets, drafters)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Turn ``"auto"``/None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` into a device that exists.
+
+    ``"auto"`` picks ``cuda`` when a GPU is visible, else ``cpu``.
+
+    Raises:
+        ValueError: unparsable name, CUDA requested on a host without it, or an index past
+            the visible GPUs; the message names the fix.
+    """
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N ({e})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name}: CUDA is not available on this host (torch "
+                f"{torch.__version__}, no visible GPU); use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device {name}: this host has {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}); pick one of those or set CUDA_VISIBLE_DEVICES"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device

@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, parse_layer_types
-from dflash.layer_taps import max_captured_layers
+from dflash.target.taps import max_captured_layers
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
             ``--init-from`` drafter that does not fit the target (the message names the field).
     """
     from dflash.assets import default_target_dir
-    from dflash.target import read_target_config
+    from dflash.target.files import read_target_config
 
     target_dir = Path(config.target) if config.target else default_target_dir()
     target = read_target_config(target_dir)
@@ -125,7 +125,7 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
 
 def _default_taps_that_fit(config: TrainConfig, values: dict, target: dict) -> dict:
     """The rule's tap count, lowered to what the target's depth spreads (a flag the user passed
-    is checked as given, with an error naming it: :func:`dflash.layer_taps.check_taps`)."""
+    is checked as given, with an error naming it: :func:`dflash.target.taps.check_taps`)."""
     layers = (target.get("text_config") or target).get("num_hidden_layers")
     if "num_target_layers" not in values or config.target_layer_ids is not None or not isinstance(layers, int):
         return {}

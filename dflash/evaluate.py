@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from dflash import state_rollback
-from dflash.target import Target
+from dflash.target.model import Target
+from dflash.target.rollback import StateRollback, crop, new_cache
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
     """
     _sync(target.device)
     start = time.perf_counter()
-    cache = state_rollback.new_cache(target)
+    cache = new_cache(target)
     out = target.decoder_forward(prompt_ids.to(target.device), past_key_values=cache)
     tokens, prefill_seconds = [], None
     while True:
@@ -181,14 +181,14 @@ def speculative_generate(
     """Greedy speculative decoding; output identical to :func:`greedy_generate`.
 
     A hybrid target's linear-attention states are rolled back to the last kept token after each
-    rejection (:mod:`dflash.state_rollback`); attention layers' KV is cropped.
+    rejection (:mod:`dflash.target.rollback`); attention layers' KV is cropped.
 
     Args:
         drafter: a ``DFlashDraftModel`` (``draft_block``), same device as the target, tapping
             ``target.layer_ids``.
         prompt_ids: int64 ``[1, P]``.
         rollback_strategy (str): how a hybrid target's states advance past a rejection, one of
-            :data:`dflash.state_rollback.STRATEGIES`.
+            :data:`dflash.target.rollback.STRATEGIES`.
 
     Raises:
         ValueError: the drafter taps other layers than ``target.layer_ids``.
@@ -202,9 +202,9 @@ def speculative_generate(
     device = target.device
     _sync(device)
     start = time.perf_counter()
-    cache = state_rollback.new_cache(target)
+    cache = new_cache(target)
     out = target.decoder_forward(prompt_ids.to(device), past_key_values=cache)
-    rollback = state_rollback.StateRollback.for_target(target, cache, rollback_strategy)
+    rollback = StateRollback.for_target(target, cache, rollback_strategy)
     context = target.select(out.hidden_states)  # [1, P, K*H]: states of every verified token
     last = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1], no target state yet
     tokens, accept_lengths = [int(last)], []  # int() waits for the device
@@ -231,7 +231,7 @@ def speculative_generate(
         if rollback:
             rollback.keep(block[:, : accepted + 1], verified)
         else:
-            state_rollback.crop(cache, verified + accepted + 1)
+            crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
     _sync(device)
     return Generation(

@@ -21,13 +21,13 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from dflash import masks, modeling_dflash
-from dflash.layer_taps import default_target_layer_ids, max_captured_layers
 from dflash.modeling_dflash import (
     QWEN3_MASK_TOKEN_ID,
     SUPPORTED_ATTENTION,
     DFlashDraftConfig,
 )
 from dflash.portable import drafter_rope_parameters
+from dflash.target.taps import default_target_layer_ids, max_captured_layers
 
 __all__ = [
     "QWEN3_MASK_TOKEN_ID",

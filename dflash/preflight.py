@@ -97,7 +97,7 @@ def check_drafter_config(config: TrainConfig) -> None:
 
     from dflash.assets import default_target_dir
     from dflash.drafter_shape import drafter_config
-    from dflash.layer_taps import check_taps
+    from dflash.target.taps import check_taps
 
     target_dir = Path(config.target) if config.target else default_target_dir()
     target = AutoConfig.from_pretrained(target_dir)
@@ -213,9 +213,14 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> dict:
         ValueError: the layers to tap do not fit (names the flags and values that do), the mask
             token is not in the vocabulary, or ``--seq-len`` is past the target's positions.
     """
-    from dflash.document_separation import check_packable
-    from dflash.layer_taps import check_taps
-    from dflash.target import TargetLoadError, read_target_config, require_tokenizer_files, require_transformers_for
+    from dflash.target.files import (
+        TargetLoadError,
+        check_packable,
+        read_target_config,
+        require_tokenizer_files,
+        require_transformers_for,
+    )
+    from dflash.target.taps import check_taps
     from dflash.weight_files import check_weight_files
 
     raw = read_target_config(target_dir)
@@ -257,7 +262,7 @@ def check_devices(config: TrainConfig) -> None:
     if config.drafter_devices is not None:
         parse_layout(config.target_devices, config.drafter_devices)
     else:
-        from dflash.target import resolve_device
+        from dflash.devices import resolve_device
 
         resolve_device(config.device)
 
@@ -267,14 +272,14 @@ def check_linear_attention_kernels(target_config: dict, target_dir: Path, config
     kernels, unless ``--slow-linear-attention``.
 
     Without them transformers runs Gated DeltaNet on its pure-PyTorch reference (and packed rows on
-    :mod:`dflash.document_separation`'s, one step per token): measured on one H200 with a 16-layer
+    :mod:`dflash.target.documents`'s, one step per token): measured on one H200 with a 16-layer
     cut of Qwen3.6-27B's width, the first step did not finish in 200 s; with the kernels it ran at
     6,812 tok/s end to end.
 
     Raises:
         ValueError: names the package, the install command, the slowdown and the flag.
     """
-    from dflash.document_separation import FLA_PACKAGE, fla_available, is_hybrid
+    from dflash.target.files import FLA_PACKAGE, fla_available, is_hybrid
 
     if config.slow_linear_attention or not is_hybrid(target_config) or fla_available():
         return
@@ -283,7 +288,7 @@ def check_linear_attention_kernels(target_config: dict, target_dir: Path, config
 
         on_cuda = parse_layout(config.target_devices, config.drafter_devices).device_type == "cuda"
     else:
-        from dflash.target import resolve_device
+        from dflash.devices import resolve_device
 
         on_cuda = resolve_device(config.device).type == "cuda"
     if on_cuda:

@@ -39,7 +39,7 @@ from dflash.data import (
     render_chat,
 )
 from dflash.distributed import barrier, broadcast_from_main
-from dflash.target import Target
+from dflash.target.model import Target
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from dflash.data import (
     read_conversations,
     usable_examples,
 )
-from dflash.devices import DeviceLayout, Slot, parse_layout
+from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.engine import StepEngine, StepStats
 from dflash.engine.jobs import JobSource, seq_len_schedule
@@ -57,7 +57,8 @@ from dflash.progress_logging import log_above_progress_bars
 from dflash.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
 from dflash.resume import check_process_count, check_resume_config
 from dflash.run_dir import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
-from dflash.target import load_target, load_tokenizer, resolve_device
+from dflash.target.files import load_tokenizer
+from dflash.target.model import load_target
 from dflash.token_cache import TokenCache, cache_key, usable_workers
 
 logger = logging.getLogger(__name__)
@@ -441,7 +442,7 @@ class Trainer:
         """The held-out prompts of --eval-data (or the embedded held-out set), read before the target loads."""
         from dflash.assets import default_data_dir
         from dflash.evaluate import load_prompts
-        from dflash.target import context_length
+        from dflash.target.files import context_length
 
         cfg = self.config
         path = Path(cfg.eval_data) if cfg.eval_data else default_data_dir() / "heldout.jsonl"

@@ -248,7 +248,7 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
 
     from dflash.checkpoint import save_checkpoint
     from dflash.model import DFlashDraftModel, create_drafter_config
-    from dflash.target import load_target
+    from dflash.target.model import load_target
 
     target = load_target(target_dir, num_capture_layers=2, device="cpu")
     mask_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids("<|mask|>")

@@ -171,16 +171,10 @@ def _evaluate(args: argparse.Namespace):
     from dflash.assets import default_target_dir
     from dflash.checkpoint import DRAFTER_FILES, CheckpointError, find_checkpoint
     from dflash.compatibility import check_drafter_fits_target
-    from dflash.devices import check_cpu_threads
+    from dflash.devices import check_cpu_threads, resolve_device
     from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
-    from dflash.target import (
-        context_length,
-        load_target,
-        load_tokenizer,
-        read_target_config,
-        require_transformers_for,
-        resolve_device,
-    )
+    from dflash.target.files import context_length, load_tokenizer, read_target_config, require_transformers_for
+    from dflash.target.model import load_target
     from dflash.weight_files import check_weight_files
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized

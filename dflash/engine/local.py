@@ -17,7 +17,7 @@ from dflash.engine import StepStats, read_step_stats
 from dflash.engine.jobs import JobSource
 from dflash.engine.replica import DrafterReplica, load_replica_state, optimizer_step
 from dflash.engine.step import LossSettings, StatsLayout, drafter_step, drafter_step_flops, produce_target_states
-from dflash.target import Target
+from dflash.target.model import Target
 
 
 class _Clock:

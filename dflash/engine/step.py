@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from dflash.data import Batch
 from dflash.loss import dflash_loss, position_weights
 from dflash.masks import build_labels, draft_input_ids
-from dflash.target import Target, TargetStates
+from dflash.target.model import Target, TargetStates
 
 # Dense bf16 tensor-core peaks (TFLOP/s) for the MFU estimate, matched against the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}

@@ -39,7 +39,7 @@ from dflash.engine.step import (
     drafter_step_flops,
     produce_target_states,
 )
-from dflash.target import Target
+from dflash.target.model import Target
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dflash.loss import dflash_loss, position_weights
 from dflash.mask_token import UNUSED_ROW, resolve_mask_token_id
 from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.portable import rope_parameters_of
-from dflash.target import load_target
+from dflash.target.model import load_target
 
 ROPE_THETA, VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1e6, 512, 32, 4, 2, 8, 64
 TARGET_LAYERS, DRAFT_LAYERS, BLOCK = 36, 2, 4

@@ -12,7 +12,8 @@ import pytest
 from tiny import make_target, save_random_drafter
 
 import dflash.evaluate
-import dflash.target
+import dflash.target.files
+import dflash.target.model
 from dflash.checkpoint import CheckpointError
 from dflash.compatibility import check_drafter_fits_target
 
@@ -51,7 +52,7 @@ def nothing_loads(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a model or tokenizer was loaded before the configs were compared")
 
-    for owner, name in ((dflash.target, "load_target"), (dflash.target, "load_tokenizer")):
+    for owner, name in ((dflash.target.model, "load_target"), (dflash.target.files, "load_tokenizer")):
         monkeypatch.setattr(owner, name, fail)
     monkeypatch.setattr(dflash.evaluate, "load_drafter", fail)
 

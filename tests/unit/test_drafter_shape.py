@@ -13,8 +13,8 @@ from tiny import HYBRID_ARCHS, MOE_ARCH, make_target, write_chat_data
 from dflash import modeling_dflash
 from dflash.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, TrainConfig, parse_layer_types
 from dflash.drafter_shape import drafter_config, resolve_drafter_shape
-from dflash.layer_taps import check_taps
 from dflash.portable import portable_config
+from dflash.target.taps import check_taps
 
 needs_qwen3_5 = pytest.mark.skipif(
     not hasattr(__import__("transformers"), "Qwen3_5Config"), reason="Qwen3.5 needs transformers 5"

@@ -8,8 +8,9 @@ import pytest
 import torch
 from tiny import make_target
 
-from dflash import document_separation
-from dflash.target import TargetLoadError, load_target
+from dflash.target import files as target_files
+from dflash.target.files import TargetLoadError
+from dflash.target.model import load_target
 
 
 def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path, monkeypatch):
@@ -35,12 +36,12 @@ def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path
 @pytest.fixture
 def on_cuda_without_fla(monkeypatch):
     """Preflight sees a CUDA host without flash-linear-attention (this machine has neither)."""
+    import dflash.devices
     import dflash.preflight
-    import dflash.target
 
     monkeypatch.setattr(dflash.preflight, "check_devices", lambda config: None)
-    monkeypatch.setattr(dflash.target, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
-    monkeypatch.setattr(document_separation, "fla_available", lambda: False)
+    monkeypatch.setattr(dflash.devices, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
+    monkeypatch.setattr(target_files, "fla_available", lambda: False)
 
 
 def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(
@@ -91,7 +92,7 @@ def test_random_target_weights_says_which_weights_stay_random(tmp_path, caplog):
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, directory / "model.safetensors")
     with pytest.raises(TargetLoadError, match="lack 1 of the model's weights \\(lm_head.weight\\)"):
         load_target(directory, layer_ids=[1], device="cpu")
-    with caplog.at_level("WARNING", logger="dflash.target"):
+    with caplog.at_level("WARNING", logger="dflash.target.model"):
         load_target(directory, layer_ids=[1], device="cpu", random_missing=True)
     assert "1 of its weights are not in its files and stay random (--random-target-weights): lm_head.weight" in (
         caplog.text
@@ -110,7 +111,7 @@ def test_random_target_weights_says_which_weights_stay_random(tmp_path, caplog):
 def test_decoding_a_hybrid_target_names_the_releases_whose_cache_it_rolls_back(monkeypatch, installed, refusal):
     import importlib.metadata
 
-    from dflash.target import require_transformers_for
+    from dflash.target.files import require_transformers_for
 
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "transformers" else real(name))

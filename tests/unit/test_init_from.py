@@ -17,7 +17,8 @@ from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
 from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
 from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.target import load_target, load_tokenizer
+from dflash.target.files import load_tokenizer
+from dflash.target.model import load_target
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
 ROPE_THETA = 5e5  # not the target's: the drafter's own RoPE must survive

@@ -241,11 +241,12 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_the_portable_file_taps_the_same_layers_as_the_trainer():
     """modeling_dflash.py carries its own copy of the tap formula (it imports nothing of dflash)."""
-    from dflash import layer_taps, modeling_dflash
+    from dflash import modeling_dflash
+    from dflash.target import taps
 
     for num_layers in range(1, 81):
         for captured in range(1, min(8, modeling_dflash.max_captured_layers(num_layers)) + 1):
             assert modeling_dflash.default_target_layer_ids(num_layers, captured) == (
-                layer_taps.default_target_layer_ids(num_layers, captured)
+                taps.default_target_layer_ids(num_layers, captured)
             ), (num_layers, captured)
-        assert modeling_dflash.max_captured_layers(num_layers) == layer_taps.max_captured_layers(num_layers)
+        assert modeling_dflash.max_captured_layers(num_layers) == taps.max_captured_layers(num_layers)

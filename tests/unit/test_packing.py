@@ -34,7 +34,7 @@ from dflash.compile_watch import CountingBackend
 from dflash.config import TrainConfig
 from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, collate, read_conversations
 from dflash.packing import pack_rows, row_fill, row_packer
-from dflash.target import load_target
+from dflash.target.model import load_target
 
 # ---------------------------------------------------------------------------------------
 # Helpers

@@ -22,7 +22,7 @@ from dflash.config import TrainConfig
 from dflash.data import DatasetError
 from dflash.devices import DeviceSpecError, parse_devices
 from dflash.preflight import validate_inputs
-from dflash.target import TargetLoadError, load_tokenizer
+from dflash.target.files import TargetLoadError, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def slow_target(monkeypatch):
     """Loading the target (or importing what loads it) takes a minute, like a real one."""
     import transformers
 
-    import dflash.target
+    import dflash.target.model
 
     def slow(*args, **kwargs):
         time.sleep(60)
@@ -44,7 +44,7 @@ def slow_target(monkeypatch):
     for owner, name in (
         (transformers.AutoModelForCausalLM, "from_pretrained"),
         (transformers.AutoTokenizer, "from_pretrained"),
-        (dflash.target, "load_target"),
+        (dflash.target.model, "load_target"),
     ):
         monkeypatch.setattr(owner, name, slow)
 
@@ -179,7 +179,7 @@ def test_load_tokenizer_names_missing_tokenizer_files(inputs, tmp_path):
 
 
 def test_a_four_layer_target_names_the_flags_and_values_that_work(tmp_path):
-    from dflash.target import load_target
+    from dflash.target.model import load_target
 
     target = make_target(tmp_path / "t4", num_layers=4)
     with pytest.raises(ValueError) as error:

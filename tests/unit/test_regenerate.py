@@ -10,7 +10,8 @@ import torch
 from tiny import CONVERSATIONS, make_target
 
 from dflash.regenerate import ReplyJournal, regenerate_replies, regenerated_corpus
-from dflash.target import load_target, load_tokenizer
+from dflash.target.files import load_tokenizer
+from dflash.target.model import load_target
 
 KEY = {"data_sha256": "abc", "seq_len": 96}
 # The last one has no prompt before its assistant turn: it gets a null reply.

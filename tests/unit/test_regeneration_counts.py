@@ -11,7 +11,8 @@ from tiny import CONVERSATIONS, make_target
 
 import dflash.regenerate as regenerate
 from dflash.regenerate import regenerated_corpus
-from dflash.target import load_target, load_tokenizer
+from dflash.target.files import load_tokenizer
+from dflash.target.model import load_target
 
 SETTINGS = dict(seq_len=96, max_new_tokens=4)
 CORPUS = CONVERSATIONS * 2

@@ -17,7 +17,7 @@ import dflash.token_cache
 import dflash.trainer
 from dflash.data import build_examples, read_conversations, tokenize_conversations
 from dflash.run_dir import TOKENS_DIR
-from dflash.target import load_tokenizer
+from dflash.target.files import load_tokenizer
 from dflash.token_cache import TokenCache, TokenizingStopped, cache_key
 from dflash.trainer import Trainer
 

@@ -9,7 +9,8 @@ import shutil
 import pytest
 from tiny import make_target, save_random_drafter, write_chat_data
 
-import dflash.target
+import dflash.target.files
+import dflash.target.model
 from dflash.weight_files import WeightFileError, check_weight_files
 
 
@@ -81,8 +82,8 @@ def nothing_loads(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("loaded before the damaged weight file was reported")
 
-    for name in ("load_target", "load_tokenizer"):
-        monkeypatch.setattr(dflash.target, name, fail)
+    for owner, name in ((dflash.target.model, "load_target"), (dflash.target.files, "load_tokenizer")):
+        monkeypatch.setattr(owner, name, fail)
 
 
 def test_train_names_a_truncated_target_file_before_loading_anything(target, tmp_path, caplog, nothing_loads):

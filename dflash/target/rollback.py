@@ -20,7 +20,7 @@ tensor each (5.7-5.14) or a dict of them by state index (5.15-5.25); from 5.25 a
 layer also counts its tokens (``cumulative_length_linear``, which ``cache.get_seq_length()`` reads
 when layer 0 is linear, and so the positions of the next forward), saved and restored with the
 states. Older releases verify a block from a zero state, newer ones may lay the cache out otherwise
-(:data:`dflash.target.TRANSFORMERS_FOR_DECODING`; ``dflash eval`` refuses both before loading).
+(:data:`dflash.target.files.TRANSFORMERS_FOR_DECODING`; ``dflash eval`` refuses both before loading).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-from dflash import document_separation
-from dflash.target import decoding_transformers_range
+from dflash.target.documents import linear_layers
+from dflash.target.files import decoding_transformers_range
 
 #: How a rejected block's linear-attention states are advanced by the kept tokens (module docstring).
 STRATEGIES = ("mixers", "forward")
@@ -43,7 +43,7 @@ def new_cache(target):
     (built from the config, a sliding-window target's layers refuse to be cropped)."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=target.config) if document_separation.linear_layers(target.model) else DynamicCache()
+    return DynamicCache(config=target.config) if linear_layers(target.model) else DynamicCache()
 
 
 def crop(cache, keep: int, *, skip: frozenset[int] = frozenset()) -> None:
@@ -65,7 +65,7 @@ class StateRollback:
     """Snapshot and restore of a hybrid target's linear-attention states around verification.
 
     Args:
-        target (dflash.target.Target): a target with linear-attention layers.
+        target (dflash.target.model.Target): a target with linear-attention layers.
         cache: its decoding cache (:func:`new_cache`), already past the prompt.
         strategy (str): one of :data:`STRATEGIES`.
 
@@ -77,14 +77,14 @@ class StateRollback:
         if strategy not in STRATEGIES:
             raise ValueError(f"rollback strategy {strategy!r}: use one of {STRATEGIES}")
         self.target, self.cache, self.strategy = target, cache, strategy
-        self.mixers = document_separation.linear_layers(target.model)
+        self.mixers = linear_layers(target.model)
         self._saved: dict[int, tuple[torch.Tensor, ...]] = {}
         self._inputs: dict[int, torch.Tensor] = {}
 
     @classmethod
     def for_target(cls, target, cache, strategy: str = "mixers") -> StateRollback | None:
         """A rollback for ``target`` when it has linear-attention layers, else None (KV crop suffices)."""
-        return cls(target, cache, strategy) if document_separation.linear_layers(target.model) else None
+        return cls(target, cache, strategy) if linear_layers(target.model) else None
 
     @property
     def linear_layers(self) -> frozenset[int]:

@@ -1,12 +1,12 @@
-"""dflash.early_exit: a capture without the final hidden state stops at the deepest tapped layer,
+"""dflash.target.layer_skip: a capture without the final hidden state stops at the deepest tapped layer,
 with the same tapped states, and only in the capturing thread."""
 
 import pytest
 import torch
 from tiny import in_thread, make_target, packed_batch
 
-from dflash import early_exit
-from dflash.target import Target, load_target
+from dflash.target.layer_skip import LayerSkip
+from dflash.target.model import Target, load_target
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
@@ -108,18 +108,18 @@ def test_a_skipped_layer_returns_the_deepest_output_in_its_convention():
     layers = torch.nn.ModuleList(_TupleLayer(s) for s in (2.0, 3.0, 5.0, 7.0))
     x = torch.ones(2, 3)
     deepest = layers[1](layers[0](x)[0])[0]
-    skip = early_exit.LayerSkip.past(layers, 1)
+    skip = LayerSkip.past(layers, 1)
     with skip.skipping():
         assert torch.equal(_tuple_stack(layers, x), deepest)
     assert torch.equal(_tuple_stack(layers, x), ((deepest * 5 + 1) * 7 + 1))
-    assert early_exit.LayerSkip.past(layers, 3) is None
+    assert LayerSkip.past(layers, 3) is None
     with pytest.raises(ValueError, match="no layer after it to skip"):
-        early_exit.LayerSkip(layers, 3)
+        LayerSkip(layers, 3)
 
 
 def test_an_exception_inside_a_skipping_forward_leaves_no_skipping_behind():
     layers = torch.nn.ModuleList(_TupleLayer(s) for s in (2.0, 3.0, 5.0))
-    skip = early_exit.LayerSkip.past(layers, 0)
+    skip = LayerSkip.past(layers, 0)
     x = torch.ones(1, 2)
     with pytest.raises(RuntimeError, match="boom"), skip.skipping():
         _tuple_stack(layers, x)

@@ -24,13 +24,13 @@ states the verifier never produces. Each layer type needs its own means:
   elsewhere. transformers' own route (``cu_seq_lens_q`` / ``seq_idx`` kwargs) needs Dao's
   causal-conv1d, a CUDA source build, for the conv, and raises without it.
 
-Any other layer type (chunked attention, say) is refused for packing (:func:`check_packable`),
+Any other layer type (chunked attention, say) is refused for packing
+(:func:`dflash.target.files.check_packable`),
 naming the type and ``--no-pack``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -41,21 +41,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash import masks
-from dflash.forward_override import ForwardOverride
+from dflash.config import SLIDING_ATTENTION
+from dflash.target.files import FLA_PACKAGE, LINEAR_ATTENTION, UnknownLayerType, fla_available, layer_types
+from dflash.target.layer_skip import ForwardOverride
 
 logger = logging.getLogger(__name__)
-
-#: Layer types whose documents this module keeps apart (module docstring: how).
-PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
-
-#: The layer type of attention restricted to the last ``sliding_window`` tokens.
-SLIDING_ATTENTION = "sliding_attention"
-
-#: The layer type of a hybrid target's linear-attention layers.
-LINEAR_ATTENTION = "linear_attention"
-
-#: The flash-linear-attention distributions (pure Python + Triton): what a hybrid target needs on CUDA.
-FLA_PACKAGE = "flash-linear-attention"
 
 #: Attributes of transformers' ``Qwen3_5GatedDeltaNet`` (5.x) that :func:`_gated_deltanet_forward` reads.
 _GATED_DELTANET_PARTS = (
@@ -74,57 +64,6 @@ _GATED_DELTANET_PARTS = (
     "head_v_dim",
     "activation",
 )
-
-
-class UnknownLayerType(ValueError):
-    """A decoder layer type whose documents cannot be kept apart in a packed row."""
-
-
-def layer_types(config: dict) -> list[str]:
-    """The decoder layer types of a causal LM's (text) ``config.json`` dict, one per layer.
-
-    ``layer_types`` when the config lists them; else a hybrid config's pattern (Qwen3.5 /
-    Qwen3-Next: every ``full_attention_interval``-th layer, default 4, is full attention, the rest
-    linear); else ``sliding_attention`` for a config with an active ``sliding_window`` (Mistral)
-    and ``full_attention`` for the rest (Llama, Qwen3).
-
-    Args:
-        config (dict): the text config (``text_config`` of a multimodal ``config.json``).
-
-    Returns:
-        list[str]: ``num_hidden_layers`` entries.
-    """
-    num_layers = int(config.get("num_hidden_layers") or 0)
-    if isinstance(config.get("layer_types"), list):
-        return list(config["layer_types"])
-    if "linear_conv_kernel_dim" in config or "full_attention_interval" in config:
-        interval = int(config.get("full_attention_interval") or 4)
-        return [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    sliding = config.get("sliding_window") is not None and config.get("use_sliding_window", True)
-    return [SLIDING_ATTENTION if sliding else "full_attention"] * num_layers
-
-
-def is_hybrid(config: dict) -> bool:
-    """Whether a (text) config has linear-attention layers (Qwen3.5 / Qwen3.6)."""
-    return LINEAR_ATTENTION in layer_types(config)
-
-
-def check_packable(config: dict, source: str) -> None:
-    """Refuse packed rows for a target with a layer type this module cannot keep apart.
-
-    Args:
-        config (dict): the target's text config (see :func:`layer_types`).
-        source (str): where it came from, for the message (the ``config.json`` path).
-
-    Raises:
-        UnknownLayerType: names the first unknown layer type, the known ones, and ``--no-pack``.
-    """
-    unknown = sorted({t for t in layer_types(config) if t not in PACKABLE_LAYER_TYPES})
-    if unknown:
-        raise UnknownLayerType(
-            f"target {source}: decoder layer type {unknown[0]!r} cannot keep the conversations of a packed row "
-            f"apart (packing knows {', '.join(PACKABLE_LAYER_TYPES)}); train with --no-pack"
-        )
 
 
 @dataclass(frozen=True)
@@ -322,11 +261,6 @@ REFERENCE_KERNELS = LinearAttentionKernels(
 FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule)
 
 
-def fla_available() -> bool:
-    """Whether flash-linear-attention is importable (without importing it)."""
-    return importlib.util.find_spec("fla") is not None
-
-
 def kernels_for(device: torch.device) -> LinearAttentionKernels:
     """flash-linear-attention's Triton kernels on CUDA when installed, else the exact reference."""
     return FLA_KERNELS if device.type == "cuda" and fla_available() else REFERENCE_KERNELS
@@ -361,7 +295,7 @@ _PACKED = ForwardOverride("dflash_packed_segments")
 def install_segmented_forward(mixers: Iterable[torch.nn.Module]) -> None:
     """Give each of ``mixers`` a forward that runs over the segments of :func:`linear_layers_apart`
     when the calling thread is inside it, and its own forward otherwise (once per mixer;
-    :class:`dflash.forward_override.ForwardOverride`), so another thread using the same model
+    :class:`dflash.target.layer_skip.ForwardOverride`), so another thread using the same model
     meanwhile (decoding, regeneration) runs transformers' forward untouched."""
     for mixer in mixers:
         _PACKED.install(mixer, _segmented)

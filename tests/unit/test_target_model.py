@@ -1,10 +1,12 @@
-"""dflash.target: layer id k = output of decoder layer k; clear load and device errors."""
+"""dflash.target.model: layer id k = output of decoder layer k; clear load and device errors."""
 
 import pytest
 import torch
 from tiny import make_target
 
-from dflash.target import Target, TargetLoadError, load_target, resolve_device
+from dflash.devices import resolve_device
+from dflash.target.files import TargetLoadError
+from dflash.target.model import Target, load_target
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

@@ -1,4 +1,4 @@
-"""dflash.document_separation: every conversation of a packed row gets, at every layer of a hybrid
+"""dflash.target.documents: every conversation of a packed row gets, at every layer of a hybrid
 (Qwen3.5 / Qwen3.6: Gated DeltaNet + gated attention) target, the hidden states it gets alone; layer
 types packing cannot keep apart are refused before anything loads."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from tiny import make_target, packed_batch, unfused_flex
 
-from dflash import document_separation
-from dflash.target import TargetStates, load_target
+from dflash.target import documents
+from dflash.target.files import UnknownLayerType, check_packable, layer_types
+from dflash.target.model import TargetStates, load_target
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_the_document_mask_alone_leaks_through_the_linear_layers(hybrid):
     # What packing did before linear layers were kept apart: the attention layers masked, the Gated
     # DeltaNet conv and recurrence running on across documents.
     batch = packed_batch([SIZES, SIZES[::-1]], seq_len=40, seed=3)
-    mask = document_separation.attention_mask(batch.document_ids, hybrid.config._attn_implementation, hybrid.dtype)
+    mask = documents.attention_mask(batch.document_ids, hybrid.config._attn_implementation, hybrid.dtype)
     out = hybrid.decoder_forward(batch.input_ids, position_ids=batch.position_ids, attention_mask=mask)
     leaky = TargetStates(hybrid.select(out.hidden_states), out.hidden_states[-1])
     assert _worst_later_difference(hybrid, leaky, batch) > 1e-3
@@ -66,10 +67,10 @@ def test_another_threads_forward_during_a_packed_capture_is_untouched(hybrid):
     hybrid.capture(batch.input_ids, batch.position_ids, batch.document_ids)  # installs the segmented forward
     before = hybrid.capture(batch.input_ids[:, :9])
     inside, release = threading.Event(), threading.Event()
-    segments = document_separation.Segments.of(batch.document_ids, torch.device("cpu"))
+    segments = documents.Segments.of(batch.document_ids, torch.device("cpu"))
 
     def packed_capture_in_flight():
-        with document_separation.linear_layers_apart(segments, document_separation.REFERENCE_KERNELS):
+        with documents.linear_layers_apart(segments, documents.REFERENCE_KERNELS):
             inside.set()
             release.wait(30)
 
@@ -86,7 +87,7 @@ def test_another_threads_forward_during_a_packed_capture_is_untouched(hybrid):
 
 def test_segments_are_every_document_and_each_rows_tail_padding():
     batch = packed_batch([[3, 2], [4]], seq_len=6, seed=0)  # row 0: 3 + 2 + 1 pad; row 1: 4 + 2 pad
-    segments = document_separation.Segments.of(batch.document_ids, torch.device("cpu"), conv_width=3)
+    segments = documents.Segments.of(batch.document_ids, torch.device("cpu"), conv_width=3)
     assert segments.cu_seqlens_cpu.tolist() == [0, 3, 5, 6, 10, 12]
     # The first 2 (= W - 1) tokens of each segment that lie inside it: the pad segment at 5 has one.
     assert segments.head_targets.tolist() == [0, 1, 3, 4, 5, 6, 7, 10, 11]
@@ -97,7 +98,7 @@ def test_segmented_conv_equals_each_segment_convolved_alone(sizes):
     torch.manual_seed(0)
     x, weight, bias = torch.randn(1, sum(sizes), 6), torch.randn(6, 4), torch.randn(6)
     ids = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])[None]
-    got = document_separation.segmented_conv(x, weight, bias, "silu", document_separation.Segments.of(ids, x.device))
+    got = documents.segmented_conv(x, weight, bias, "silu", documents.Segments.of(ids, x.device))
     start = 0
     for n in sizes:
         part = x[:, start : start + n].transpose(1, 2)
@@ -110,7 +111,7 @@ def test_segmented_conv_equals_each_segment_convolved_alone(sizes):
 
 def test_layer_types_of_configs_that_do_not_list_them():
     assert (
-        document_separation.layer_types({"num_hidden_layers": 8, "linear_conv_kernel_dim": 4})
+        layer_types({"num_hidden_layers": 8, "linear_conv_kernel_dim": 4})
         == [
             "linear_attention",
             "linear_attention",
@@ -119,26 +120,24 @@ def test_layer_types_of_configs_that_do_not_list_them():
         ]
         * 2
     )
-    assert (
-        document_separation.layer_types({"num_hidden_layers": 2, "sliding_window": 4096}) == ["sliding_attention"] * 2
-    )
+    assert layer_types({"num_hidden_layers": 2, "sliding_window": 4096}) == ["sliding_attention"] * 2
     qwen3 = {"num_hidden_layers": 2, "sliding_window": 4096, "use_sliding_window": False}
-    assert document_separation.layer_types(qwen3) == ["full_attention"] * 2
+    assert layer_types(qwen3) == ["full_attention"] * 2
 
 
 def test_a_layer_type_packing_cannot_keep_apart_is_named_with_no_pack():
     config = {"num_hidden_layers": 2, "layer_types": ["chunked_attention", "full_attention"]}
-    with pytest.raises(document_separation.UnknownLayerType, match=r"'chunked_attention'.*--no-pack"):
-        document_separation.check_packable(config, "t/config.json")
-    document_separation.check_packable({**config, "layer_types": ["sliding_attention", "full_attention"]}, "c")
-    document_separation.check_packable({"num_hidden_layers": 4, "linear_conv_kernel_dim": 4}, "t/config.json")
+    with pytest.raises(UnknownLayerType, match=r"'chunked_attention'.*--no-pack"):
+        check_packable(config, "t/config.json")
+    check_packable({**config, "layer_types": ["sliding_attention", "full_attention"]}, "c")
+    check_packable({"num_hidden_layers": 4, "linear_conv_kernel_dim": 4}, "t/config.json")
 
 
 def test_a_linear_layer_of_another_design_is_refused_for_packing(hybrid, monkeypatch):
-    mixer = next(iter(document_separation.linear_layers(hybrid.model).values()))
+    mixer = next(iter(documents.linear_layers(hybrid.model).values()))
     monkeypatch.delattr(mixer, "in_proj_qkv")
-    with pytest.raises(document_separation.UnknownLayerType, match=r"no in_proj_qkv.*--no-pack"):
-        document_separation.linear_layers(hybrid.model)
+    with pytest.raises(UnknownLayerType, match=r"no in_proj_qkv.*--no-pack"):
+        documents.linear_layers(hybrid.model)
 
 
 def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_before_it_loads(tmp_path):
@@ -153,7 +152,7 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
     (target / "config.json").write_text(json.dumps({**config, "layer_types": ["chunked_attention", "full_attention"]}))
     run = dict(target=str(target), data=str(write_chat_data(tmp_path / "chats.jsonl")), out=str(tmp_path / "run"))
     run.update(num_target_layers=1)
-    with pytest.raises(document_separation.UnknownLayerType, match=r"'chunked_attention'.*--no-pack"):
+    with pytest.raises(UnknownLayerType, match=r"'chunked_attention'.*--no-pack"):
         validate_inputs(resolve_drafter_shape(TrainConfig(**run)))
     validate_inputs(resolve_drafter_shape(TrainConfig(**run, pack=False)))
 
@@ -164,12 +163,10 @@ def test_one_document_rows_take_the_segmented_route_too(hybrid, monkeypatch):
     from dflash.engine.step import produce_target_states
 
     segmented = []
-    original = document_separation._gated_deltanet_forward
-    monkeypatch.setattr(
-        document_separation, "_gated_deltanet_forward", lambda *a, **k: segmented.append(1) or original(*a, **k)
-    )
+    original = documents._gated_deltanet_forward
+    monkeypatch.setattr(documents, "_gated_deltanet_forward", lambda *a, **k: segmented.append(1) or original(*a, **k))
     produce_target_states(hybrid, packed_batch([[9], [13]], seq_len=16, seed=1), last_hidden=True)
-    assert len(segmented) == len(document_separation.linear_layers(hybrid.model))
+    assert len(segmented) == len(documents.linear_layers(hybrid.model))
 
 
 def test_the_segmented_conv_indexes_without_a_host_sync():
@@ -178,10 +175,10 @@ def test_the_segmented_conv_indexes_without_a_host_sync():
     from torch.profiler import profile
 
     ids = torch.cat([torch.full((n,), d) for d, n in enumerate([5, 1, 9])])[None]
-    segments = document_separation.Segments.of(ids, torch.device("cpu"))
+    segments = documents.Segments.of(ids, torch.device("cpu"))
     x, weight = torch.randn(1, ids.shape[1], 8), torch.randn(8, 4)
     with profile() as prof:
-        document_separation.segmented_conv(x, weight, None, "silu", segments)
+        documents.segmented_conv(x, weight, None, "silu", segments)
     assert not [e.key for e in prof.key_averages() if "nonzero" in e.key]
 
 
@@ -210,7 +207,7 @@ def test_a_document_mask_without_the_window_changes_the_later_documents(sliding_
     # Teeth: the window matters here, so a packed mask that forgot it would be caught above.
     target = load_target(sliding_dir, layer_ids=[0, 1, 2, 3], device="cpu")
     batch = packed_batch([SIZES, SIZES[::-1]], seq_len=40, seed=3)
-    mask = document_separation.attention_mask(batch.document_ids, "sdpa", target.dtype)
+    mask = documents.attention_mask(batch.document_ids, "sdpa", target.dtype)
     out = target.decoder_forward(batch.input_ids, position_ids=batch.position_ids, attention_mask=mask)
     windowless = TargetStates(target.select(out.hidden_states), out.hidden_states[-1])
     assert _worst_later_difference(target, windowless, batch) > 1e-3

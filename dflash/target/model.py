@@ -15,209 +15,19 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dflash import document_separation, early_exit, masks
+from dflash import masks
+from dflash.target import documents
+from dflash.target.files import TargetLoadError, read_target_config, require_transformers_for
+from dflash.target.layer_skip import LayerSkip
+from dflash.target.taps import check_taps
 
 logger = logging.getLogger(__name__)
-
-
-class TargetLoadError(ValueError):
-    """The target directory cannot be loaded as a causal LM."""
-
-
-_QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-#: The first transformers release with each model type that older releases cannot load (Qwen3.5 and
-#: Qwen3.6, dense and MoE, came with 5.2.0; transformers 4.x maps them to nothing).
-FIRST_TRANSFORMERS = dict.fromkeys(_QWEN3_5_TYPES, "5.2.0")
-
-#: The transformers releases (first, last minor) whose hybrid cache :mod:`dflash.state_rollback` puts
-#: back after a rejected draft: 5.2-5.6 start every chunked Gated DeltaNet forward from a zero state,
-#: and a minor release may lay the linear-attention cache out anew (5.15 and 5.25 did), so eval
-#: refuses a newer one rather than measure acceptance against a wrongly restored target.
-TRANSFORMERS_FOR_DECODING = dict.fromkeys(_QWEN3_5_TYPES, ("5.7.0", "5.25"))
-
-
-def decoding_transformers_range(model_type: str = "qwen3_5") -> str:
-    """The releases :data:`TRANSFORMERS_FOR_DECODING` names for ``model_type``, as ``"5.7-5.25"``."""
-    first, last = TRANSFORMERS_FOR_DECODING[model_type]
-    return f"{first.removesuffix('.0')}-{last}"
-
-
-def require_transformers_for(config: dict, source: str | Path, *, decoding: bool = False) -> None:
-    """Refuse a target whose ``model_type`` the installed transformers cannot load (or, with
-    ``decoding``, cannot verify speculative drafts with), before it loads.
-
-    Args:
-        config (dict): the target's ``config.json``.
-        source: the file, for the message.
-        decoding (bool): the target decodes with a cache (``dflash eval``).
-
-    Raises:
-        TargetLoadError: names the model type, the transformers releases that work, the installed
-            one, and the pip command that installs one of them.
-    """
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
-    installed = version("transformers")
-    first = FIRST_TRANSFORMERS.get(model_type)
-    if first and Version(installed) < Version(first):
-        raise TargetLoadError(
-            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) loads with transformers {first} or "
-            f"newer; this environment has {installed}: pip install -U 'transformers>={first}'"
-        )
-    if not decoding or model_type not in TRANSFORMERS_FOR_DECODING:
-        return
-    first, last = TRANSFORMERS_FOR_DECODING[model_type]
-    if Version(installed) < Version(first):
-        raise TargetLoadError(
-            f"target {source}: model_type {model_type!r} (Qwen3.5 / Qwen3.6) verifies speculative drafts from its "
-            f"cache with transformers {first} or newer; this environment has {installed}: "
-            f"pip install -U 'transformers>={first}'"
-        )
-    if Version(installed).release[:2] > Version(last).release[:2]:
-        upper = f"{Version(last).major}.{Version(last).minor + 1}"
-        raise TargetLoadError(
-            f"target {source}: dflash eval rolls back the linear-attention cache of model_type {model_type!r} "
-            f"(Qwen3.5 / Qwen3.6) as transformers {decoding_transformers_range(model_type)} lay it out; this "
-            f"environment has {installed}, whose layout it has not been tested on and could measure acceptance "
-            f"wrongly: pip install 'transformers>={first},<{upper}' to evaluate (training is not affected)"
-        )
-
-
-def read_target_config(path: str | Path) -> dict:
-    """The ``config.json`` of a target directory, read without loading anything else.
-
-    Raises:
-        TargetLoadError: no such directory, no ``config.json``, or one that is not a JSON object.
-    """
-    path = Path(path)
-    if path.is_file():
-        raise TargetLoadError(f"target {path}: a file; pass --target with the model's directory ({path.parent}?)")
-    if not path.is_dir():
-        raise TargetLoadError(
-            f"target {path}: no such directory; pass --target with a local HF model "
-            "directory (config.json + safetensors)"
-        )
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise TargetLoadError(
-            f"target {path}: no config.json; this is not a Hugging Face model "
-            "directory (save one with model.save_pretrained)"
-        )
-    from dflash.json_files import read_json_object
-
-    return read_json_object(
-        config_file, error=TargetLoadError, name=f"target {config_file}", fix="restore it from the model's source"
-    )
-
-
-def context_length(path: str | Path) -> int:
-    """The target's context in tokens: ``max_position_embeddings`` of its ``config.json`` (of its
-    ``text_config`` in a multimodal config), read without loading the model.
-
-    Raises:
-        TargetLoadError: see :func:`read_target_config`; or no positive integer
-            ``max_position_embeddings`` (the drafter config copies it, so every target has it).
-    """
-    raw = read_target_config(path)
-    positions = (raw.get("text_config") or raw).get("max_position_embeddings")
-    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
-        raise TargetLoadError(
-            f"target {Path(path) / 'config.json'}: max_position_embeddings is {positions!r}, expected the "
-            "context length in tokens; is it a causal LM's config?"
-        )
-    return positions
-
-
-def require_tokenizer_files(path: str | Path) -> None:
-    """Check that the target directory holds its tokenizer and chat template, before anything
-    loads it.
-
-    Raises:
-        TargetLoadError: no ``tokenizer_config.json`` (its special tokens: eos, pad), no
-            vocabulary (``tokenizer.json``, or ``tokenizer.model``/``vocab.json`` for transformers
-            to convert), or no chat template (a ``chat_template`` key there, ``chat_template.jinja``
-            or ``chat_template.json``): the loss mask and prompts come from it. Names the file.
-    """
-    path = Path(path)
-    fix = "copy it from the model's source, or save it with tokenizer.save_pretrained(DIR)"
-    config = path / "tokenizer_config.json"
-    if not config.is_file():
-        raise TargetLoadError(f"no tokenizer_config.json in {path} (the target's special tokens: eos, pad); {fix}")
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise TargetLoadError(f"no tokenizer.json in {path} (the target's vocabulary); {fix}")
-    if not any((path / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
-        try:
-            has_template = "chat_template" in json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise TargetLoadError(f"{config}: cannot read ({e}); {fix}") from None
-        if not has_template:
-            raise TargetLoadError(
-                f"no chat template in {path} (no chat_template.jinja, and tokenizer_config.json has no "
-                f"chat_template): the loss mask and prompts are rendered with it; {fix}"
-            )
-
-
-def load_tokenizer(path: str | Path):
-    """The target's tokenizer from its local directory (``AutoTokenizer``, no network).
-
-    Raises:
-        TargetLoadError: no tokenizer files (:func:`require_tokenizer_files`), or files that
-            ``AutoTokenizer`` cannot load (the message names the directory).
-    """
-    from transformers import AutoTokenizer
-
-    require_tokenizer_files(path)
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TargetLoadError(
-            f"tokenizer in {path}: cannot load ({type(e).__name__}: {e}); check tokenizer.json/tokenizer_config.json"
-        ) from e
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """Turn ``"auto"``/None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` into a device that exists.
-
-    ``"auto"`` picks ``cuda`` when a GPU is visible, else ``cpu``.
-
-    Raises:
-        ValueError: unparsable name, CUDA requested on a host without it, or an index past
-            the visible GPUs; the message names the fix.
-    """
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N ({e})") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"--device {name}: CUDA is not available on this host (torch "
-                f"{torch.__version__}, no visible GPU); use --device cpu"
-            )
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise ValueError(
-                f"--device {name}: this host has {count} CUDA device(s) "
-                f"(cuda:0..cuda:{count - 1}); pick one of those or set CUDA_VISIBLE_DEVICES"
-            )
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise ValueError(f"--device {name}: only cpu and cuda are supported")
-    return device
 
 
 @dataclass
@@ -229,7 +39,7 @@ class TargetStates:
             feature dim in ``layer_ids`` order; bf16 on GPU, fp32 on CPU.
         last_hidden (torch.Tensor, optional): ``[B, S, H]`` final-norm hidden state (input of
             the LM head), for soft labels; None when the capture skipped the layers past the
-            deepest tap (:mod:`dflash.early_exit`).
+            deepest tap (:mod:`dflash.target.layer_skip`).
     """
 
     context: torch.Tensor
@@ -260,12 +70,12 @@ class Target:
             )
         self._layer_skip = self._skip_past_taps()
 
-    def _skip_past_taps(self) -> early_exit.LayerSkip | None:
+    def _skip_past_taps(self) -> LayerSkip | None:
         layers = getattr(self.model.get_decoder(), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList) or len(layers) != self.num_layers:
             logger.info("target %s: no decoder layer list, every capture runs all layers", type(self.model).__name__)
             return None
-        return early_exit.LayerSkip.past(layers, max(self.layer_ids))
+        return LayerSkip.past(layers, max(self.layer_ids))
 
     @property
     def num_layers(self) -> int:
@@ -334,7 +144,7 @@ class Target:
         those of the conversation run alone: attention layers through a document-causal mask in the
         form of the model's attention backend, linear-attention layers (Qwen3.5 / Qwen3.6 Gated
         DeltaNet) with their conv and recurrence restarted at each conversation
-        (:mod:`dflash.document_separation` says how, and what it costs).
+        (:mod:`dflash.target.documents` says how, and what it costs).
 
         Args:
             input_ids (torch.Tensor): int64 ``[B, S]``.
@@ -345,7 +155,7 @@ class Target:
                 equal ids (-1 on padding); None: one conversation per row. Host tensors spare
                 device syncs.
             last_hidden (bool): also return the final hidden state; False skips the layers past
-                the deepest tap (:mod:`dflash.early_exit`), which change no tapped state.
+                the deepest tap (:mod:`dflash.target.layer_skip`), which change no tapped state.
 
         Returns:
             TargetStates: ``context [B, S, K*H]`` and ``last_hidden [B, S, H]`` (None without
@@ -354,7 +164,7 @@ class Target:
         Raises:
             ValueError: ``document_ids`` with an attention backend that takes no document mask.
             UnknownLayerType: ``document_ids`` for a target with a layer type packing cannot keep
-                apart (:func:`dflash.document_separation.check_packable`).
+                apart (:func:`dflash.documents.check_packable`).
         """
         input_ids = input_ids.to(self.device)
         attention_mask, apart = None, contextlib.nullcontext()
@@ -365,8 +175,8 @@ class Target:
             # the mask only where a row holds several documents (else SDPA's causal fast path).
             if self._linear_mixers:
                 width = self.config.get_text_config().linear_conv_kernel_dim
-                segments = document_separation.Segments.of(document_ids, self.device, conv_width=width)
-                apart = document_separation.linear_layers_apart(segments, self._linear_kernels)
+                segments = documents.Segments.of(document_ids, self.device, conv_width=width)
+                apart = documents.linear_layers_apart(segments, self._linear_kernels)
             several = bool(document_ids.max() > 0)
             document_ids = document_ids.to(self.device)
             if position_ids is None:
@@ -374,9 +184,7 @@ class Target:
                     document_ids
                 )
             if several:
-                attention_mask = document_separation.attention_masks(
-                    document_ids, self.config.get_text_config(), self.dtype
-                )
+                attention_mask = documents.attention_masks(document_ids, self.config.get_text_config(), self.dtype)
         if position_ids is not None:
             position_ids = position_ids.to(self.device)
         skip = self._layer_skip
@@ -387,13 +195,13 @@ class Target:
 
     @functools.cached_property
     def _linear_mixers(self) -> dict[int, torch.nn.Module]:
-        mixers = document_separation.linear_layers(self.model)
-        document_separation.install_segmented_forward(mixers.values())
+        mixers = documents.linear_layers(self.model)
+        documents.install_segmented_forward(mixers.values())
         return mixers
 
     @functools.cached_property
-    def _linear_kernels(self) -> document_separation.LinearAttentionKernels:
-        kernels = document_separation.kernels_for(self.device)
+    def _linear_kernels(self) -> documents.LinearAttentionKernels:
+        kernels = documents.kernels_for(self.device)
         logger.info("packed rows: %d linear-attention layers run on %s", len(self._linear_mixers), kernels.name)
         return kernels
 
@@ -422,11 +230,9 @@ def load_target(
             ``AutoModelForCausalLM`` cannot load, or (without ``random_missing``) weight files that
             lack some of the model's weights, e.g. under other key names (the message names the
             path, the weights and the fix).
-        ValueError: the layers to tap do not fit the target (see :func:`dflash.layer_taps.check_taps`).
+        ValueError: the layers to tap do not fit the target (see :func:`dflash.target.taps.check_taps`).
     """
     from transformers import AutoModelForCausalLM
-
-    from dflash.layer_taps import check_taps
 
     path = Path(path)
     require_transformers_for(read_target_config(path), path / "config.json")
