@@ -42,13 +42,13 @@ from transformers import Qwen3Config
 from dflash.compile_watch import DynamoWarnings, raise_recompile_limit
 from dflash.data import Batch
 from dflash.devices import Slot
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.engine.jobs import Job
 from dflash.engine.replica import build_replicas, optimizer_step
 from dflash.engine.step import LossSettings, TargetBatch, detect_peak_tflops, drafter_step, drafter_step_flops
 from dflash.engine.threaded import Control, DrafterWorker, Inbox, Prefetched, run_drafters
 from dflash.loss import DPACE_ALPHA
 from dflash.masks import sample_anchors
-from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.target.model import TargetStates
 
 SIZES = {

@@ -15,7 +15,7 @@ Layout under ``<out>/checkpoints/``::
     latest                    text file naming the newest complete step directory
 
 So a step directory doubles as a drafter that vLLM, SGLang and ``transformers`` 4.57+ load
-(:mod:`dflash.portable` says what each of them needs).
+(:mod:`dflash.drafter.hf_config` says what each of them needs).
 
 Every write is atomic: files go into ``step_N.tmp/`` and are fsynced, the directory is renamed
 to ``step_N`` (one ``rename``), then ``latest`` is replaced through a temp file + ``os.replace``.
@@ -42,22 +42,15 @@ from typing import Any
 import torch
 
 from dflash.config import SAVE_DTYPES
+from dflash.drafter.files import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 STATE_NAME = "training_state.pt"
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
-#: What ``dflash eval`` reads: a drafter shipped to serving (these and ``modeling_dflash.py``) is enough.
-DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 #: Key of the full-precision drafter weights in the training state (see :func:`save_checkpoint`).
 MASTER_WEIGHTS_KEY = "master_weights"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or corrupt (the message names file and fix)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,7 +166,7 @@ def save_checkpoint(
     """Atomically save a drafter (+ training state) as ``<out_dir>/checkpoints/step_<step>``.
 
     The step directory is a complete drafter for vLLM, SGLang and ``transformers``:
-    ``config.json`` (:func:`dflash.portable.portable_config`), ``modeling_dflash.py`` and
+    ``config.json`` (:func:`dflash.drafter.hf_config.portable_config`), ``modeling_dflash.py`` and
     ``model.safetensors``.
 
     Args:
@@ -197,7 +190,7 @@ def save_checkpoint(
         CheckpointError: the OS refused a write (disk full, quota, permissions); the temp
             directory is removed first, the previous checkpoints and ``latest`` are untouched.
     """
-    from dflash.portable import portable_config
+    from dflash.drafter.hf_config import portable_config
 
     exported = {k: _export(v, dtype) for k, v in weights.items()}
     config = portable_config(drafter_config, dtype=_single_dtype(exported))
@@ -243,7 +236,7 @@ def write_drafter_files(
     Raises:
         ValueError: ``drafter_config`` has no RoPE base.
     """
-    from dflash.portable import portable_config
+    from dflash.drafter.hf_config import portable_config
 
     exported = {k: _export(v, dtype) for k, v in weights.items()}
     _write_step(directory, portable_config(drafter_config, dtype=_single_dtype(exported)), exported, None)
@@ -264,7 +257,7 @@ def _write_step(tmp: Path, config: dict[str, Any], weights: dict[str, torch.Tens
     """Write and fsync the files of a step directory, manifest last, into the empty ``tmp``."""
     from safetensors.torch import save_file
 
-    from dflash.portable import MODELING_FILE, modeling_source
+    from dflash.drafter.hf_config import MODELING_FILE, modeling_source
 
     (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (tmp / MODELING_FILE).write_bytes(modeling_source())

@@ -142,46 +142,6 @@ def _default_taps_that_fit(config: TrainConfig, values: dict, target: dict) -> d
     return {"num_target_layers": fits}
 
 
-def drafter_config(
-    config: TrainConfig,
-    target_config,
-    *,
-    target_layer_ids: list[int],
-    mask_token_id: int,
-    is_causal: bool | None = None,
-):
-    """The config of a new drafter of a resolved ``config`` (:func:`resolve_drafter_shape`) for a
-    target (what ``dflash train`` builds without ``--init-from``).
-
-    Args:
-        config (TrainConfig): resolved.
-        target_config (PretrainedConfig): the target's config (multimodal ones: the text config is used).
-        target_layer_ids (list[int]): the layers the target taps.
-        mask_token_id (int): the resolved mask token (:mod:`dflash.mask_token`).
-        is_causal (bool, optional): causality within the draft block; None = the engines' rule for
-            a config without it (sliding layers causal), the published drafters'.
-
-    Returns:
-        DFlashDraftConfig
-    """
-    from dflash.model import create_drafter_config
-
-    return create_drafter_config(
-        target_config,
-        config.num_draft_layers,
-        block_size=config.block_size,
-        target_layer_ids=target_layer_ids,
-        mask_token_id=mask_token_id,
-        num_attention_heads=config.draft_heads,
-        num_key_value_heads=config.draft_kv_heads,
-        head_dim=config.draft_head_dim,
-        intermediate_size=config.draft_intermediate_size,
-        layer_types=parse_layer_types(config.draft_layer_types) if config.draft_layer_types else None,
-        sliding_window=config.draft_sliding_window,
-        is_causal=is_causal,
-    )
-
-
 def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> dict:
     """``draft_layer_types`` / ``draft_sliding_window`` (and the layer count from the types)."""
     layers = values.get("num_draft_layers", config.num_draft_layers)
@@ -213,7 +173,8 @@ def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> di
 def _drafter_directory(init_from: str) -> str:
     """``--init-from`` as the drafter directory it names: itself, or the latest checkpoint of a
     run directory (``--out`` of ``dflash train``, as ``dflash eval`` and ``dflash export`` take)."""
-    from dflash.checkpoint import CONFIG_NAME, DRAFTER_FILES, CheckpointError, find_checkpoint
+    from dflash.checkpoint import find_checkpoint
+    from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError
 
     path = Path(init_from)
     if (path / CONFIG_NAME).is_file() or not path.is_dir():
@@ -229,7 +190,7 @@ def _drafter_directory(init_from: str) -> str:
 def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
     """The shape fields of the ``--init-from`` drafter, refused where they contradict a flag or
     do not fit the target, or where its weights cannot load (read from the file's header)."""
-    from dflash.drafter_files import check_tensors, read_drafter_config
+    from dflash.drafter.files import check_tensors, read_drafter_config
 
     drafter = read_drafter_config(config.init_from)
     values = {field: getattr(drafter, key) for field, key in _FROM_DRAFTER.items()}

@@ -14,7 +14,7 @@ with the published ones (z-lab/dflash ``benchmark.py``, whose numbers the DFlash
 - tau per step: mean of ``accepted + 1`` over all steps of all prompts, the last step of a prompt
   cut at EOS / the token budget (it counts only tokens the step really emitted).
 - tau per prompt (z-lab): mean over prompts of each prompt's mean ``accepted + 1``, counted as
-  z-lab/dflash's ``dflash_generate`` counts it at commit 10129599 (``dflash/model.py``): it steps
+  z-lab/dflash's ``dflash_generate`` counts it at commit 10129599 (``dflash/drafter/model.py``): it steps
   while ``start + 1 < max_length`` and no stop token was written, records ``produced = min(accepted
   + 1, max_length - start - 1)`` cut after the first stop token, and takes no step when the
   prefill token is a stop token (nor when the budget is that token alone). Those are exactly the
@@ -247,15 +247,16 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     shipped for serving (``config.json`` and ``model.safetensors`` are all it reads: no training
     state needed), in ``dtype`` on ``device``, with SDPA attention. The two files are verified
     against the manifest when there is one; without it a warning says they were not. Loaded
-    strictly (:mod:`dflash.drafter_files`): never a random weight, never a default shape.
+    strictly (:mod:`dflash.drafter.files`): never a random weight, never a default shape.
 
     Raises:
         CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`; a config that is not a
             drafter's or lacks a field, or weights that disagree with it (named), before any
             model is built.
     """
-    from dflash.checkpoint import DRAFTER_FILES, find_checkpoint
-    from dflash.drafter_files import load_drafter_dir
+    from dflash.checkpoint import find_checkpoint
+    from dflash.drafter.files import DRAFTER_FILES
+    from dflash.drafter.model import load_drafter_dir
 
     step_dir = find_checkpoint(path, files=DRAFTER_FILES)
     drafter = load_drafter_dir(step_dir, dtype=dtype, device=device)

@@ -1,10 +1,10 @@
 """``dflash export``: a serving-ready drafter directory from a run's checkpoint.
 
-What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflash.portable`):
+What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflash.drafter.hf_config`):
 
 - the weights in bf16 by default (published drafters are; SGLang's ``--dtype auto`` would serve a
   float32 drafter as fp16 next to a bf16 target), checked against the config first
-  (:mod:`dflash.drafter_files`): an export is a complete drafter or nothing;
+  (:mod:`dflash.drafter.files`): an export is a complete drafter or nothing;
 - ``config.json`` with RoPE in both transformers forms, ``layer_types`` / ``sliding_window`` /
   ``is_causal``, ``dflash_config``, ``block_size``, ``auto_map``; ``modeling_dflash.py`` for
   ``trust_remote_code``; ``manifest.json`` so ``dflash eval`` verifies what it reads;
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from dflash import acceptance_log
-from dflash.checkpoint import DRAFTER_FILES, find_checkpoint, write_drafter_files
+from dflash.checkpoint import find_checkpoint, write_drafter_files
+from dflash.drafter.files import DRAFTER_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
     """
     from safetensors.torch import load_file
 
-    from dflash.drafter_files import check_tensors, read_drafter_config
+    from dflash.drafter.files import check_tensors, read_drafter_config
 
     out = Path(out)
     if "dflash" not in out.name.lower():

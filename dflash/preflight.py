@@ -96,7 +96,7 @@ def check_drafter_config(config: TrainConfig) -> None:
     from transformers import AutoConfig
 
     from dflash.assets import default_target_dir
-    from dflash.drafter_shape import drafter_config
+    from dflash.drafter.model import drafter_config
     from dflash.target.taps import check_taps
 
     target_dir = Path(config.target) if config.target else default_target_dir()
@@ -155,7 +155,8 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
             inside another run, or holds other files without ``allow_nonempty``.
         CheckpointError: ``resume`` without a checkpoint in ``out``.
     """
-    from dflash.checkpoint import CheckpointError, find_checkpoint
+    from dflash.checkpoint import find_checkpoint
+    from dflash.drafter.files import CheckpointError
     from dflash.run_dir import check_out_location
 
     if out.exists() and not out.is_dir():

@@ -28,8 +28,8 @@ import logging
 import os
 from pathlib import Path
 
-from dflash.checkpoint import CheckpointError
 from dflash.config import INPUT_PATHS, TrainConfig, absolute_path
+from dflash.drafter.files import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -44,13 +44,14 @@ from dflash.data import (
 )
 from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
+from dflash.drafter.files import CONFIG_NAME, CheckpointError
+from dflash.drafter.mask_token import resolve_mask_token_id
 from dflash.engine import StepEngine, StepStats
 from dflash.engine.jobs import JobSource, seq_len_schedule
 from dflash.engine.local import LocalEngine
 from dflash.engine.replica import build_replicas
 from dflash.engine.step import LossSettings, detect_peak_tflops
 from dflash.engine.threaded import ThreadedEngine, bottleneck
-from dflash.mask_token import resolve_mask_token_id
 from dflash.packing import row_packer
 from dflash.preflight import check_drafter_config, validate_inputs
 from dflash.progress_logging import log_above_progress_bars
@@ -401,11 +402,11 @@ class Trainer:
         if not self.config.resume:
             return {}
         step_dir = checkpoint.find_checkpoint(self.out, verify=False)
-        return json.loads((step_dir / checkpoint.CONFIG_NAME).read_text())
+        return json.loads((step_dir / CONFIG_NAME).read_text())
 
     def _mask_token_id(self, target, resumed: dict) -> int:
         """``--mask-token-id``, else the ``resumed`` drafter's, else the target tokenizer's choice
-        (:func:`dflash.mask_token.resolve_mask_token_id`; logged with its source)."""
+        (:func:`dflash.drafter.mask_token.resolve_mask_token_id`; logged with its source)."""
         mask_id, _ = resolve_mask_token_id(
             explicit=self.config.mask_token_id,
             drafter_config=resumed.get("dflash_config"),
@@ -415,19 +416,18 @@ class Trainer:
         return mask_id
 
     def _build_drafter(self, target):
-        from dflash.drafter_shape import drafter_config
-        from dflash.model import DFlashDraftModel
+        from dflash.drafter.model import DFlashDraftModel, drafter_config
 
         cfg = self.config
         attention = "flex_attention" if self.layout.device_type == "cuda" else "sdpa"
         if cfg.init_from:
-            from dflash.drafter_files import load_drafter_dir
+            from dflash.drafter.model import load_drafter_dir
 
             logger.info("drafter: starting from %s (its shape, RoPE and weights)", cfg.init_from)
             return load_drafter_dir(cfg.init_from, dtype=torch.float32, attn_implementation=attention).train()
         resumed = self._resumed_drafter_config()
         # A resumed run keeps the causality it was trained with (runs saved before the engines' rule
-        # was followed say is_causal false); a new one takes the rule (dflash.modeling_dflash).
+        # was followed say is_causal false); a new one takes the rule (dflash.drafter.modeling_dflash).
         config = drafter_config(
             cfg,
             target.config,
@@ -462,8 +462,8 @@ class Trainer:
         checkpoint when ``saved``). Training waits while it runs. Rank 0 only; the other processes
         wait at their next collective."""
         from dflash import acceptance_log
+        from dflash.drafter.model import DFlashDraftModel
         from dflash.evaluate import evaluate, stop_token_ids
-        from dflash.model import DFlashDraftModel
 
         began = time.perf_counter()
         target, drafter = self.eval_target, self.drafter
@@ -840,7 +840,7 @@ class Trainer:
             )
         engine_state = state.get("engine")
         if engine_state is None:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{step_dir} holds a training state of an older dflash version; evaluate it with dflash eval, "
                 "or train into a new --out"
             )

@@ -203,7 +203,7 @@ def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed:
     """A random SDPA drafter (eval mode) of block size 4 tapping 3 layers of :func:`tiny_target_config`:
     2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63; ``is_causal``
     as in its config (None: the engines' rule, sliding layers causal)."""
-    from dflash.model import DFlashDraftModel, create_drafter_config
+    from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 
     layers = len(layer_types) if layer_types else 2
     config = create_drafter_config(
@@ -247,7 +247,7 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     from transformers import AutoTokenizer
 
     from dflash.checkpoint import save_checkpoint
-    from dflash.model import DFlashDraftModel, create_drafter_config
+    from dflash.drafter.model import DFlashDraftModel, create_drafter_config
     from dflash.target.model import load_target
 
     target = load_target(target_dir, num_capture_layers=2, device="cpu")

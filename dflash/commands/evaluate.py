@@ -169,9 +169,9 @@ def _evaluate(args: argparse.Namespace):
     import torch
 
     from dflash.assets import default_target_dir
-    from dflash.checkpoint import DRAFTER_FILES, CheckpointError, find_checkpoint
-    from dflash.compatibility import check_drafter_fits_target
+    from dflash.checkpoint import find_checkpoint
     from dflash.devices import check_cpu_threads, resolve_device
+    from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
     from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
     from dflash.target.files import context_length, load_tokenizer, read_target_config, require_transformers_for
     from dflash.target.model import load_target
@@ -277,7 +277,7 @@ def _refuse_a_run_without_checkpoint(found: tuple[Path, dict] | None) -> None:
     Raises:
         CheckpointError: the run has saved no checkpoint yet, with when it will.
     """
-    from dflash.checkpoint import CheckpointError
+    from dflash.drafter.files import CheckpointError
     from dflash.run_dir import CHECKPOINTS_DIR
 
     if found is None:

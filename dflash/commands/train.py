@@ -132,7 +132,8 @@ def _out_lock(config):
 
 def _resume_hint(out: str, what: str) -> None:
     """After a stop: how to go on (once per job, from rank 0)."""
-    from dflash.checkpoint import CheckpointError, find_checkpoint
+    from dflash.checkpoint import find_checkpoint
+    from dflash.drafter.files import CheckpointError
 
     if int(os.environ.get("RANK", 0)) != 0:
         return

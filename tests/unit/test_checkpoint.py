@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dflash import checkpoint as ckpt
-from dflash.checkpoint import CheckpointError, find_checkpoint, load_drafter_files, save_checkpoint
+from dflash.checkpoint import find_checkpoint, load_drafter_files, save_checkpoint
+from dflash.drafter.files import DRAFTER_FILES, CheckpointError
 
 # The smallest config a checkpoint accepts: save_checkpoint needs the RoPE base to write it for every loader.
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
@@ -100,9 +101,9 @@ def test_a_hand_edited_drafter_config_is_named_as_changed_with_the_manifest_to_d
     config.write_text(config.read_text().replace("{", '{"note": "edited", ', 1))
     manifest = step_dir / "manifest.json"
     with pytest.raises(CheckpointError, match=rf"config\.json: \d+ bytes, but {manifest} lists .*delete {manifest}"):
-        find_checkpoint(step_dir, files=ckpt.DRAFTER_FILES)
+        find_checkpoint(step_dir, files=DRAFTER_FILES)
     manifest.unlink()
-    assert find_checkpoint(step_dir, files=ckpt.DRAFTER_FILES) == step_dir
+    assert find_checkpoint(step_dir, files=DRAFTER_FILES) == step_dir
     assert "its files were not verified" in caplog.text
 
 

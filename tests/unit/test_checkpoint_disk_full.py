@@ -14,7 +14,8 @@ import torch
 from safetensors import SafetensorError
 
 from dflash import checkpoint as ckpt
-from dflash.checkpoint import CheckpointError, find_checkpoint, save_checkpoint
+from dflash.checkpoint import find_checkpoint, save_checkpoint
+from dflash.drafter.files import CheckpointError
 
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

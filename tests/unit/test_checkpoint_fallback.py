@@ -11,7 +11,8 @@ import pytest
 import torch
 from tiny import make_target, write_chat_data
 
-from dflash.checkpoint import MANIFEST_NAME, CheckpointError, find_checkpoint, save_checkpoint
+from dflash.checkpoint import MANIFEST_NAME, find_checkpoint, save_checkpoint
+from dflash.drafter.files import CheckpointError
 
 
 def _save(out, step):

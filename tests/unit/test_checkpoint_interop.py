@@ -26,10 +26,10 @@ from tiny import make_tokenizer
 
 from dflash import masks
 from dflash.checkpoint import MASTER_WEIGHTS_KEY, load_training_state, resume_weights, save_checkpoint
+from dflash.drafter.hf_config import rope_parameters_of
+from dflash.drafter.mask_token import UNUSED_ROW, resolve_mask_token_id
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.loss import dflash_loss, position_weights
-from dflash.mask_token import UNUSED_ROW, resolve_mask_token_id
-from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.portable import rope_parameters_of
 from dflash.target.model import load_target
 
 ROPE_THETA, VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1e6, 512, 32, 4, 2, 8, 64
@@ -288,7 +288,7 @@ def test_scaled_rope_survives_the_config_in_either_form(form):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash.portable import portable_config
+    from dflash.drafter.hf_config import portable_config
 
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
     geometry = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096)

@@ -1,4 +1,4 @@
-"""The drafter's shape (dflash/drafter_shape.py) and RoPE (dflash/portable.py): a Qwen3.5/3.6 target
+"""The drafter's shape (dflash/drafter_shape.py) and RoPE (dflash/drafter/hf_config.py): a Qwen3.5/3.6 target
 gets the published drafter's config field by field, with only the RoPE the drafter uses; other
 targets keep their own geometry; flags win and contradictions are named."""
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 from tiny import HYBRID_ARCHS, MOE_ARCH, make_target, write_chat_data
 
-from dflash import modeling_dflash
 from dflash.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, TrainConfig, parse_layer_types
-from dflash.drafter_shape import drafter_config, resolve_drafter_shape
-from dflash.portable import portable_config
+from dflash.drafter import modeling_dflash
+from dflash.drafter.hf_config import portable_config
+from dflash.drafter.model import drafter_config
+from dflash.drafter_shape import resolve_drafter_shape
 from dflash.target.taps import check_taps
 
 needs_qwen3_5 = pytest.mark.skipif(
@@ -125,7 +126,7 @@ def test_a_qwen3_6_27b_target_gets_the_published_drafter_config(tmp_path, capsys
     # No is_causal, as published: every engine (and our drafter) runs the 4 sliding layers causally.
     assert "is_causal" not in written and written["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
     assert not _keys(written) & {"partial_rotary_factor", "mrope_section", "mrope_interleaved"}
-    from dflash.modeling_dflash import DFlashDraftConfig, DFlashDraftModel
+    from dflash.drafter.modeling_dflash import DFlashDraftConfig, DFlashDraftModel
 
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDraftModel(DFlashDraftConfig.from_dict(written)).parameters())
@@ -198,7 +199,7 @@ def test_the_drafter_of_a_qwen3_5_target_carries_only_the_rope_it_uses(tmp_path,
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     from dflash.checkpoint import save_checkpoint
-    from dflash.model import DFlashDraftModel
+    from dflash.drafter.model import DFlashDraftModel
 
     target_dir = make_target(tmp_path / "target", arch=arch)
     train = TrainConfig(target=str(target_dir), num_target_layers=1, draft_heads=4, draft_kv_heads=2, draft_head_dim=8)
@@ -223,7 +224,7 @@ def test_real_scaling_is_kept_and_partial_rotary_dropped():
     from transformers import Qwen3_5TextConfig, Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash.model import create_drafter_config
+    from dflash.drafter.model import create_drafter_config
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
     target = Qwen3_5TextConfig(

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 from tiny import record_losses, train_config, training_inputs
 
-from dflash.checkpoint import CheckpointError
+from dflash.drafter.files import CheckpointError
 from dflash.resume import check_process_count, check_resume_config, resumed_values
 from dflash.trainer import Trainer
 

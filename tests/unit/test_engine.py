@@ -9,7 +9,7 @@ import torch
 from tiny import make_target, record_losses, train_config, write_chat_data
 
 import dflash.loss
-from dflash.checkpoint import CheckpointError
+from dflash.drafter.files import CheckpointError
 from dflash.engine import threaded
 from dflash.engine.jobs import seq_len_schedule
 from dflash.engine.threaded import Control, Inbox, PipelineError

@@ -15,8 +15,8 @@ from tiny import TINY_TRAINING, make_target, train_config, write_chat_data
 from dflash import acceptance_log
 from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
-from dflash.model import DFlashDraftModel, create_drafter_config
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 
@@ -121,7 +121,7 @@ def test_a_run_directory_starts_from_its_latest_checkpoint(assets, tmp_path):
     # As dflash eval and dflash export take a run; it was refused ("config.json: missing").
     from safetensors.torch import load_file
 
-    from dflash.drafter_files import load_drafter_dir
+    from dflash.drafter.model import load_drafter_dir
     from dflash.drafter_shape import resolve_drafter_shape
 
     first = tmp_path / "first"

@@ -17,10 +17,10 @@ import pytest
 import torch
 from tiny import make_target, write_chat_data
 
-from dflash.checkpoint import CheckpointError
 from dflash.config import TrainConfig
 from dflash.data import DatasetError
 from dflash.devices import DeviceSpecError, parse_devices
+from dflash.drafter.files import CheckpointError
 from dflash.preflight import validate_inputs
 from dflash.target.files import TargetLoadError, load_tokenizer
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from tiny import make_target, save_random_drafter, write_chat_data
 
-from dflash.checkpoint import MANIFEST_NAME, STATE_NAME, WEIGHTS_NAME, CheckpointError, find_checkpoint
+from dflash.checkpoint import MANIFEST_NAME, STATE_NAME, find_checkpoint
+from dflash.drafter.files import WEIGHTS_NAME, CheckpointError
+from dflash.drafter.hf_config import MODELING_FILE
 from dflash.evaluate import load_drafter
-from dflash.portable import MODELING_FILE
 
 
 @pytest.fixture(scope="module")

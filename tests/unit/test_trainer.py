@@ -10,10 +10,11 @@ import pytest
 import torch
 from tiny import make_target, record_losses, train_config, write_chat_data, write_jsonl
 
-from dflash.checkpoint import CheckpointError, find_checkpoint
+from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.data import DatasetError
+from dflash.drafter.files import CheckpointError
 from dflash.trainer import Trainer
 
 
@@ -52,7 +53,7 @@ def test_resume_continues_exactly(assets, tmp_path):
 def test_a_run_saved_with_every_layer_bidirectional_resumes_so_exactly(assets, tmp_path, monkeypatch):
     """Runs saved before the engines' causality rule was followed say is_causal false (every
     layer bidirectional, as they trained); a resume keeps that, not today's default rule."""
-    import dflash.drafter_shape as shape
+    import dflash.drafter.model as shape
 
     sliding = dict(draft_layer_types="sliding,full", draft_sliding_window=8)
     rule = shape.drafter_config
@@ -94,7 +95,7 @@ def test_grad_accumulation_normalises_over_the_whole_optimizer_step(assets, tmp_
 def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path):
     from transformers import AutoConfig
 
-    from dflash.model import DFlashDraftModel
+    from dflash.drafter.model import DFlashDraftModel
 
     trainer = Trainer(_config(assets, tmp_path, steps=2, save_every=0))
     trainer.train()

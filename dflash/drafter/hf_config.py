@@ -21,7 +21,7 @@ from importlib import resources
 
 import torch
 
-from dflash.modeling_dflash import legacy_rope
+from dflash.drafter.modeling_dflash import legacy_rope
 
 #: The self-contained modeling file, copied into every checkpoint under this name.
 MODELING_FILE = "modeling_dflash.py"
@@ -96,7 +96,7 @@ def portable_config(config: dict, *, dtype: torch.dtype | None) -> dict:
 
     Causality: a config without ``is_causal`` (the published drafters') has causal sliding layers
     and bidirectional full layers in vLLM, SGLang, TensorRT-LLM and z-lab/dflash, and so in
-    :class:`~dflash.modeling_dflash.DFlashDraftConfig`; such a config gets neither key. One that
+    :class:`~dflash.drafter.modeling_dflash.DFlashDraftConfig`; such a config gets neither key. One that
     deviates (``is_causal`` true or false: every layer alike) gets both ``is_causal`` and
     ``dflash_config.causal``: vLLM before #52816 reads only the latter, later vLLM, SGLang and
     z-lab the former.
@@ -136,5 +136,5 @@ def portable_config(config: dict, *, dtype: torch.dtype | None) -> dict:
 
 
 def modeling_source() -> bytes:
-    """Bytes of ``dflash/modeling_dflash.py`` as installed (written into each checkpoint)."""
-    return resources.files("dflash").joinpath(MODELING_FILE).read_bytes()
+    """Bytes of ``dflash/drafter/modeling_dflash.py`` as installed (written into each checkpoint)."""
+    return resources.files("dflash.drafter").joinpath(MODELING_FILE).read_bytes()

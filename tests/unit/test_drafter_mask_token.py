@@ -1,4 +1,4 @@
-"""dflash.mask_token: the mask id is resolved in the public trainers' order, never past the embedding."""
+"""dflash.drafter.mask_token: the mask id is resolved in the public trainers' order, never past the embedding."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 import pytest
 from tiny import make_tokenizer
 
-from dflash import mask_token
-from dflash.mask_token import resolve_mask_token_id
+from dflash.drafter import mask_token
+from dflash.drafter.mask_token import resolve_mask_token_id
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def _resolve(tokenizer, explicit=None, drafter_config=None, vocab_size=512):
 
 
 def test_each_source_in_order(tokenizer, caplog):
-    caplog.set_level(logging.INFO, logger="dflash.mask_token")
+    caplog.set_level(logging.INFO, logger="dflash.drafter.mask_token")
     assert _resolve(tokenizer, explicit=7, drafter_config={"mask_token_id": 9}) == (7, mask_token.EXPLICIT)
     assert _resolve(tokenizer, drafter_config={"mask_token_id": 9}) == (9, mask_token.DRAFTER_CONFIG)
     assert _resolve(tokenizer) == (3, mask_token.TOKENIZER_MASK)

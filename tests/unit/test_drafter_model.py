@@ -1,4 +1,4 @@
-"""The DFlash drafter model (dflash/model.py): config, layout, attention paths, train/infer agreement."""
+"""The DFlash drafter model (dflash/drafter/model.py): config, layout, attention paths, train/infer agreement."""
 
 from __future__ import annotations
 
@@ -11,13 +11,8 @@ from tiny import flex_eager, tiny_target_config
 from transformers import LlamaConfig, Qwen3Config
 
 from dflash import masks
-from dflash.model import (
-    DFlashDraftConfig,
-    DFlashDraftModel,
-    create_drafter_config,
-    default_target_layer_ids,
-)
-from dflash.portable import rope_parameters_of
+from dflash.drafter.hf_config import rope_parameters_of
+from dflash.drafter.model import DFlashDraftConfig, DFlashDraftModel, create_drafter_config, default_target_layer_ids
 
 HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1
@@ -241,7 +236,7 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_the_portable_file_taps_the_same_layers_as_the_trainer():
     """modeling_dflash.py carries its own copy of the tap formula (it imports nothing of dflash)."""
-    from dflash import modeling_dflash
+    from dflash.drafter import modeling_dflash
     from dflash.target import taps
 
     for num_layers in range(1, 81):

@@ -1,6 +1,6 @@
 """A drafter directory read strictly: ``config.json`` + ``model.safetensors`` in the z-lab layout
-(:mod:`dflash.modeling_dflash`), as ``dflash train`` checkpoints, ``dflash export`` and the
-published drafters (z-lab/Qwen3.6-27B-DFlash, ...) lay it out.
+(:mod:`dflash.drafter.modeling_dflash`), as ``dflash train`` checkpoints, ``dflash export`` and the
+published drafters (z-lab/Qwen3.6-27B-DFlash, ...) lay it out, and whether it fits a target.
 
 Loading a drafter must never invent one: ``from_pretrained`` fills a config field the file lacks
 with Qwen3's default (hidden 4096, 36 layers, ...) and random-initialises every weight it does not
@@ -11,10 +11,18 @@ each step before anything is allocated:
    shape (:data:`REQUIRED_FIELDS`), read from the file itself, never from defaults;
 2. :func:`check_tensors`: the tensor names and shapes in ``model.safetensors``' header are exactly
    those the config implies (a mismatch names the tensor and the config field behind it);
-3. :func:`load_drafter_dir`: the model is built from the config and every weight loaded with
-   ``strict=True``.
+3. :func:`dflash.drafter.model.load_drafter_dir`: the model is built from the config and every
+   weight loaded with ``strict=True``.
 
 ``dflash eval`` (:func:`dflash.evaluate.load_drafter`) and ``dflash train --init-from`` use it.
+
+A DFlash drafter is built for one target (arXiv 2602.06036, Sec. 3; ``docs/dflash.md``): its
+``fc`` takes the K tapped layers' states concatenated, ``[.., K * H]`` with H the target's hidden
+size; its ``target_layer_ids`` index the target's decoder layers (the drafter's config records how
+many the target had, ``num_target_layers``); it has no embedding or LM head of its own but the
+target's, so its vocabulary and mask token are the target's. Loading an 8B target takes minutes:
+:func:`check_drafter_fits_target` reads the two ``config.json`` files and says, in terms of the model
+each flag names, what does not fit; it loads no weights and never imports transformers.
 """
 
 from __future__ import annotations
@@ -24,8 +32,12 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
 from dflash.json_files import read_json_object
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+#: What ``dflash eval`` reads: a drafter shipped to serving (these and ``modeling_dflash.py``) is enough.
+DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 
 #: Fields a drafter's ``config.json`` must carry itself (their class defaults would build another model).
 REQUIRED_FIELDS = (
@@ -60,6 +72,12 @@ _SHAPE_FIELDS = {
     "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or drafter directory that is missing, incomplete or corrupt (the message names file
+    and fix)."""
+
 
 try:  # transformers 5 configs validate as huggingface_hub strict dataclasses, with their own errors
     from huggingface_hub.errors import StrictDataclassError
@@ -106,13 +124,13 @@ def read_raw_config(directory: str | Path) -> dict:
 
 
 def read_drafter_config(directory: str | Path):
-    """The :class:`~dflash.modeling_dflash.DFlashDraftConfig` of a drafter directory (see
+    """The :class:`~dflash.drafter.modeling_dflash.DFlashDraftConfig` of a drafter directory (see
     :func:`read_raw_config`), validated; nothing is allocated.
 
     Raises:
         CheckpointError: see :func:`read_raw_config`; a field out of range (named).
     """
-    from dflash.modeling_dflash import DFlashDraftConfig
+    from dflash.drafter.modeling_dflash import DFlashDraftConfig
 
     read_raw_config(directory)
     try:
@@ -175,37 +193,98 @@ def check_tensors(directory: str | Path, config) -> None:
 
 def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every weight of the drafter of ``config``, from a model on the meta device."""
-    from dflash.modeling_dflash import DFlashDraftModel
+    from dflash.drafter.modeling_dflash import DFlashDraftModel
 
     with torch.device("meta"):
         model = DFlashDraftModel(config)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def load_drafter_dir(
-    directory: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu", attn_implementation: str = "sdpa"
-):
-    """The drafter of a directory, every weight loaded strictly (module docstring), as the
-    trainer's :class:`dflash.model.DFlashDraftModel`.
+#: Fields of a drafter's config.json the comparison needs (z-lab's layout, :mod:`dflash.checkpoint`).
+_DRAFTER_FIELDS = ("hidden_size", "num_target_layers", "vocab_size")
 
-    Args:
-        directory: holds ``config.json`` and ``model.safetensors``.
-        dtype (torch.dtype): of the parameters (the file's dtype is converted).
-        device: where the model ends up.
-        attn_implementation (str): "sdpa" or "flex_attention".
 
-    Returns:
-        dflash.model.DFlashDraftModel: in train mode (call ``.eval()`` to decode).
+def drafter_geometry(step_dir: Path) -> dict:
+    """``hidden_size``, ``num_target_layers``, ``vocab_size`` and ``target_layer_ids`` of the drafter
+    in ``step_dir``, from its ``config.json``.
 
     Raises:
-        CheckpointError: see :func:`read_drafter_config` and :func:`check_tensors`.
+        CheckpointError: the file is unreadable, or lacks a field (a config the drafter would be built
+            from at some default size); names the file and the fields.
     """
-    from safetensors.torch import load_file
+    path = step_dir / CONFIG_NAME
+    config = read_json_object(
+        path, error=CheckpointError, name=f"--drafter {path}", fix="restore it from the drafter's source"
+    )
+    dflash_config = config.get("dflash_config")
+    ids = dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None
+    missing = [name for name in _DRAFTER_FIELDS if not isinstance(config.get(name), int)]
+    missing += [] if isinstance(ids, list) else ["dflash_config.target_layer_ids"]
+    if missing:
+        raise CheckpointError(
+            f"--drafter {path} has no {', '.join(missing)}: it is not a DFlash drafter's config (dflash train and "
+            "z-lab's drafters write them all); restore the config.json that came with the drafter's weights"
+        )
+    return {**{name: config[name] for name in _DRAFTER_FIELDS}, "target_layer_ids": list(ids)}
 
-    from dflash.model import DFlashDraftModel
 
-    config = read_drafter_config(directory)
-    check_tensors(directory, config)
-    model = DFlashDraftModel._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    model.load_state_dict(load_file(str(Path(directory) / WEIGHTS_NAME)), strict=True)
-    return model.to(device)
+def target_geometry(target_dir: Path) -> dict:
+    """``hidden_size``, ``num_hidden_layers`` and ``vocab_size`` of the target in ``target_dir``
+    (of its ``text_config`` in a multimodal config), from its ``config.json``.
+
+    Raises:
+        TargetLoadError: see :func:`dflash.target.files.read_target_config`, or a field is missing.
+    """
+    from dflash.target.files import TargetLoadError, read_target_config
+
+    raw = read_target_config(target_dir)
+    text = raw.get("text_config") or raw
+    fields = ("hidden_size", "num_hidden_layers", "vocab_size")
+    missing = [name for name in fields if not isinstance(text.get(name), int)]
+    if missing:
+        raise TargetLoadError(
+            f"target {target_dir / 'config.json'}: no {', '.join(missing)}; is it a causal LM's config?"
+        )
+    return {name: text[name] for name in fields}
+
+
+def check_drafter_fits_target(step_dir: Path, target_dir: Path, *, trained_on: str | None = None) -> None:
+    """The drafter in ``step_dir`` can run on the target in ``target_dir``: same hidden size, the
+    target has the decoder layers the drafter taps (and as many as it was trained against), same
+    vocabulary size.
+
+    Args:
+        trained_on: the target the drafter's run was trained against (its train_config.json), named
+            in the fix.
+
+    Raises:
+        CheckpointError: a mismatch; the message names every field that differs, with both values,
+            and the fix in terms of ``--target`` and ``--drafter``.
+        TargetLoadError: see :func:`target_geometry`.
+    """
+    drafter, target = drafter_geometry(step_dir), target_geometry(target_dir)
+    problems = []
+    if drafter["hidden_size"] != target["hidden_size"]:
+        problems.append(
+            f"the drafter reads hidden states of size {drafter['hidden_size']}, the target's are "
+            f"{target['hidden_size']} (hidden_size)"
+        )
+    layers = target["num_hidden_layers"]
+    beyond = [k for k in drafter["target_layer_ids"] if not 0 <= k < layers]
+    if drafter["num_target_layers"] != layers or beyond:
+        problems.append(
+            f"the drafter was trained on a {drafter['num_target_layers']}-layer target and taps its layers "
+            f"{drafter['target_layer_ids']}, the target has {layers} decoder layers (num_hidden_layers)"
+        )
+    if drafter["vocab_size"] != target["vocab_size"]:
+        problems.append(
+            f"the drafter's vocabulary has {drafter['vocab_size']} tokens, the target's {target['vocab_size']} "
+            "(vocab_size: another tokenizer or model family)"
+        )
+    if problems:
+        model = f"the target it was trained against (its run's train_config.json names {trained_on})"
+        raise CheckpointError(
+            f"--drafter {step_dir} does not fit the target {target_dir}: {'; '.join(problems)}; pass --target with "
+            f"{model if trained_on else 'the model the drafter was trained for'}, or a --drafter trained for this "
+            "target"
+        )

@@ -1,6 +1,6 @@
 """The DFlash drafter as the trainer and ``dflash eval`` use it (arXiv 2602.06036, Sec. 3).
 
-The architecture, its config and the checkpoint layout live in :mod:`dflash.modeling_dflash`, the
+The architecture, its config and the checkpoint layout live in :mod:`dflash.drafter.modeling_dflash`, the
 self-contained file every checkpoint carries for ``trust_remote_code`` loading. This module adds
 what training and evaluation need on top: the config built from a target's
 (:func:`create_drafter_config`) and a model whose forward takes anchors (N draft blocks per
@@ -15,18 +15,18 @@ layers, H hidden size, V vocabulary.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from dflash import masks, modeling_dflash
-from dflash.modeling_dflash import (
-    QWEN3_MASK_TOKEN_ID,
-    SUPPORTED_ATTENTION,
-    DFlashDraftConfig,
-)
-from dflash.portable import drafter_rope_parameters
+from dflash import masks
+from dflash.config import TrainConfig, parse_layer_types
+from dflash.drafter import modeling_dflash
+from dflash.drafter.files import WEIGHTS_NAME, check_tensors, read_drafter_config
+from dflash.drafter.hf_config import drafter_rope_parameters
+from dflash.drafter.modeling_dflash import QWEN3_MASK_TOKEN_ID, SUPPORTED_ATTENTION, DFlashDraftConfig
 from dflash.target.taps import default_target_layer_ids, max_captured_layers
 
 __all__ = [
@@ -64,7 +64,7 @@ def create_drafter_config(
     Copies hidden size, activation, max positions, RMSNorm eps and vocabulary size from
     ``target_config``, and attention/KV heads, head_dim and intermediate size where the arguments
     leave them None. RoPE is the target's type, base and scaling without its partial-rotary and
-    M-RoPE fields (:func:`dflash.portable.drafter_rope_parameters`): the drafter rotates all of
+    M-RoPE fields (:func:`dflash.drafter.hf_config.drafter_rope_parameters`): the drafter rotates all of
     head_dim. ``dflash.drafter_shape`` chooses the arguments (the published shape for Qwen3.5/3.6).
 
     Args:
@@ -143,10 +143,48 @@ def create_drafter_config(
     )
 
 
+def drafter_config(
+    config: TrainConfig,
+    target_config,
+    *,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    is_causal: bool | None = None,
+):
+    """The config of a new drafter of a resolved ``config`` (:func:`resolve_drafter_shape`) for a
+    target (what ``dflash train`` builds without ``--init-from``).
+
+    Args:
+        config (TrainConfig): resolved.
+        target_config (PretrainedConfig): the target's config (multimodal ones: the text config is used).
+        target_layer_ids (list[int]): the layers the target taps.
+        mask_token_id (int): the resolved mask token (:mod:`dflash.drafter.mask_token`).
+        is_causal (bool, optional): causality within the draft block; None = the engines' rule for
+            a config without it (sliding layers causal), the published drafters'.
+
+    Returns:
+        DFlashDraftConfig
+    """
+    return create_drafter_config(
+        target_config,
+        config.num_draft_layers,
+        block_size=config.block_size,
+        target_layer_ids=target_layer_ids,
+        mask_token_id=mask_token_id,
+        num_attention_heads=config.draft_heads,
+        num_key_value_heads=config.draft_kv_heads,
+        head_dim=config.draft_head_dim,
+        intermediate_size=config.draft_intermediate_size,
+        layer_types=parse_layer_types(config.draft_layer_types) if config.draft_layer_types else None,
+        sliding_window=config.draft_sliding_window,
+        is_causal=is_causal,
+    )
+
+
 class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
     """The DFlash drafter with the training forward (N anchored blocks) and the decoding step.
 
-    Same modules, weights and config as :class:`dflash.modeling_dflash.DFlashDraftModel` (what
+    Same modules, weights and config as :class:`dflash.drafter.modeling_dflash.DFlashDraftModel` (what
     ``trust_remote_code`` loads from a checkpoint); only :meth:`forward` differs: it takes block
     anchors and builds the DFlash mask. Pick the attention backend with transformers' usual
     switch: ``from_pretrained(..., attn_implementation=...)``, ``DFlashDraftModel._from_config(config,
@@ -281,7 +319,7 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
         computed yet). That last accepted token is slot 0 of the block, at position S (the anchor),
         followed by Bs-1 mask tokens; all context is visible (``kv < S``). This is exactly what
         :meth:`forward` computes for a block anchored at S, so training and inference agree
-        (``tests/unit/test_model.py`` checks it); sliding layers see the window before each slot
+        (``tests/unit/test_drafter_model.py`` checks it); sliding layers see the window before each slot
         and causal layers the block up to each slot, as in training. No KV cache: the context
         keys/values are recomputed on every call, O(S * layers) per step, acceptable for small
         drafters and short prompts.
@@ -315,3 +353,30 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
             context_positions = torch.arange(context_len, device=positions.device).expand(batch, context_len)
         kv_positions = torch.cat([context_positions, positions], dim=1)
         return super().forward(draft_embeds, target_hidden, kv_positions, attention_mask, query_valid)
+
+
+def load_drafter_dir(
+    directory: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu", attn_implementation: str = "sdpa"
+):
+    """The drafter of a directory, every weight loaded strictly (module docstring), as the
+    trainer's :class:`DFlashDraftModel`.
+
+    Args:
+        directory: holds ``config.json`` and ``model.safetensors``.
+        dtype (torch.dtype): of the parameters (the file's dtype is converted).
+        device: where the model ends up.
+        attn_implementation (str): "sdpa" or "flex_attention".
+
+    Returns:
+        DFlashDraftModel: in train mode (call ``.eval()`` to decode).
+
+    Raises:
+        CheckpointError: see :func:`read_drafter_config` and :func:`check_tensors`.
+    """
+    from safetensors.torch import load_file
+
+    config = read_drafter_config(directory)
+    check_tensors(directory, config)
+    model = DFlashDraftModel._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model.load_state_dict(load_file(str(Path(directory) / WEIGHTS_NAME)), strict=True)
+    return model.to(device)

@@ -14,8 +14,7 @@ from tiny import make_target, save_random_drafter
 import dflash.evaluate
 import dflash.target.files
 import dflash.target.model
-from dflash.checkpoint import CheckpointError
-from dflash.compatibility import check_drafter_fits_target
+from dflash.drafter.files import CheckpointError, check_drafter_fits_target
 
 
 @pytest.fixture(scope="module")
