@@ -40,7 +40,7 @@ import torch
 from transformers import Qwen3Config
 
 from dflash.compile_watch import DynamoWarnings, raise_recompile_limit
-from dflash.data import Batch
+from dflash.data.batches import Batch
 from dflash.devices import Slot
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.engine.jobs import Job

@@ -285,7 +285,7 @@ class HeldOutPrompts:
         without_prompt (int): conversations skipped for no user turn before an assistant turn, or
             a prompt the target's chat template rejects.
         usable (int): usable prompts in the file; ``prompts`` is a random sample of them when fewer.
-        messages (list): the messages of each prompt (:func:`dflash.data.prompt_messages`), as ``prompts``.
+        messages (list): the messages of each prompt (:func:`dflash.data.chats.prompt_messages`), as ``prompts``.
     """
 
     source: Path
@@ -329,26 +329,19 @@ def load_prompts(
 
     A prompt is usable when its rendered length plus ``max_new_tokens`` fits the target's
     ``context`` (positions past ``max_position_embeddings`` make tau and speedup meaningless).
-    As in training (:mod:`dflash.data`), a prompt with more content than
-    :func:`dflash.data.char_budget` of that limit is surely too long and skipped unrendered, so
+    As in training (:mod:`dflash.data.tokenize`), a prompt with more content than
+    :func:`dflash.data.tokenize.char_budget` of that limit is surely too long and skipped unrendered, so
     the work per conversation is bounded (a huge one costs nothing).
 
     Raises:
         ValueError: ``max_new_tokens`` leaves no room for a prompt in ``context``.
-        DatasetError: unreadable file (see :func:`dflash.data.read_conversations`), or no
+        DatasetError: unreadable file (see :func:`dflash.data.chats.read_conversations`), or no
             usable prompt (the message says why and the fix).
     """
     import random
 
-    from dflash.data import (
-        DatasetError,
-        TemplateRejected,
-        cut_to_budget,
-        encode,
-        prompt_messages,
-        read_conversations,
-        render_chat,
-    )
+    from dflash.data.chats import DatasetError, prompt_messages, read_conversations
+    from dflash.data.tokenize import TemplateRejected, cut_to_budget, encode, render_chat
 
     held_out = HeldOutPrompts(Path(path), [], num_prompts, context, max_new_tokens)
     limit = held_out.max_prompt_tokens

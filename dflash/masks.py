@@ -17,7 +17,7 @@ Anchor tensors are always a pair ``anchors`` (int64 ``[B, N]``) and ``valid`` (b
 ``N`` is fixed to ``max_anchors`` so compiled code sees one shape. Invalid (padding) blocks see
 nothing, produce zero attention output and get zero loss weight.
 
-Packed rows (:mod:`dflash.packing`) hold several conversations, each a *document*, named by
+Packed rows (:mod:`dflash.data.packing`) hold several conversations, each a *document*, named by
 ``document_ids`` (int ``[B, S]``): a document is a maximal run of equal ids (packing writes 0, 1,
 2, ... and -1 on padding). Every function here takes ``document_ids=None`` (one document per row,
 the unpacked case) or the row's ids, and then keeps each document on its own as if the target had

@@ -50,7 +50,7 @@ def validate_inputs(config: TrainConfig) -> None:
             CheckpointError, DeviceSpecError) and the message name the flag or file and the fix.
     """
     from dflash.assets import default_data_dir, default_target_dir
-    from dflash.data import read_conversations
+    from dflash.data.chats import read_conversations
 
     check_out_dir(Path(config.out), resume=config.resume, allow_nonempty=config.allow_nonempty_out)
     if config.resume:
@@ -177,7 +177,7 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
     check_out_location(out, allow_nonempty=allow_nonempty)
     if resume:
         journals = sorted(out.glob("*.partial")) if not (out / "checkpoints").is_dir() else []
-        if journals:  # dflash.regenerate's journals of a run stopped before its first checkpoint
+        if journals:  # dflash.data.regenerate's journals of a run stopped before its first checkpoint
             raise CheckpointError(
                 f"{out} has no checkpoint yet, only the replies regenerated before the run stopped "
                 f"({', '.join(p.name for p in journals)}); start the same run again without --resume: "

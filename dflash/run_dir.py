@@ -28,7 +28,7 @@ TENSORBOARD_DIR = "tensorboard"
 METRICS_NAME = "metrics.jsonl"
 #: The target-regenerated corpus; its key (``.key.json``) and journals (``.partial``) start with this name.
 REGENERATED_NAME = "regenerated_train.jsonl"
-#: The token cache (:mod:`dflash.token_cache`).
+#: The token cache (:mod:`dflash.data.token_cache`).
 TOKENS_DIR = "tokenized"
 _RUN_FILES = {SAVED_CONFIG_NAME, CHECKPOINTS_DIR, TENSORBOARD_DIR, METRICS_NAME, LOCK_NAME, TOKENS_DIR, ACCEPTANCE_NAME}
 

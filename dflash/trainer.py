@@ -33,15 +33,12 @@ import torch
 from dflash import checkpoint, watchdog
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import SAVED_CONFIG_NAME, TrainConfig
-from dflash.data import (
-    BatchLoader,
-    Example,
-    ShardedSampler,
-    Tokenized,
-    check_token_ids,
-    read_conversations,
-    usable_examples,
-)
+from dflash.data.batches import BatchLoader, ShardedSampler
+from dflash.data.chats import read_conversations
+from dflash.data.packing import row_packer
+from dflash.data.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
+from dflash.data.token_cache import TokenCache, cache_key, usable_workers
+from dflash.data.tokenize import Example, Tokenized, check_token_ids, usable_examples
 from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
@@ -52,15 +49,12 @@ from dflash.engine.local import LocalEngine
 from dflash.engine.replica import build_replicas
 from dflash.engine.step import LossSettings, detect_peak_tflops
 from dflash.engine.threaded import ThreadedEngine, bottleneck
-from dflash.packing import row_packer
 from dflash.preflight import check_drafter_config, validate_inputs
 from dflash.progress_logging import log_above_progress_bars
-from dflash.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
 from dflash.resume import check_process_count, check_resume_config
 from dflash.run_dir import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
-from dflash.token_cache import TokenCache, cache_key, usable_workers
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +305,7 @@ class Trainer:
     def _examples(self, conversations, tokens: Tokenized | None, *, source, data_sha256: str) -> list[Example]:
         """The run's examples: ``tokens`` (read from the cache), else the cached tokens of
         ``conversations`` (from ``source``, whose contents hash to ``data_sha256``), else their
-        tokenizing (:mod:`dflash.token_cache`).
+        tokenizing (:mod:`dflash.data.token_cache`).
 
         Raises:
             DatasetError: no usable conversation (names ``source``).
@@ -369,7 +363,7 @@ class Trainer:
             logger.info("replies: as written in %s (--responses %s)", source, cfg.responses)
 
     def _regenerated(self, targets, conversations):
-        """Target-regenerated conversations (:func:`dflash.regenerate.regenerated_corpus`), cached
+        """Target-regenerated conversations (:func:`dflash.data.regenerate.regenerated_corpus`), cached
         in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
         from dflash.assets import default_target_dir
 

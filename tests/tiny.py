@@ -332,11 +332,11 @@ def record_losses(trainer, *, crash_after: int | None = None):
 
 
 def example(length: int, seed: int, supervised: float = 0.7):
-    """A tokenized conversation (:class:`dflash.data.Example`) of ``length`` random tokens, about
+    """A tokenized conversation (:class:`dflash.data.tokenize.Example`) of ``length`` random tokens, about
     ``supervised`` of them in the loss mask."""
     import random
 
-    from dflash.data import Example
+    from dflash.data.tokenize import Example
 
     rng = random.Random(seed)
     return Example(
@@ -346,7 +346,7 @@ def example(length: int, seed: int, supervised: float = 0.7):
 
 def packed_batch(row_lengths: list[list[int]], seq_len: int, seed: int = 0):
     """A collated batch whose row r holds documents of ``row_lengths[r]`` tokens."""
-    from dflash.data import collate
+    from dflash.data.batches import collate
 
     rows = [
         [example(n, seed * 1000 + 10 * r + d) for d, n in enumerate(lengths)] for r, lengths in enumerate(row_lengths)

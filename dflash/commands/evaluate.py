@@ -297,7 +297,7 @@ def _warn_of_training_prompts(prompts, found: tuple[Path, dict] | None) -> None:
     """Warn when held-out prompts are prompts of the run's training data (tau on them measures what
     the drafter memorised of those replies)."""
     from dflash.assets import default_data_dir
-    from dflash.data import DatasetError, prompt_messages, read_conversations
+    from dflash.data.chats import DatasetError, prompt_messages, read_conversations
 
     if found is None:
         return

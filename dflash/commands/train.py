@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", None)  # dflash.regenerate.RegenerationStopped: it said what it kept
+        signum = getattr(e, "signum", None)  # dflash.data.regenerate.RegenerationStopped: it said what it kept
         if signum is None:
             _resume_hint(values.get("out", TrainConfig.out), "interrupted")
         return 128 + (signum or signal.SIGINT)

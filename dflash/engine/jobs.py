@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.data import Batch, BatchLoader
+from dflash.data.batches import Batch, BatchLoader
 from dflash.masks import sample_anchors
 
 #: Padded lengths of --vary-seq-len are multiples of this (keeps shapes tensor-core friendly).

@@ -3,7 +3,7 @@ hidden states in, the drafter's forward + loss + backward out.
 
 Two stages, so a step engine can run them on different devices and threads:
 
-- :func:`produce_target_states`: :class:`~dflash.data.Batch` -> :class:`TargetBatch` (target
+- :func:`produce_target_states`: :class:`~dflash.data.batches.Batch` -> :class:`TargetBatch` (target
   forward, no grad);
 - :func:`drafter_step`: :class:`TargetBatch` + anchors -> gradients accumulated into the drafter's
   ``.grad`` and the micro-batch's statistics as one device vector (:class:`StatsLayout`), so a
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash.data import Batch
+from dflash.data.batches import Batch
 from dflash.loss import dflash_loss, position_weights
 from dflash.masks import build_labels, draft_input_ids
 from dflash.target.model import Target, TargetStates

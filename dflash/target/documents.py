@@ -1,6 +1,6 @@
 """How each decoder layer type of a target keeps the documents of a packed row apart.
 
-A packed row (:mod:`dflash.packing`) holds several conversations ("documents", named by
+A packed row (:mod:`dflash.data.packing`) holds several conversations ("documents", named by
 ``document_ids`` int ``[B, S]``: maximal runs of equal ids, -1 on padding). The target's hidden
 states of every document must equal those of the document run alone, or the drafter learns from
 states the verifier never produces. Each layer type needs its own means:

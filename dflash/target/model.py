@@ -140,7 +140,7 @@ class Target:
         Without ``document_ids`` no attention mask is passed: with right padding and causal
         attention (and causal linear attention) the real tokens never see the padding, and the
         unmasked call keeps SDPA on its causal fast path. With ``document_ids`` (packed rows,
-        :mod:`dflash.packing`) every layer keeps each conversation to itself, so its states equal
+        :mod:`dflash.data.packing`) every layer keeps each conversation to itself, so its states equal
         those of the conversation run alone: attention layers through a document-causal mask in the
         form of the model's attention backend, linear-attention layers (Qwen3.5 / Qwen3.6 Gated
         DeltaNet) with their conv and recurrence restarted at each conversation
@@ -149,7 +149,7 @@ class Target:
         Args:
             input_ids (torch.Tensor): int64 ``[B, S]``.
             position_ids (torch.Tensor, optional): int64 ``[B, S]``, positions restarting at 0 in
-                each document (:class:`dflash.data.Batch`); None: ``0..S-1`` (or, with
+                each document (:class:`dflash.data.batches.Batch`); None: ``0..S-1`` (or, with
                 ``document_ids``, the position within each document).
             document_ids (torch.Tensor, optional): int ``[B, S]``, documents as maximal runs of
                 equal ids (-1 on padding); None: one conversation per row. Host tensors spare
@@ -164,7 +164,7 @@ class Target:
         Raises:
             ValueError: ``document_ids`` with an attention backend that takes no document mask.
             UnknownLayerType: ``document_ids`` for a target with a layer type packing cannot keep
-                apart (:func:`dflash.documents.check_packable`).
+                apart (:func:`dflash.target.files.check_packable`).
         """
         input_ids = input_ids.to(self.device)
         attention_mask, apart = None, contextlib.nullcontext()

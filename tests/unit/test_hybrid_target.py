@@ -92,7 +92,7 @@ def test_random_target_weights_says_which_weights_stay_random(tmp_path, caplog):
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, directory / "model.safetensors")
     with pytest.raises(TargetLoadError, match="lack 1 of the model's weights \\(lm_head.weight\\)"):
         load_target(directory, layer_ids=[1], device="cpu")
-    with caplog.at_level("WARNING", logger="dflash.target.model"):
+    with caplog.at_level("WARNING", logger="dflash.target"):
         load_target(directory, layer_ids=[1], device="cpu", random_missing=True)
     assert "1 of its weights are not in its files and stay random (--random-target-weights): lm_head.weight" in (
         caplog.text

@@ -18,7 +18,7 @@ import torch
 from tiny import make_target, write_chat_data
 
 from dflash.config import TrainConfig
-from dflash.data import DatasetError
+from dflash.data.chats import DatasetError
 from dflash.devices import DeviceSpecError, parse_devices
 from dflash.drafter.files import CheckpointError
 from dflash.preflight import validate_inputs

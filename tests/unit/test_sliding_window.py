@@ -1,6 +1,6 @@
 """Sliding-window and causal drafter layers (dflash/masks.py, dflash/drafter/modeling_dflash.py): the masks
 against a position-by-position reference, the engines' causality rule, training equal to drafting,
-flex equal to SDPA (one compile: test_packing.py::test_packed_batches_of_any_layout_compile_once)."""
+flex equal to SDPA (one compile: test_data_packing.py::test_packed_batches_of_any_layout_compile_once)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from tiny import make_target, record_losses, train_config, write_chat_data, writ
 from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
 from dflash.config import TrainConfig
-from dflash.data import DatasetError
+from dflash.data.chats import DatasetError
 from dflash.drafter.files import CheckpointError
 from dflash.trainer import Trainer
 
@@ -180,9 +180,9 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     from tiny import CONVERSATIONS
     from transformers import AutoTokenizer
 
-    from dflash.data import read_conversations
+    from dflash.data.chats import read_conversations
+    from dflash.data.regenerate import response_prompts
     from dflash.evaluate import greedy_generate
-    from dflash.regenerate import response_prompts
 
     trainer = Trainer(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
     regenerated = read_conversations(tmp_path / "regenerated_train.jsonl")
@@ -489,7 +489,7 @@ class _Stops:
 def test_a_stopped_regeneration_exits_with_its_signal_and_no_resume_advice(tmp_path, caplog, monkeypatch):
     import signal
 
-    from dflash.regenerate import RegenerationStopped
+    from dflash.data.regenerate import RegenerationStopped
 
     monkeypatch.setattr("dflash.trainer.Trainer", _Stops(RegenerationStopped(signal.SIGTERM)))
     assert main(["train", "--out", str(tmp_path / "run"), "--no-progress"]) == 128 + signal.SIGTERM

@@ -1,11 +1,11 @@
-"""Where dflash.data's fallback search for an assistant turn starts when the generation prompt is not
+"""Where dflash.data.tokenize's fallback search for an assistant turn starts when the generation prompt is not
 in the full rendering (DeepSeek-R1-style templates open the reply with ``<think>\\n`` and drop the
 reasoning of every assistant turn). Fast, in-process (tiny tokenizer, no model)."""
 
 import pytest
 from tiny import make_tokenizer, supervised_text
 
-from dflash.data import tokenize_conversation
+from dflash.data.tokenize import tokenize_conversation
 
 # DeepSeek-R1's rules in ChatML tokens: every assistant turn is rendered without the reasoning that
 # ends at its ``</think>``, and the generation prompt opens the reply with ``<think>\n``.

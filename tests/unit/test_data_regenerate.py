@@ -1,4 +1,4 @@
-"""dflash.regenerate: the target's replies, kept per process in a journal, continued after a
+"""dflash.data.regenerate: the target's replies, kept per process in a journal, continued after a
 stop, shared out between processes and joined by rank 0."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import CONVERSATIONS, make_target
 
-from dflash.regenerate import ReplyJournal, regenerate_replies, regenerated_corpus
+from dflash.data.regenerate import ReplyJournal, regenerate_replies, regenerated_corpus
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 
@@ -119,8 +119,8 @@ class _ThreadProcesses:
 
 def test_processes_share_the_conversations_and_rank_0_joins_them(target, target_dir, tmp_path, monkeypatch, alone):
     group = _ThreadProcesses()
-    monkeypatch.setattr("dflash.regenerate.barrier", group.barrier)
-    monkeypatch.setattr("dflash.regenerate.broadcast_from_main", group.broadcast_from_main)
+    monkeypatch.setattr("dflash.data.regenerate.barrier", group.barrier)
+    monkeypatch.setattr("dflash.data.regenerate.broadcast_from_main", group.broadcast_from_main)
     cache, results = tmp_path / "regenerated.jsonl", {}
 
     def process(rank):
@@ -195,7 +195,7 @@ def test_a_cache_is_reused_for_the_same_key_only(target, target_dir, tmp_path, m
 def test_the_key_follows_the_target_files_not_their_directory(target_dir, tmp_path):
     import shutil
 
-    from dflash.regenerate import regeneration_key
+    from dflash.data.regenerate import regeneration_key
 
     settings = dict(dtype=torch.float32, data_sha256="abc", seq_len=96, max_new_tokens=4)
     moved = tmp_path / "moved"
@@ -212,7 +212,7 @@ def test_a_stop_waits_for_every_thread_to_finish_its_batch(target, target_dir, t
     import signal
     import time
 
-    from dflash.regenerate import _generate_in_threads, _sigterm_interrupts
+    from dflash.data.regenerate import _generate_in_threads, _sigterm_interrupts
 
     second = load_target(target_dir, num_capture_layers=1, device="cpu")
     generate = second.model.generate
@@ -240,7 +240,7 @@ def test_the_first_sigterm_interrupts_regeneration_and_a_second_one_kills(caplog
     import signal
     import time
 
-    from dflash.regenerate import _sigterm_interrupts
+    from dflash.data.regenerate import _sigterm_interrupts
 
     before = signal.getsignal(signal.SIGTERM)
     with _sigterm_interrupts():
@@ -255,7 +255,7 @@ def test_the_first_sigterm_interrupts_regeneration_and_a_second_one_kills(caplog
 
 
 def test_the_turns_regeneration_does_not_keep_are_counted(caplog):
-    from dflash.regenerate import with_replies
+    from dflash.data.regenerate import with_replies
 
     tool_chat = [
         {"role": "user", "content": "weather?"},
@@ -264,19 +264,19 @@ def test_the_turns_regeneration_does_not_keep_are_counted(caplog):
         {"role": "assistant", "content": "it is sunny"},
     ]
     conversations = [CONVERSATIONS[0], CONVERSATIONS[1], tool_chat]  # 1, 5 and 4 messages
-    with caplog.at_level("WARNING", logger="dflash.regenerate"):
+    with caplog.at_level("WARNING", logger="dflash.data.regenerate"):
         kept = with_replies(conversations, {0: "four", 1: "once upon a time", 2: "I cannot check"})
     assert [len(c) for c in kept] == [2, 3, 2]  # the prompt and the one regenerated reply
     # CONVERSATIONS[1] loses 2 later messages, the tool chat 2 (its tool result and answer) and its tool call.
     assert "4 later messages of 2 conversations, and 2 tool calls or tool results in all" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="dflash.regenerate"):
+    with caplog.at_level("WARNING", logger="dflash.data.regenerate"):
         with_replies(conversations[:1], {0: "four"})
     assert not caplog.text  # a single-turn chat loses nothing
 
 
 def test_replies_that_all_come_back_empty_are_named_as_the_target_s(target, target_dir, tmp_path, monkeypatch):
-    from dflash.data import DatasetError
+    from dflash.data.chats import DatasetError
 
     eos = load_tokenizer(target_dir).eos_token_id
 

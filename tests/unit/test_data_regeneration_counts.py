@@ -1,4 +1,4 @@
-"""dflash.regenerate: a regeneration stopped and started again counts its share whole ("N of M done",
+"""dflash.data.regenerate: a regeneration stopped and started again counts its share whole ("N of M done",
 "N of this share's M replies are kept"), not against the conversations still left. In-process, tiny
 2-layer target (a few seconds)."""
 
@@ -9,8 +9,8 @@ import re
 import pytest
 from tiny import CONVERSATIONS, make_target
 
-import dflash.regenerate as regenerate
-from dflash.regenerate import regenerated_corpus
+import dflash.data.regenerate as regenerate
+from dflash.data.regenerate import regenerated_corpus
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 
@@ -53,7 +53,7 @@ def _corpus(target, target_dir, cache):
 def test_counts_of_a_stopped_and_continued_regeneration_are_of_the_whole_share(
     target_dir, tmp_path, monkeypatch, caplog
 ):
-    caplog.set_level(logging.INFO, logger="dflash.regenerate")
+    caplog.set_level(logging.INFO, logger="dflash.data.regenerate")
     monkeypatch.setattr(
         regenerate, "regenerate_replies", functools.partial(regenerate.regenerate_replies, batch_size=2)
     )

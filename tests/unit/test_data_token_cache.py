@@ -13,12 +13,13 @@ import signal
 import pytest
 from tiny import CONVERSATIONS, inputs_config, training_inputs, write_jsonl
 
-import dflash.token_cache
+import dflash.data.token_cache
 import dflash.trainer
-from dflash.data import build_examples, read_conversations, tokenize_conversations
+from dflash.data.chats import read_conversations
+from dflash.data.token_cache import TokenCache, TokenizingStopped, cache_key
+from dflash.data.tokenize import build_examples, tokenize_conversations
 from dflash.run_dir import TOKENS_DIR
 from dflash.target.files import load_tokenizer
-from dflash.token_cache import TokenCache, TokenizingStopped, cache_key
 from dflash.trainer import Trainer
 
 
@@ -44,7 +45,7 @@ def test_a_resume_reads_the_tokens_instead_of_the_chats(assets, tmp_path, monkey
         raise AssertionError("read or tokenized again")
 
     monkeypatch.setattr(dflash.trainer, "read_conversations", fail)
-    monkeypatch.setattr(dflash.token_cache, "tokenize_conversations", fail)
+    monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", fail)
     with caplog.at_level(logging.INFO):
         resumed = Trainer(_config(assets, tmp_path, steps=3, save_every=2, resume=True))
     assert _examples(resumed) == _examples(first)
@@ -70,7 +71,7 @@ def test_the_key_follows_the_data_tokenizer_and_settings(assets, tmp_path):
 
 
 def test_worker_processes_give_the_tokens_of_one_process(assets, tmp_path, monkeypatch):
-    monkeypatch.setattr(dflash.token_cache, "PART_SIZE", 3)  # 16 conversations: 6 parts
+    monkeypatch.setattr(dflash.data.token_cache, "PART_SIZE", 3)  # 16 conversations: 6 parts
     tokenizer = load_tokenizer(assets["target"])
     conversations = read_conversations(assets["data"])
     alone = build_examples(tokenizer, conversations, seq_len=48, source="chats", progress=False)
@@ -83,7 +84,7 @@ def test_worker_processes_give_the_tokens_of_one_process(assets, tmp_path, monke
 
 
 def test_a_signal_while_tokenizing_keeps_the_finished_parts_and_says_so(assets, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(dflash.token_cache, "PART_SIZE", 4)
+    monkeypatch.setattr(dflash.data.token_cache, "PART_SIZE", 4)
     tokenizer = load_tokenizer(assets["target"])
     conversations = read_conversations(assets["data"])
     calls, killed = [], []
@@ -94,7 +95,7 @@ def test_a_signal_while_tokenizing_keeps_the_finished_parts_and_says_so(assets, 
             killed.append(os.kill(os.getpid(), signal.SIGTERM))  # arrives while the second part is tokenized
         return tokenize_conversations(*args, **kwargs)
 
-    monkeypatch.setattr(dflash.token_cache, "tokenize_conversations", tokenize_then_sigterm)
+    monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", tokenize_then_sigterm)
     cache = TokenCache(tmp_path, {"k": 1})
     settings = dict(seq_len=48, overflow="truncate", source="chats.jsonl", progress=False, write=True, workers=1)
     handler = signal.getsignal(signal.SIGTERM)
@@ -119,7 +120,7 @@ def test_dflash_train_stopped_while_tokenizing_exits_with_the_signal(assets, tmp
         os.kill(os.getpid(), signal.SIGTERM)
         return tokenize_conversations(*args, **kwargs)
 
-    monkeypatch.setattr(dflash.token_cache, "tokenize_conversations", stop)
+    monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", stop)
     data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CONVERSATIONS * 4])
     argv = ["train", "--target", str(assets["target"]), "--data", str(data), "--out", str(tmp_path / "out")]
     assert main([*argv, "--num-target-layers", "2", "--device", "cpu", "--no-progress"]) == 128 + signal.SIGTERM

@@ -11,15 +11,9 @@ import logging
 import pytest
 from tiny import chat_template, make_tokenizer, supervised_text, write_jsonl
 
-from dflash.data import (
-    DatasetError,
-    build_examples,
-    prompt_messages,
-    read_conversations,
-    render_chat,
-    tokenize_conversation,
-)
-from dflash.regenerate import write_conversations
+from dflash.data.chats import DatasetError, prompt_messages, read_conversations
+from dflash.data.regenerate import write_conversations
+from dflash.data.tokenize import build_examples, render_chat, tokenize_conversation
 
 # Qwen3's chat template (Qwen/Qwen3-8B, tokenizer_config.json "chat_template"), whitespace control as shipped.
 QWEN3_TEMPLATE = r"""{%- if tools %}

@@ -6,16 +6,9 @@ from itertools import islice
 import pytest
 from tiny import CONVERSATIONS, chat_template, make_tokenizer, supervised_text, write_jsonl
 
-from dflash.data import (
-    MAX_BAD_LINES,
-    BatchLoader,
-    DatasetError,
-    ShardedSampler,
-    build_examples,
-    prompt_messages,
-    read_conversations,
-    tokenize_conversation,
-)
+from dflash.data.batches import BatchLoader, ShardedSampler
+from dflash.data.chats import MAX_BAD_LINES, DatasetError, prompt_messages, read_conversations
+from dflash.data.tokenize import build_examples, tokenize_conversation
 
 
 @pytest.fixture(scope="module")

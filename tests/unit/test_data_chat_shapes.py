@@ -8,7 +8,8 @@ import logging
 import pytest
 from tiny import chat_template, make_tokenizer, supervised_text, write_jsonl
 
-from dflash.data import DatasetError, read_conversations, tokenize_conversation
+from dflash.data.chats import DatasetError, read_conversations
+from dflash.data.tokenize import tokenize_conversation
 
 # Qwen3's rule for assistant turns: the reasoning before ``</think>`` is rendered only for turns after
 # the last user query; earlier turns keep just the answer, with its leading newlines stripped.

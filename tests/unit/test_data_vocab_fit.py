@@ -5,7 +5,8 @@ an IndexError from the embedding some steps in. In-process; builds a tiny target
 import pytest
 from tiny import make_target, train_config, write_chat_data
 
-from dflash.data import DatasetError, Example, check_token_ids
+from dflash.data.chats import DatasetError
+from dflash.data.tokenize import Example, check_token_ids
 from dflash.trainer import Trainer
 
 

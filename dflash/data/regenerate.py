@@ -29,15 +29,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import (
-    DatasetError,
-    TemplateRejected,
-    char_budget,
-    encode,
-    prompt_messages,
-    read_conversations,
-    render_chat,
-)
+from dflash.data.chats import DatasetError, prompt_messages, read_conversations
+from dflash.data.tokenize import TemplateRejected, char_budget, encode, render_chat
 from dflash.distributed import barrier, broadcast_from_main
 from dflash.target.model import Target
 
@@ -63,7 +56,7 @@ _JOIN_WAIT = timedelta(hours=24)
 
 def prompt_that_fits(tokenizer, conversation, *, max_prompt_tokens: int) -> list[dict[str, str]] | None:
     """The messages before the conversation's first assistant turn
-    (:func:`dflash.data.prompt_messages`) when at most ``max_prompt_tokens`` tokens long once
+    (:func:`dflash.data.chats.prompt_messages`) when at most ``max_prompt_tokens`` tokens long once
     rendered with the generation prompt; else None."""
     messages = prompt_messages(conversation)
     if messages is None:

@@ -1,4 +1,4 @@
-"""Sequence packing (dflash/packing.py) and what it needs from data, masks, the drafter and the target:
+"""Sequence packing (dflash/data/packing.py) and what it needs from data, masks, the drafter and the target:
 rows of several conversations (documents), kept apart exactly as if each ran alone.
 
 Fast (CPU, tiny models); the benchmark smoke run is in tests/integration/test_packing_e2e.py.
@@ -32,8 +32,10 @@ from dflash import masks
 from dflash.commands import train as train_command
 from dflash.compile_watch import CountingBackend
 from dflash.config import TrainConfig
-from dflash.data import Batch, BatchLoader, ShardedSampler, build_examples, collate, read_conversations
-from dflash.packing import pack_rows, row_fill, row_packer
+from dflash.data.batches import Batch, BatchLoader, ShardedSampler, collate
+from dflash.data.chats import read_conversations
+from dflash.data.packing import pack_rows, row_fill, row_packer
+from dflash.data.tokenize import build_examples
 from dflash.target.model import load_target
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The training data's tokens, cached in ``--out`` and tokenized over the usable cores.
 
 Tokenizing renders each conversation with the chat template once per assistant turn (the loss
-mask's spans, :mod:`dflash.data`) and encodes it: about 3 ms per chat on one core of the CI
+mask's spans, :mod:`dflash.data.tokenize`) and encodes it: about 3 ms per chat on one core of the CI
 machine, minutes for 60k chats, and every start and every resume did it again on one core. Here
 the conversations are tokenized in parts of :data:`PART_SIZE`, in worker processes (spawned: the
 trainer's threads make ``fork`` unsafe) over the cores this process may use, and every finished
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import Example, Tokenized, tokenize_conversations, tokenizing_bar
+from dflash.data.tokenize import Example, Tokenized, tokenize_conversations, tokenizing_bar
 from dflash.run_dir import TOKENS_DIR
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ TOKENIZER_FILES = (
     "merges.txt",
 )
 #: The modules whose code decides the tokens (rendering, loss mask, tool calls).
-_CODE = ("data.py", "tool_calls.py")
+_CODE = ("chats.py", "tokenize.py", "tool_calls.py")
 
 
 class TokenizingStopped(KeyboardInterrupt):
@@ -131,13 +131,13 @@ class TokenCache:
         write: bool,
         workers: int,
     ) -> Tokenized:
-        """The tokens of ``conversations`` (:func:`dflash.data.tokenize_conversations`): the parts
+        """The tokens of ``conversations`` (:func:`dflash.data.tokenize.tokenize_conversations`): the parts
         already here are read, the others tokenized over ``workers`` processes (1: in this one)
         and, with ``write``, saved as each finishes; the cache is marked complete at the end.
 
         Raises:
             TokenizingStopped: SIGTERM/SIGINT; the parts finished by then are saved (with ``write``).
-            DatasetError: see :func:`dflash.data.tokenize_conversations`.
+            DatasetError: see :func:`dflash.data.tokenize.tokenize_conversations`.
         """
         starts = range(0, len(conversations), PART_SIZE)
         parts = {index: self._read_part(index) for index in range(len(starts))}

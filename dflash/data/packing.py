@@ -2,7 +2,7 @@
 
 Chat conversations are mostly far shorter than a training row (``--seq-len``), so one conversation
 per right-padded row spends most of the target's and the drafter's compute on padding. Packing puts
-whole conversations back to back in a row, each a *document* (:class:`dflash.data.Batch` carries
+whole conversations back to back in a row, each a *document* (:class:`dflash.data.batches.Batch` carries
 ``document_ids`` and ``position_ids`` restarting at 0 per document), and every consumer keeps the
 documents apart as if each ran alone: the target attends causally within a document
 (:func:`dflash.masks.document_causal_mask`), anchors are drawn per document with the row's
@@ -19,7 +19,7 @@ fill for randomness: rows mix only conversations of one window, and a new permut
 gives new rows. Speculators' DFlash trainer packs with multipack (first-fit decreasing over a
 distributed batch) to the same end.
 
-Conversations longer than ``seq_len`` never reach the packer: ``dflash.data.build_examples`` applies
+Conversations longer than ``seq_len`` never reach the packer: ``dflash.data.tokenize.build_examples`` applies
 ``--overflow`` (truncate or drop) first.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from dflash.data import Example
+from dflash.data.tokenize import Example
 
 #: Conversations per packing window (the default of :func:`pack_rows`).
 DEFAULT_WINDOW = 4096
@@ -80,7 +80,7 @@ def _best_fit_decreasing(lengths: Sequence[int], items: Sequence[int], seq_len: 
         if size > seq_len:
             raise ValueError(
                 f"example {item} has {size} tokens, more than seq_len={seq_len}; apply --overflow "
-                "(dflash.data.build_examples) before packing"
+                "(dflash.data.tokenize.build_examples) before packing"
             )
         best = bisect.bisect_left(free, (size, -1))
         if best == len(free):
@@ -98,7 +98,7 @@ def _best_fit_decreasing(lengths: Sequence[int], items: Sequence[int], seq_len: 
 def row_packer(
     examples: Sequence[Example], *, seq_len: int, window: int = DEFAULT_WINDOW
 ) -> Callable[[list[int], torch.Generator | None], list[list[int]]]:
-    """The ``packer`` of :class:`dflash.data.ShardedSampler` for these examples: packs each epoch's
+    """The ``packer`` of :class:`dflash.data.batches.ShardedSampler` for these examples: packs each epoch's
     permutation with :func:`pack_rows`.
 
     Raises:
@@ -119,7 +119,7 @@ def row_packer(
 
 def row_fill(batches: Iterable) -> float:
     """Real tokens / row tokens over ``batches`` (each with ``num_tokens`` and ``input_ids [B, S]``,
-    e.g. :class:`dflash.data.Batch`), in [0, 1]: the ``row fill`` of the trainer's summary line.
+    e.g. :class:`dflash.data.batches.Batch`), in [0, 1]: the ``row fill`` of the trainer's summary line.
 
     Raises:
         ValueError: no batch, or batches of no tokens at all.
