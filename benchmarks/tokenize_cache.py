@@ -44,10 +44,10 @@ def write_chats(path: Path, count: int) -> Path:
 def measure(mode: str, data: Path, out: Path, seq_len: int) -> dict:
     """Seconds of one side (module docstring) in this interpreter, and a digest of its examples."""
     from dflash.assets import default_target_dir
-    from dflash.checkpoint import sha256_file
     from dflash.data.chats import read_conversations
     from dflash.data.token_cache import TokenCache, cache_key, usable_workers
     from dflash.data.tokenize import build_examples, usable_examples
+    from dflash.files import sha256_file
     from dflash.target.files import load_tokenizer
 
     tokenizer = load_tokenizer(default_target_dir())

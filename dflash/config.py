@@ -22,7 +22,7 @@ from functools import cache
 INPUT_PATHS = ("target", "data", "init_from", "eval_data")
 #: The attention of a drafter layer, as ``layer_types`` in a ``config.json`` names it (the names of
 #: dflash.drafter.modeling_dflash, which imports transformers; this module must not: the CLI settles a config
-#: before anything heavy is imported). tests/unit/test_drafter_shape.py checks they agree.
+#: before anything heavy is imported). tests/unit/test_run_drafter_shape.py checks they agree.
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 _SHORT_NAMES = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
@@ -86,7 +86,7 @@ class TrainConfig:
     allow_nonempty_out: bool = False
     """Train into an --out that already holds files that are not a run's (the run's files go beside them)."""
 
-    # ---- drafter (empty = dflash.drafter_shape's rule: the target's geometry, or the published drafters' shape
+    # ---- drafter (empty = dflash.run.drafter_shape's rule: the target's geometry, or the published drafters' shape
     # for Qwen3.5/3.6 targets, or the --init-from drafter's) -----------------------------------------------------
     init_from: str | None = None
     """Drafter to fine-tune: a published drafter directory (config.json + model.safetensors, z-lab layout) or a

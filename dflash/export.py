@@ -11,7 +11,7 @@ What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflas
 - a directory name containing ``dflash``: vLLM recognises a DFlash drafter from its path;
 - ``README.md`` with the vLLM and SGLang launch lines (vLLM ignores ``block_size``:
   ``num_speculative_tokens = block_size - 1``; SGLang drafts ``--speculative-num-draft-tokens =
-  block_size``) and the acceptance measured for that checkpoint (:mod:`dflash.acceptance_log`),
+  block_size``) and the acceptance measured for that checkpoint (:mod:`dflash.run.acceptance_log`),
   unless it was measured while verification was wrong (a float32 mismatch against greedy decoding).
 
 The directory is written next to its final place and renamed into it, so it is never half there.
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from dflash import acceptance_log
-from dflash.checkpoint import find_checkpoint, write_drafter_files
 from dflash.drafter.files import DRAFTER_FILES
+from dflash.run import acceptance_log
+from dflash.run.checkpoint import find_checkpoint, write_drafter_files
 
 logger = logging.getLogger(__name__)
 

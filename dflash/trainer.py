@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflash import checkpoint, watchdog
+from dflash import watchdog
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import SAVED_CONFIG_NAME, TrainConfig
 from dflash.data.batches import BatchLoader, ShardedSampler
@@ -49,10 +49,12 @@ from dflash.engine.local import LocalEngine
 from dflash.engine.replica import build_replicas
 from dflash.engine.step import LossSettings, detect_peak_tflops
 from dflash.engine.threaded import ThreadedEngine, bottleneck
-from dflash.preflight import check_drafter_config, validate_inputs
+from dflash.files import sha256_file
 from dflash.progress_logging import log_above_progress_bars
-from dflash.resume import check_process_count, check_resume_config
-from dflash.run_dir import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
+from dflash.run import checkpoint
+from dflash.run.layout import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
+from dflash.run.preflight import check_drafter_config, validate_inputs
+from dflash.run.resume import check_process_count, check_resume_config
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 
@@ -191,7 +193,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         from dflash.assets import default_data_dir, default_target_dir
-        from dflash.drafter_shape import resolve_drafter_shape
+        from dflash.run.drafter_shape import resolve_drafter_shape
 
         config = resolve_drafter_shape(config)  # before anything loads: an --init-from misfit is named here
         self.config = config
@@ -216,7 +218,7 @@ class Trainer:
         self.tokenizer, self.tokenizer_dir = load_tokenizer(target_dir), target_dir
         data = Path(config.data) if config.data else default_data_dir() / "train.jsonl"
         # Saved with every checkpoint: a resume on edited data is not the run it continues.
-        self.data_sha256 = checkpoint.sha256_file(data)
+        self.data_sha256 = sha256_file(data)
         # Data tokenized before (a resume) is not read again: its lines were checked then.
         tokens = None if self._regenerates else self._token_cache(self.data_sha256).complete()
         # Every line checked, and the examples (or, to regenerate, the prompts) found, before the target loads.
@@ -246,7 +248,7 @@ class Trainer:
         if self._regenerates:
             source = self.out / REGENERATED_NAME
             conversations = self._regenerated(targets, conversations)
-            examples = self._examples(conversations, None, source=source, data_sha256=checkpoint.sha256_file(source))
+            examples = self._examples(conversations, None, source=source, data_sha256=sha256_file(source))
         self.loader = self._build_loader(examples, source=source, vocab_size=targets[0].embed_tokens.num_embeddings)
         drafter = self._build_drafter(targets[0])
         if config.save and self.is_main:  # before the steps a failed first save would lose
@@ -455,9 +457,9 @@ class Trainer:
         step; step 0 before step 1) and in ``acceptance.json`` of ``--out`` (for this step's
         checkpoint when ``saved``). Training waits while it runs. Rank 0 only; the other processes
         wait at their next collective."""
-        from dflash import acceptance_log
         from dflash.drafter.model import DFlashDraftModel
         from dflash.evaluate import evaluate, stop_token_ids
+        from dflash.run import acceptance_log
 
         began = time.perf_counter()
         target, drafter = self.eval_target, self.drafter

@@ -246,8 +246,8 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its step directory."""
     from transformers import AutoTokenizer
 
-    from dflash.checkpoint import save_checkpoint
     from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+    from dflash.run.checkpoint import save_checkpoint
     from dflash.target.model import load_target
 
     target = load_target(target_dir, num_capture_layers=2, device="cpu")

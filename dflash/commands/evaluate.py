@@ -169,13 +169,13 @@ def _evaluate(args: argparse.Namespace):
     import torch
 
     from dflash.assets import default_target_dir
-    from dflash.checkpoint import find_checkpoint
     from dflash.devices import check_cpu_threads, resolve_device
     from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
     from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
+    from dflash.files import check_weight_files
+    from dflash.run.checkpoint import find_checkpoint
     from dflash.target.files import context_length, load_tokenizer, read_target_config, require_transformers_for
     from dflash.target.model import load_target
-    from dflash.weight_files import check_weight_files
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
         raise CheckpointError(
@@ -224,9 +224,9 @@ def _evaluate(args: argparse.Namespace):
 
 
 def _record(run_dir: Path, drafter: Path, prompts, report) -> None:
-    """Add the measurement to ``run_dir/acceptance.json`` (:mod:`dflash.acceptance_log`)."""
-    from dflash import acceptance_log
-    from dflash.checkpoint import find_checkpoint
+    """Add the measurement to ``run_dir/acceptance.json`` (:mod:`dflash.run.acceptance_log`)."""
+    from dflash.run import acceptance_log
+    from dflash.run.checkpoint import find_checkpoint
 
     checkpoint = find_checkpoint(drafter, verify=False).name
     try:
@@ -260,7 +260,7 @@ def _run_config(drafter: Path) -> tuple[Path, dict] | None:
 def _note_training_in_progress(found: tuple[Path, dict] | None) -> None:
     """Say so when the run of ``found`` (:func:`_run_config`) is still being trained: its newest
     checkpoint is evaluated, and a later one may follow."""
-    from dflash.run_lock import training_holder
+    from dflash.run.lock import training_holder
 
     holder = training_holder(found[0].parent) if found else None
     if holder is not None:
@@ -278,7 +278,7 @@ def _refuse_a_run_without_checkpoint(found: tuple[Path, dict] | None) -> None:
         CheckpointError: the run has saved no checkpoint yet, with when it will.
     """
     from dflash.drafter.files import CheckpointError
-    from dflash.run_dir import CHECKPOINTS_DIR
+    from dflash.run.layout import CHECKPOINTS_DIR
 
     if found is None:
         return

@@ -91,7 +91,7 @@ def _config_from_flags(values: dict):
 
 def _already_done(config) -> bool:
     """Whether the run to resume already has its ``--steps`` (said once, before anything loads)."""
-    from dflash.checkpoint import find_checkpoint
+    from dflash.run.checkpoint import find_checkpoint
 
     step = int(find_checkpoint(config.out, verify=False).name.removeprefix("step_"))
     if config.steps is None or step < config.steps:
@@ -105,9 +105,9 @@ def _already_done(config) -> bool:
 
 
 def _resumed_values(given: dict) -> dict:
-    """The flags of a resumed run (:func:`dflash.resume.resumed_values`)."""
+    """The flags of a resumed run (:func:`dflash.run.resume.resumed_values`)."""
     from dflash.config import TrainConfig
-    from dflash.resume import resumed_values
+    from dflash.run.resume import resumed_values
 
     return resumed_values(_saved_config(given.get("out", TrainConfig.out)), given)
 
@@ -116,11 +116,11 @@ def _resumed_values(given: dict) -> dict:
 def _out_lock(config):
     """One training per ``--out``: rank 0 holds its lock from before the first write (replies
     regenerated into it) to the end, and checks again under the lock that no other run got there
-    first (:mod:`dflash.run_lock`)."""
+    first (:mod:`dflash.run.lock`)."""
     from pathlib import Path
 
-    from dflash.preflight import refuse_existing_run
-    from dflash.run_lock import run_lock
+    from dflash.run.lock import run_lock
+    from dflash.run.preflight import refuse_existing_run
 
     if int(os.environ.get("RANK", 0)) != 0:
         yield
@@ -132,8 +132,8 @@ def _out_lock(config):
 
 def _resume_hint(out: str, what: str) -> None:
     """After a stop: how to go on (once per job, from rank 0)."""
-    from dflash.checkpoint import find_checkpoint
     from dflash.drafter.files import CheckpointError
+    from dflash.run.checkpoint import find_checkpoint
 
     if int(os.environ.get("RANK", 0)) != 0:
         return
@@ -181,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
         if values.get("resume"):
             values = _resumed_values(values)
         config = _config_from_flags(values)
-        from dflash.drafter_shape import resolve_drafter_shape
-        from dflash.preflight import validate_inputs
+        from dflash.run.drafter_shape import resolve_drafter_shape
+        from dflash.run.preflight import validate_inputs
 
         config = resolve_drafter_shape(config)  # the rule's block size, layers, taps: before any check reads them
 

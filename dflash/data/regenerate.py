@@ -312,7 +312,7 @@ def regeneration_key(
     generation config and tokenizer files (sha256), its weight files (name, size, mtime: hashing
     tens of GB would take minutes), its dtype, and the length limits. Not the directory's path: a
     moved target keeps its replies."""
-    from dflash.checkpoint import sha256_file
+    from dflash.files import sha256_file
 
     files = {}
     for path in sorted(target_dir.iterdir()):

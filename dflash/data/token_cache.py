@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from dflash.data.tokenize import Example, Tokenized, tokenize_conversations, tokenizing_bar
-from dflash.run_dir import TOKENS_DIR
+from dflash.run.layout import TOKENS_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class TokenCache:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    from dflash.checkpoint import atomic_write_bytes
+    from dflash.files import atomic_write_bytes
 
     atomic_write_bytes(path, data)
 

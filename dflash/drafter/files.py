@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.json_files import read_json_object
+from dflash.files import read_json_object
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -151,7 +151,7 @@ def check_tensors(directory: str | Path, config) -> None:
     """
     from safetensors import safe_open
 
-    from dflash.weight_files import WeightFileError, check_safetensors
+    from dflash.files import WeightFileError, check_safetensors
 
     directory = Path(directory)
     try:
@@ -200,7 +200,7 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-#: Fields of a drafter's config.json the comparison needs (z-lab's layout, :mod:`dflash.checkpoint`).
+#: Fields of a drafter's config.json the comparison needs (z-lab's layout, :mod:`dflash.run.checkpoint`).
 _DRAFTER_FIELDS = ("hidden_size", "num_target_layers", "vocab_size")
 
 

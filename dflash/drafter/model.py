@@ -65,7 +65,7 @@ def create_drafter_config(
     ``target_config``, and attention/KV heads, head_dim and intermediate size where the arguments
     leave them None. RoPE is the target's type, base and scaling without its partial-rotary and
     M-RoPE fields (:func:`dflash.drafter.hf_config.drafter_rope_parameters`): the drafter rotates all of
-    head_dim. ``dflash.drafter_shape`` chooses the arguments (the published shape for Qwen3.5/3.6).
+    head_dim. ``dflash.run.drafter_shape`` chooses the arguments (the published shape for Qwen3.5/3.6).
 
     Args:
         target_config (PretrainedConfig): the target's (text) config.

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
-from dflash.json_files import read_json_object
+from dflash.files import read_json_object
 
 
 class TargetLoadError(ValueError):

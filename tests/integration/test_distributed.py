@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny import make_target, write_chat_data
 
-from dflash.checkpoint import find_checkpoint, load_drafter_files
+from dflash.run.checkpoint import find_checkpoint, load_drafter_files
 
 WORKER = """
 import json, sys, torch

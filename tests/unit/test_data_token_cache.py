@@ -18,7 +18,7 @@ import dflash.trainer
 from dflash.data.chats import read_conversations
 from dflash.data.token_cache import TokenCache, TokenizingStopped, cache_key
 from dflash.data.tokenize import build_examples, tokenize_conversations
-from dflash.run_dir import TOKENS_DIR
+from dflash.run.layout import TOKENS_DIR
 from dflash.target.files import load_tokenizer
 from dflash.trainer import Trainer
 

@@ -9,8 +9,8 @@ import json
 import pytest
 from tiny import save_random_drafter, write_chat_data
 
-from dflash import acceptance_log
 from dflash.cli import main
+from dflash.run import acceptance_log
 from dflash.target import rollback
 
 

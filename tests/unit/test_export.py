@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny import make_target, train_config, write_chat_data
 
-from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
+from dflash.run.checkpoint import find_checkpoint
 from dflash.trainer import Trainer
 
 
@@ -66,7 +66,7 @@ def test_the_export_loads_with_trust_remote_code_strictly_in_bf16(run, tmp_path,
 
 
 def test_the_readme_has_the_launch_lines_and_the_measured_acceptance(run, tmp_path):
-    from dflash import acceptance_log
+    from dflash.run import acceptance_log
 
     run_dir, target_dir, heldout = run
     out = tmp_path / "my-dflash"

@@ -9,8 +9,8 @@ import json
 import pytest
 from tiny import make_target, record_losses, train_config, write_chat_data
 
-from dflash import acceptance_log
-from dflash.checkpoint import step_dir_name
+from dflash.run import acceptance_log
+from dflash.run.checkpoint import step_dir_name
 from dflash.trainer import Trainer
 
 

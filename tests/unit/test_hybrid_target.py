@@ -37,9 +37,9 @@ def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path
 def on_cuda_without_fla(monkeypatch):
     """Preflight sees a CUDA host without flash-linear-attention (this machine has neither)."""
     import dflash.devices
-    import dflash.preflight
+    import dflash.run.preflight
 
-    monkeypatch.setattr(dflash.preflight, "check_devices", lambda config: None)
+    monkeypatch.setattr(dflash.run.preflight, "check_devices", lambda config: None)
     monkeypatch.setattr(dflash.devices, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
     monkeypatch.setattr(target_files, "fla_available", lambda: False)
 
@@ -51,8 +51,8 @@ def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(
     from tiny import write_chat_data
 
     from dflash.config import TrainConfig
-    from dflash.drafter_shape import resolve_drafter_shape
-    from dflash.preflight import validate_inputs
+    from dflash.run.drafter_shape import resolve_drafter_shape
+    from dflash.run.preflight import validate_inputs
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # loading would fail loudly
     data = write_chat_data(tmp_path / "chats.jsonl")

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import save_file
 from tiny import TINY_TRAINING, make_target, train_config, write_chat_data
 
-from dflash import acceptance_log
-from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
+from dflash.run import acceptance_log
+from dflash.run.checkpoint import find_checkpoint
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 
@@ -122,7 +122,7 @@ def test_a_run_directory_starts_from_its_latest_checkpoint(assets, tmp_path):
     from safetensors.torch import load_file
 
     from dflash.drafter.model import load_drafter_dir
-    from dflash.drafter_shape import resolve_drafter_shape
+    from dflash.run.drafter_shape import resolve_drafter_shape
 
     first = tmp_path / "first"
     assert main(_flags(assets, first, init_from=assets["drafter"])) == 0

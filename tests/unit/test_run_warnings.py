@@ -7,7 +7,7 @@ import logging
 import pytest
 from tiny import train_config, training_inputs
 
-from dflash.resume import resumed_values
+from dflash.run.resume import resumed_values
 from dflash.trainer import Trainer
 
 

@@ -144,8 +144,8 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
     from tiny import write_chat_data
 
     from dflash.config import TrainConfig
-    from dflash.drafter_shape import resolve_drafter_shape
-    from dflash.preflight import validate_inputs
+    from dflash.run.drafter_shape import resolve_drafter_shape
+    from dflash.run.preflight import validate_inputs
 
     target = make_target(tmp_path / "target", num_layers=2)
     config = json.loads((target / "config.json").read_text())

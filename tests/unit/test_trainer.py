@@ -10,11 +10,11 @@ import pytest
 import torch
 from tiny import make_target, record_losses, train_config, write_chat_data, write_jsonl
 
-from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.data.chats import DatasetError
 from dflash.drafter.files import CheckpointError
+from dflash.run.checkpoint import find_checkpoint
 from dflash.trainer import Trainer
 
 
@@ -239,7 +239,7 @@ def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
 
 
 def test_a_new_run_never_overwrites_an_existing_one(tmp_path):
-    from dflash.preflight import refuse_existing_run
+    from dflash.run.preflight import refuse_existing_run
 
     refuse_existing_run(tmp_path, resume=False)  # empty --out: fine
     (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
@@ -315,7 +315,7 @@ def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets
 
 
 def test_resume_compares_inputs_as_files_not_strings(assets, tmp_path, monkeypatch, caplog):
-    from dflash.resume import check_resume_config
+    from dflash.run.resume import check_resume_config
 
     # A run saved with a relative --data (before paths were saved absolute) resumes from its own directory...
     monkeypatch.chdir(assets["data"].parent)
@@ -334,7 +334,7 @@ def test_resume_compares_inputs_as_files_not_strings(assets, tmp_path, monkeypat
 
 
 def test_resuming_with_another_length_warns_that_the_schedule_changes(assets, tmp_path, caplog):
-    from dflash.resume import check_resume_config
+    from dflash.run.resume import check_resume_config
 
     saved = _config(assets, tmp_path, steps=6).to_dict()
     with caplog.at_level(logging.WARNING):
@@ -427,7 +427,7 @@ def test_no_save_trains_without_writing_a_checkpoint(assets, tmp_path, caplog):
 
 
 def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets, tmp_path, caplog):
-    from dflash.run_lock import run_lock
+    from dflash.run.lock import run_lock
 
     argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path)]
     argv += ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--no-progress"]

@@ -1,4 +1,4 @@
-"""dflash.checkpoint: a save the OS refuses (disk full) removes its temp directory and raises one
+"""dflash.run.checkpoint: a save the OS refuses (disk full) removes its temp directory and raises one
 CheckpointError naming the directory, the OS error and the fix; the previous checkpoint stays usable.
 
 The writers are faked: each writes part of its file, then fails the way the real one does on a full
@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from dflash import checkpoint as ckpt
-from dflash.checkpoint import find_checkpoint, save_checkpoint
 from dflash.drafter.files import CheckpointError
+from dflash.run import checkpoint as ckpt
+from dflash.run.checkpoint import find_checkpoint, save_checkpoint
 
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -11,7 +11,7 @@ from tiny import make_target, save_random_drafter, write_chat_data
 
 import dflash.target.files
 import dflash.target.model
-from dflash.weight_files import WeightFileError, check_weight_files
+from dflash.files import WeightFileError, check_weight_files
 
 
 @pytest.fixture(scope="module")

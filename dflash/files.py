@@ -1,6 +1,8 @@
-"""The weight files of a model directory, checked from their headers before anything loads them.
+"""Small-file I/O every part shares: a JSON object read with errors that name the file and the fix
+(a target's or a drafter's ``config.json``), atomic writes and sha256 digests, and weight files checked
+whole from their headers before anything loads them.
 
-An interrupted download or copy leaves a ``.safetensors`` file shorter than its header says; the
+Weight files: an interrupted download or copy leaves a ``.safetensors`` file shorter than its header says; the
 safetensors loader then fails with ``SafetensorError: incomplete metadata, file not fully
 covered``, a traceback from inside ``from_pretrained`` after transformers was imported and the
 other shards were read. The format (https://github.com/huggingface/safetensors, "Format") is an
@@ -13,7 +15,9 @@ is whole: milliseconds for a sharded 235B model. A sharded model's index
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 #: The index of a sharded safetensors model (``weight_map``: tensor name -> shard file).
@@ -121,3 +125,52 @@ def check_safetensors(path: str | Path, *, role: str = "target", fix: str | None
             f"{role} weight file {path} is {what}: {size:,} bytes, its header describes {expected:,} (an "
             f"interrupted download or copy?); {again}"
         )
+
+
+def read_json_object(path: Path, *, error: type[Exception], name: str, fix: str) -> dict:
+    """The JSON object in ``path``.
+
+    Args:
+        error: the exception class to raise.
+        name (str): how messages name the file (e.g. ``target /models/x/config.json``).
+        fix (str): what to do about it, appended to every message.
+
+    Raises:
+        error: the file cannot be read or decoded, or holds another JSON value than an object.
+    """
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{name}: missing or unreadable ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise error(f"{name}: expected a JSON object, got {type(value).__name__}; {fix}")
+    return value
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in the directory ``path`` durable (fsync of the directory itself)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory, fsync, ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -16,9 +16,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from dflash.acceptance_log import LOG_NAME as ACCEPTANCE_NAME
 from dflash.config import SAVED_CONFIG_NAME
-from dflash.run_lock import LOCK_NAME
+from dflash.run.acceptance_log import LOG_NAME as ACCEPTANCE_NAME
+from dflash.run.lock import LOCK_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ CHECKPOINT_OVERHEAD = 128 * 1024
 
 def checkpoint_bytes(parameters: int, *, export_itemsize: int) -> int:
     """About the size of one checkpoint of a drafter of ``parameters`` trainable parameters
-    (:mod:`dflash.checkpoint`): the exported weights, AdamW's two float32 moments, the float32 master
+    (:mod:`dflash.run.checkpoint`): the exported weights, AdamW's two float32 moments, the float32 master
     weights when the export is narrower, and :data:`CHECKPOINT_OVERHEAD`."""
     master = 4 if export_itemsize < 4 else 0
     return parameters * (export_itemsize + 8 + master) + CHECKPOINT_OVERHEAD

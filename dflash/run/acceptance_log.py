@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from dflash.checkpoint import atomic_write_bytes
+from dflash.files import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

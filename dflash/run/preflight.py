@@ -32,12 +32,12 @@ def validate_inputs(config: TrainConfig) -> None:
     """Check every argument and input of ``config`` that can be checked without loading a model.
 
     - ``--out``: a directory (or creatable), writable, not inside another run and holding only a run's
-      files (:mod:`dflash.run_dir`); without ``--resume`` it must not hold a run, with it it must hold a
-      checkpoint and the flags must be ones it can continue with (:mod:`dflash.resume`);
+      files (:mod:`dflash.run.layout`); without ``--resume`` it must not hold a run, with it it must hold a
+      checkpoint and the flags must be ones it can continue with (:mod:`dflash.run.resume`);
     - ``--max-anchors`` (new runs): at most ``--seq-len - 1``;
     - ``--data`` (or the embedded corpus): a readable file whose first records parse;
     - ``--target`` (or the embedded target): a directory with ``config.json``, tokenizer files and
-      whole weight files (:mod:`dflash.weight_files`); the layers to tap (``--num-target-layers``/
+      whole weight files (:mod:`dflash.files`); the layers to tap (``--num-target-layers``/
       ``--target-layer-ids``), ``--mask-token-id`` and ``--seq-len`` fit its config;
     - ``--device``, ``--target-devices``/``--drafter-devices``: devices this host has, and
       ``--cpu-threads`` its cores;
@@ -82,7 +82,7 @@ DRAFTER_FLAGS = {
 
 
 def check_drafter_config(config: TrainConfig) -> None:
-    """The drafter of ``config`` (resolved, :func:`dflash.drafter_shape.resolve_drafter_shape`)
+    """The drafter of ``config`` (resolved, :func:`dflash.run.drafter_shape.resolve_drafter_shape`)
     builds for its target: its config, without weights, from the target's ``config.json``, as the
     trainer builds it once the target has loaded (module docstring). An ``--init-from`` drafter was
     read and checked whole when the shape was resolved.
@@ -111,7 +111,7 @@ def check_drafter_config(config: TrainConfig) -> None:
         flags = [flag for field, flag in DRAFTER_FLAGS.items() if field in str(e)]
         raise ValueError(
             f"the drafter this run would train does not build: {e}"
-            + (f" (set by {', '.join(flags)}, or by the rule of dflash.drafter_shape where empty)" if flags else "")
+            + (f" (set by {', '.join(flags)}, or by the rule of dflash.run.drafter_shape where empty)" if flags else "")
         ) from None
 
 
@@ -139,7 +139,7 @@ def check_resume_flags(config: TrainConfig) -> None:
         CheckpointError: a flag that changes the math differs (names each, old -> new).
     """
     from dflash.config import read_saved_config
-    from dflash.resume import check_resume_config
+    from dflash.run.resume import check_resume_config
 
     saved = read_saved_config(config.out)
     if saved:
@@ -148,16 +148,16 @@ def check_resume_flags(config: TrainConfig) -> None:
 
 def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> None:
     """``--out`` can be written, holds a run exactly when ``resume`` is given, and may hold a run
-    (:func:`dflash.run_dir.check_out_location`).
+    (:func:`dflash.run.layout.check_out_location`).
 
     Raises:
         ValueError: ``out`` is a file, or cannot be written; it holds a run and ``resume`` is off; it is
             inside another run, or holds other files without ``allow_nonempty``.
         CheckpointError: ``resume`` without a checkpoint in ``out``.
     """
-    from dflash.checkpoint import find_checkpoint
     from dflash.drafter.files import CheckpointError
-    from dflash.run_dir import check_out_location
+    from dflash.run.checkpoint import find_checkpoint
+    from dflash.run.layout import check_out_location
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
@@ -214,6 +214,7 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> dict:
         ValueError: the layers to tap do not fit (names the flags and values that do), the mask
             token is not in the vocabulary, or ``--seq-len`` is past the target's positions.
     """
+    from dflash.files import check_weight_files
     from dflash.target.files import (
         TargetLoadError,
         check_packable,
@@ -222,7 +223,6 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> dict:
         require_transformers_for,
     )
     from dflash.target.taps import check_taps
-    from dflash.weight_files import check_weight_files
 
     raw = read_target_config(target_dir)
     require_transformers_for(raw, target_dir / "config.json", decoding=config.measures_acceptance)

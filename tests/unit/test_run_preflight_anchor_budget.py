@@ -6,7 +6,7 @@ in-process (tiny target files, no model load)."""
 import pytest
 from tiny import make_target, train_config, write_chat_data
 
-from dflash.preflight import validate_inputs
+from dflash.run.preflight import validate_inputs
 
 
 @pytest.fixture(scope="module")

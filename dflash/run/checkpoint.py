@@ -28,7 +28,6 @@ edited file is reported by name with the fix instead of failing deep inside torc
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ import torch
 
 from dflash.config import SAVE_DTYPES
 from dflash.drafter.files import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
+from dflash.files import atomic_write_bytes, fsync_dir, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -51,39 +51,6 @@ MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 #: Key of the full-precision drafter weights in the training state (see :func:`save_checkpoint`).
 MASTER_WEIGHTS_KEY = "master_weights"
-
-
-# ---------------------------------------------------------------------------------------
-# Atomic file primitives
-# ---------------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same directory, fsync, ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,7 +184,7 @@ def save_checkpoint(
     if final.exists():  # re-saving a step (e.g. the final save right after a periodic one)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write_bytes(root / LATEST_NAME, (name + "\n").encode())
     _prune(root, keep_last)
     logger.info("saved checkpoint %s", final)
@@ -276,7 +243,7 @@ def _write_step(tmp: Path, config: dict[str, Any], weights: dict[str, torch.Tens
     for n in names + [MANIFEST_NAME]:
         with open(tmp / n, "rb") as f:
             os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
 
 # safetensors reports an I/O failure as text only: "... No space left on device (os error 28)".

@@ -16,7 +16,7 @@ are cycled per replica), and another torchrun process count (each process draws 
 and its own anchor stream, seeded ``--seed`` + rank).
 
 :func:`resumed_values` merges the flags given now over the saved ones (``dflash train``), and
-:func:`check_resume_config` compares a config with a saved one (:mod:`dflash.preflight` against
+:func:`check_resume_config` compares a config with a saved one (:mod:`dflash.run.preflight` against
 ``train_config.json`` before anything loads, :class:`dflash.trainer.Trainer` against the
 checkpoint it loads).
 """
@@ -133,10 +133,10 @@ def check_resume_config(saved: dict, current: TrainConfig, where: Path, *, warn:
         CheckpointError: a flag that changes the math differs (each named, old -> new), or the
             layout changed in a way the run cannot continue exactly under (the reason and the fix).
     """
-    from dflash.drafter_shape import SHAPE_FIELDS, resolve_drafter_shape
+    from dflash.run.drafter_shape import SHAPE_FIELDS, resolve_drafter_shape
 
     # A key the saved run lacks is a field added since; it ran with that field's default. A shape
-    # field it left empty was filled by the rule of dflash.drafter_shape, as the current one is.
+    # field it left empty was filled by the rule of dflash.run.drafter_shape, as the current one is.
     saved = {**TrainConfig.defaults(), **saved}
     current = resolve_drafter_shape(current)
     shape = resolve_drafter_shape(dataclasses.replace(current, **{k: saved[k] for k in SHAPE_FIELDS}))

@@ -9,10 +9,10 @@ from collections import namedtuple
 import pytest
 from tiny import inputs_config, training_inputs
 
-import dflash.run_dir
+import dflash.run.layout
 from dflash.config import TrainConfig
-from dflash.preflight import validate_inputs
-from dflash.run_dir import CHECKPOINT_OVERHEAD, checkpoint_bytes
+from dflash.run.layout import CHECKPOINT_OVERHEAD, checkpoint_bytes
+from dflash.run.preflight import validate_inputs
 from dflash.trainer import Trainer
 
 
@@ -68,16 +68,16 @@ def test_a_disk_that_cannot_hold_the_next_checkpoint_is_refused_at_start(assets,
     estimate = trainer._checkpoint_size(trainer.drafter)
     assert written <= estimate <= written + CHECKPOINT_OVERHEAD  # the tensors to the byte, the rest bounded
 
-    monkeypatch.setattr(dflash.run_dir.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, estimate - 1))
+    monkeypatch.setattr(dflash.run.layout.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, estimate - 1))
     with pytest.raises(ValueError, match=r"MB free, but a checkpoint of this run takes about .* MB: the first save"):
         Trainer(_config(assets, tmp_path / "full", steps=2))  # refused while it is built: before any step
     Trainer(_config(assets, tmp_path / "nosave", steps=2, save=False))  # nothing to save: no check
 
 
 def test_a_disk_that_holds_fewer_than_keep_last_checkpoints_is_warned_about(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(dflash.run_dir.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, 25 * 10**8))
-    with caplog.at_level(logging.WARNING, logger="dflash.run_dir"):
-        dflash.run_dir.check_free_space(tmp_path, checkpoint_size=10**9, keep_last=3)
+    monkeypatch.setattr(dflash.run.layout.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, 25 * 10**8))
+    with caplog.at_level(logging.WARNING, logger="dflash.run.layout"):
+        dflash.run.layout.check_free_space(tmp_path, checkpoint_size=10**9, keep_last=3)
     assert (
         "2.5 GB free, a checkpoint takes about 1.0 GB and --keep-last 3 keeps 3 of them (plus the one being "
         "written): the disk fills after 2 more save(s)"

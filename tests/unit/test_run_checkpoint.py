@@ -1,4 +1,4 @@
-"""dflash.checkpoint: atomic saves survive a crash, corruption is named, RNG round trip."""
+"""dflash.run.checkpoint: atomic saves survive a crash, corruption is named, RNG round trip."""
 
 import json
 import random
@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash.checkpoint import find_checkpoint, load_drafter_files, save_checkpoint
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError
+from dflash.run import checkpoint as ckpt
+from dflash.run.checkpoint import find_checkpoint, load_drafter_files, save_checkpoint
 
 # The smallest config a checkpoint accepts: save_checkpoint needs the RoPE base to write it for every loader.
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}

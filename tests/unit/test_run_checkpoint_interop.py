@@ -25,11 +25,11 @@ from safetensors import safe_open
 from tiny import make_tokenizer
 
 from dflash import masks
-from dflash.checkpoint import MASTER_WEIGHTS_KEY, load_training_state, resume_weights, save_checkpoint
 from dflash.drafter.hf_config import rope_parameters_of
 from dflash.drafter.mask_token import UNUSED_ROW, resolve_mask_token_id
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.loss import dflash_loss, position_weights
+from dflash.run.checkpoint import MASTER_WEIGHTS_KEY, load_training_state, resume_weights, save_checkpoint
 from dflash.target.model import load_target
 
 ROPE_THETA, VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1e6, 512, 32, 4, 2, 8, 64
@@ -253,8 +253,8 @@ def test_bf16_export_keeps_full_precision_weights_for_resume(trained):
 
 
 def test_save_dtype_choices_and_the_as_is_default(tmp_path):
-    from dflash.checkpoint import resolve_save_dtype
     from dflash.config import TrainConfig
+    from dflash.run.checkpoint import resolve_save_dtype
 
     assert resolve_save_dtype("auto", torch.bfloat16) == torch.bfloat16  # training in bf16 exports bf16
     assert resolve_save_dtype("auto", torch.float32) == torch.float32

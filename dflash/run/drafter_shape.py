@@ -173,8 +173,8 @@ def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> di
 def _drafter_directory(init_from: str) -> str:
     """``--init-from`` as the drafter directory it names: itself, or the latest checkpoint of a
     run directory (``--out`` of ``dflash train``, as ``dflash eval`` and ``dflash export`` take)."""
-    from dflash.checkpoint import find_checkpoint
     from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError
+    from dflash.run.checkpoint import find_checkpoint
 
     path = Path(init_from)
     if (path / CONFIG_NAME).is_file() or not path.is_dir():

@@ -1,8 +1,8 @@
 """Elastic resume: ``dflash train --resume`` under another device layout continues exactly when a
 step's rows can be kept (``--grad-accum`` adjusted), says what changed, and refuses with the
 reason and the fix when they cannot. CPU "devices": threaded (``cpu:0-1``) -> one device and back,
-each equal bit for bit to the run that never stopped. The resume rules live in ``dflash.resume``,
-which ``dflash.preflight`` imports instead of the trainer (an import circle before)."""
+each equal bit for bit to the run that never stopped. The resume rules live in ``dflash.run.resume``,
+which ``dflash.run.preflight`` imports instead of the trainer (an import circle before)."""
 
 import json
 import logging
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tiny import record_losses, train_config, training_inputs
 
 from dflash.drafter.files import CheckpointError
-from dflash.resume import check_process_count, check_resume_config, resumed_values
+from dflash.run.resume import check_process_count, check_resume_config, resumed_values
 from dflash.trainer import Trainer
 
 THREADED = dict(target_devices="cpu", drafter_devices="cpu:0-1", grad_accum=1)
@@ -59,7 +59,7 @@ def test_a_resume_under_another_layout_continues_exactly(assets, tmp_path, caplo
     monkeypatch.setattr("dflash.devices.usable_cores", lambda: 2)  # two drafter threads on any host
     _trainer(assets, tmp_path / "reference", **first).train()
     _stop_after_3(assets, tmp_path / "run", **first)
-    with caplog.at_level(logging.INFO, logger="dflash.resume"):
+    with caplog.at_level(logging.INFO, logger="dflash.run.resume"):
         assert main(["train", "--resume", "--out", str(tmp_path / "run"), *flags, "--no-progress"]) == 0
     assert "resuming under another layout: " in caplog.text
     assert "the same 4 rows per process in the same order, so the run continues with the same batches" in caplog.text
@@ -104,7 +104,7 @@ def test_preflight_checks_a_resume_without_importing_the_trainer(assets, tmp_pat
     code = textwrap.dedent(f"""\
         import json, sys
         from dflash.config import TrainConfig
-        from dflash.preflight import validate_inputs
+        from dflash.run.preflight import validate_inputs
         saved = json.loads(open({str(tmp_path / "run" / "train_config.json")!r}).read())
         validate_inputs(TrainConfig.from_dict({{**saved, "resume": True}}))
         print("dflash.trainer" in sys.modules)

@@ -21,7 +21,7 @@ from dflash.config import TrainConfig
 from dflash.data.chats import DatasetError
 from dflash.devices import DeviceSpecError, parse_devices
 from dflash.drafter.files import CheckpointError
-from dflash.preflight import validate_inputs
+from dflash.run.preflight import validate_inputs
 from dflash.target.files import TargetLoadError, load_tokenizer
 
 
@@ -112,7 +112,7 @@ def test_validation_never_imports_transformers(inputs, tmp_path):
         import sys, time
         import torch  # the device checks ask torch which devices exist: what is timed is the validation
         from dflash.config import TrainConfig
-        from dflash.preflight import validate_inputs
+        from dflash.run.preflight import validate_inputs
         config = TrainConfig(target={str(inputs["target"])!r}, data={str(inputs["data"])!r},
                              out={str(tmp_path / "out")!r}, num_target_layers=2)
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The drafter's shape (dflash/drafter_shape.py) and RoPE (dflash/drafter/hf_config.py): a Qwen3.5/3.6 target
+"""The drafter's shape (dflash/run/drafter_shape.py) and RoPE (dflash/drafter/hf_config.py): a Qwen3.5/3.6 target
 gets the published drafter's config field by field, with only the RoPE the drafter uses; other
 targets keep their own geometry; flags win and contradictions are named."""
 
@@ -14,7 +14,7 @@ from dflash.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, TrainC
 from dflash.drafter import modeling_dflash
 from dflash.drafter.hf_config import portable_config
 from dflash.drafter.model import drafter_config
-from dflash.drafter_shape import resolve_drafter_shape
+from dflash.run.drafter_shape import resolve_drafter_shape
 from dflash.target.taps import check_taps
 
 needs_qwen3_5 = pytest.mark.skipif(
@@ -198,8 +198,8 @@ def test_the_drafter_of_a_qwen3_5_target_carries_only_the_rope_it_uses(tmp_path,
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash.checkpoint import save_checkpoint
     from dflash.drafter.model import DFlashDraftModel
+    from dflash.run.checkpoint import save_checkpoint
 
     target_dir = make_target(tmp_path / "target", arch=arch)
     train = TrainConfig(target=str(target_dir), num_target_layers=1, draft_heads=4, draft_kv_heads=2, draft_head_dim=8)
@@ -280,11 +280,11 @@ def test_a_qwen3_5_target_gets_the_published_rule_for_any_layer_count(tmp_path):
 
 @needs_qwen3_5
 def test_a_shallow_target_taps_what_fits_unless_the_flag_asks_for_more(tmp_path, caplog):
-    from dflash.preflight import validate_inputs
+    from dflash.run.preflight import validate_inputs
 
     target_dir = make_target(tmp_path / "target", arch="qwen3_5", num_layers=6)
     run = dict(target=str(target_dir), data=str(write_chat_data(tmp_path / "chats.jsonl")), out=str(tmp_path / "r"))
-    with caplog.at_level("INFO", logger="dflash.drafter_shape"):
+    with caplog.at_level("INFO", logger="dflash.run.drafter_shape"):
         rule = resolve_drafter_shape(TrainConfig(**run))
     assert rule.num_target_layers == 3 and "the rule's 5 need 8" in caplog.text  # 6 layers spread 3 taps
     validate_inputs(rule)
