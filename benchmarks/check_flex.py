@@ -23,7 +23,7 @@ from transformers import Qwen3Config
 
 from dflash import masks
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
-from dflash.loss import dflash_loss, position_weights
+from dflash.train.loss import dflash_loss, position_weights
 
 
 def build(args, dtype):

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from dflash.config import TrainConfig
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 
 def _origin() -> str:

@@ -231,7 +231,7 @@ class TrainConfig:
     progress: bool = True
     """Show a tqdm progress bar."""
 
-    # ---- threaded multi-device layout (dflash/engine/threaded.py) -----------------------------------
+    # ---- threaded multi-device layout (dflash/train/threaded.py) -----------------------------------
     target_devices: str | None = None
     """Devices of the target threads, one frozen target replica each: `cuda:0-4`, `cuda:0,cuda:2`, `cpu`,
     `cpu:0-1`; empty = the single-device path (--device)."""

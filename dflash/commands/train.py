@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         validate_inputs(config)  # before torch-heavy imports: every argument and input file
         if config.resume and _already_done(config):
             return 0
-        from dflash.trainer import Trainer, TrainingStopped
+        from dflash.train.trainer import Trainer, TrainingStopped
 
         try:
             with _out_lock(config):

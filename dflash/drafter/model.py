@@ -274,7 +274,7 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
 
         Returns:
             Tensor: ``[B, N*Bs, H]`` after the final norm; apply the target's ``lm_head``
-            (:mod:`dflash.loss` does it chunked). Rows of padding blocks carry no attention.
+            (:mod:`dflash.train.loss` does it chunked). Rows of padding blocks carry no attention.
 
         Raises:
             ValueError: on mismatched shapes or an unsupported attention backend.

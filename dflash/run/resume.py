@@ -4,7 +4,7 @@ A resume continues exactly (the batches, anchors, learning-rate schedule and opt
 the run had it not stopped) when nothing that changes the math differs from the saved run. Flags
 that do not change it (logging, saving, compile, the target threads, ``--device``) may differ.
 
-**Elastic resume.** Jobs are drawn in one fixed order per process (:mod:`dflash.engine.jobs`):
+**Elastic resume.** Jobs are drawn in one fixed order per process (:mod:`dflash.train.jobs`):
 job j is the loader's next batch with anchors from one generator, for drafter replica ``j % W``,
 so one device with ``--grad-accum k * W`` trains on exactly the batches and anchors that W drafter
 replicas with ``--grad-accum k`` do. The device layout (``--device``, ``--target-devices``,
@@ -17,7 +17,7 @@ and its own anchor stream, seeded ``--seed`` + rank).
 
 :func:`resumed_values` merges the flags given now over the saved ones (``dflash train``), and
 :func:`check_resume_config` compares a config with a saved one (:mod:`dflash.run.preflight` against
-``train_config.json`` before anything loads, :class:`dflash.trainer.Trainer` against the
+``train_config.json`` before anything loads, :class:`dflash.train.trainer.Trainer` against the
 checkpoint it loads).
 """
 

@@ -8,11 +8,11 @@ import logging
 import pytest
 from tiny import make_target, train_config, write_chat_data
 
-import dflash.trainer
+import dflash.train.trainer
 from dflash.compile_watch import recompile_limit_name
-from dflash.engine import threaded
-from dflash.engine.replica import build_replicas
-from dflash.trainer import Trainer
+from dflash.train import threaded
+from dflash.train.replica import build_replicas
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _config(assets, out):
 
 
 def test_forced_recompiles_in_threads_run_compiled_and_fallbacks_are_reported(assets, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(dflash.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
+    monkeypatch.setattr(dflash.train.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
     healthy = Trainer(_config(assets, tmp_path / "ok"))
     healthy.train()
     assert healthy.engine.compile_summary() == {

@@ -17,7 +17,7 @@ from dflash.run.checkpoint import find_checkpoint, load_drafter_files
 WORKER = """
 import json, sys, torch
 from dflash.config import TrainConfig
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 config = TrainConfig(**json.loads(sys.argv[1]))
 trainer = Trainer(config)
 trainer.train()

@@ -42,7 +42,7 @@ def _cut(shape: str):
     ids=["qwen3-8b-width", "qwen3.6-27b-width"],
 )
 def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, shape, flags, expected):
-    from dflash.trainer import Trainer
+    from dflash.train.trainer import Trainer
 
     model_cls, config = _cut(shape)
     tokenizer = make_tokenizer(tmp_path / "target")

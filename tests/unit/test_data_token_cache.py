@@ -14,13 +14,13 @@ import pytest
 from tiny import CONVERSATIONS, inputs_config, training_inputs, write_jsonl
 
 import dflash.data.token_cache
-import dflash.trainer
+import dflash.train.trainer
 from dflash.data.chats import read_conversations
 from dflash.data.token_cache import TokenCache, TokenizingStopped, cache_key
 from dflash.data.tokenize import build_examples, tokenize_conversations
 from dflash.run.layout import TOKENS_DIR
 from dflash.target.files import load_tokenizer
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_a_resume_reads_the_tokens_instead_of_the_chats(assets, tmp_path, monkey
     def fail(*args, **kwargs):
         raise AssertionError("read or tokenized again")
 
-    monkeypatch.setattr(dflash.trainer, "read_conversations", fail)
+    monkeypatch.setattr(dflash.train.trainer, "read_conversations", fail)
     monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", fail)
     with caplog.at_level(logging.INFO):
         resumed = Trainer(_config(assets, tmp_path, steps=3, save_every=2, resume=True))

@@ -7,7 +7,7 @@ from tiny import make_target, train_config, write_chat_data
 
 from dflash.data.chats import DatasetError
 from dflash.data.tokenize import Example, check_token_ids
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 
 def test_ids_inside_the_vocabulary_pass():

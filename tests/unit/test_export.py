@@ -12,7 +12,7 @@ from tiny import make_target, train_config, write_chat_data
 
 from dflash.cli import main
 from dflash.run.checkpoint import find_checkpoint
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_training_starts_from_the_drafter_and_measures_acceptance_before_and_aft
 def test_the_run_starts_from_the_drafter_s_weights(assets, tmp_path):
     from safetensors.torch import load_file
 
-    from dflash.trainer import Trainer
+    from dflash.train.trainer import Trainer
 
     config = train_config(target=assets["target"], data=assets["data"], out=tmp_path, init_from=str(assets["drafter"]))
     trainer = Trainer(
@@ -139,7 +139,7 @@ def test_a_run_directory_starts_from_its_latest_checkpoint(assets, tmp_path):
 def test_the_fine_tuned_drafter_keeps_the_source_drafter_s_causality(assets, tmp_path, is_causal):
     """A published config without is_causal keeps the engines' rule (causal sliding layers, and no
     key written); one that says is_causal keeps it, written as every engine reads it."""
-    from dflash.trainer import Trainer
+    from dflash.train.trainer import Trainer
 
     changes = {} if is_causal is None else {"is_causal": is_causal}
     source = _published_drafter(assets["target"], tmp_path / "source-dflash", **changes)
@@ -176,7 +176,7 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused_before_it_loads(
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
     assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
     assert named in caplog.text
 
@@ -203,7 +203,7 @@ def test_drafter_weights_that_cannot_load_are_refused_before_the_target_loads(
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
     assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
     assert named in caplog.text and str(drafter) in caplog.text
 

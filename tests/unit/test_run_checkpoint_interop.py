@@ -28,9 +28,9 @@ from dflash import masks
 from dflash.drafter.hf_config import rope_parameters_of
 from dflash.drafter.mask_token import UNUSED_ROW, resolve_mask_token_id
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
-from dflash.loss import dflash_loss, position_weights
 from dflash.run.checkpoint import MASTER_WEIGHTS_KEY, load_training_state, resume_weights, save_checkpoint
 from dflash.target.model import load_target
+from dflash.train.loss import dflash_loss, position_weights
 
 ROPE_THETA, VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1e6, 512, 32, 4, 2, 8, 64
 TARGET_LAYERS, DRAFT_LAYERS, BLOCK = 36, 2, 4

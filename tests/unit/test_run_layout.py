@@ -13,7 +13,7 @@ import dflash.run.layout
 from dflash.config import TrainConfig
 from dflash.run.layout import CHECKPOINT_OVERHEAD, checkpoint_bytes
 from dflash.run.preflight import validate_inputs
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

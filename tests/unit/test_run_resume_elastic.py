@@ -16,7 +16,7 @@ from tiny import record_losses, train_config, training_inputs
 
 from dflash.drafter.files import CheckpointError
 from dflash.run.resume import check_process_count, check_resume_config, resumed_values
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 THREADED = dict(target_devices="cpu", drafter_devices="cpu:0-1", grad_accum=1)
 LOCAL = dict(device="cpu", grad_accum=2)
@@ -107,7 +107,7 @@ def test_preflight_checks_a_resume_without_importing_the_trainer(assets, tmp_pat
         from dflash.run.preflight import validate_inputs
         saved = json.loads(open({str(tmp_path / "run" / "train_config.json")!r}).read())
         validate_inputs(TrainConfig.from_dict({{**saved, "resume": True}}))
-        print("dflash.trainer" in sys.modules)
+        print("dflash.train.trainer" in sys.modules)
         """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

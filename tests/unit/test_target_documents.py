@@ -160,7 +160,7 @@ def test_packing_a_target_with_a_layer_type_it_cannot_keep_apart_is_refused_befo
 def test_one_document_rows_take_the_segmented_route_too(hybrid, monkeypatch):
     # One set of linear-attention kernels for every batch: transformers' own Gated DeltaNet
     # forward (another kernel path to compile and autotune on CUDA) is never called in training.
-    from dflash.engine.step import produce_target_states
+    from dflash.train.step import produce_target_states
 
     segmented = []
     original = documents._gated_deltanet_forward

@@ -62,7 +62,7 @@ STALLED_RUN = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from tiny import make_target, train_config, write_chat_data
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 from pathlib import Path
 
 root = Path({root!r})

@@ -1,4 +1,4 @@
-"""dflash.trainer and `dflash train`: exact resume, step-level loss normalisation, z-lab
+"""dflash.train.trainer and `dflash train`: exact resume, step-level loss normalisation, z-lab
 checkpoints that transformers loads, Llama targets, compile monitoring, config errors."""
 
 import json
@@ -15,7 +15,7 @@ from dflash.config import TrainConfig
 from dflash.data.chats import DatasetError
 from dflash.drafter.files import CheckpointError
 from dflash.run.checkpoint import find_checkpoint
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,8 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
 def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dflash.engine.step import drafter_step, drafter_step_flops, produce_target_states
+    from dflash.train.flops import drafter_step_flops
+    from dflash.train.step import drafter_step, produce_target_states
 
     trainer = Trainer(_config(assets, tmp_path, max_anchors=2))
     engine = trainer.engine
@@ -268,7 +269,7 @@ def test_cli_resume_takes_unrepeated_flags_from_the_saved_run(assets, tmp_path, 
 
 
 def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypatch):
-    import dflash.trainer as trainer_module
+    import dflash.train.trainer as trainer_module
 
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded before the inputs were checked")
@@ -288,7 +289,7 @@ def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypat
 def test_data_without_a_usable_conversation_fails_before_the_target_loads(
     assets, tmp_path, monkeypatch, responses, named
 ):
-    import dflash.trainer as trainer_module
+    import dflash.train.trainer as trainer_module
 
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded before the data was found unusable")
@@ -395,7 +396,7 @@ def test_ctrl_c_after_a_checkpoint_says_how_to_resume_once_per_job(tmp_path, cap
 
 
 def test_packing_is_the_default_and_fills_rows(assets, tmp_path, monkeypatch):
-    import dflash.engine.local as local_module
+    import dflash.train.local as local_module
 
     documents = []
     real = local_module.produce_target_states
@@ -491,7 +492,7 @@ def test_a_stopped_regeneration_exits_with_its_signal_and_no_resume_advice(tmp_p
 
     from dflash.data.regenerate import RegenerationStopped
 
-    monkeypatch.setattr("dflash.trainer.Trainer", _Stops(RegenerationStopped(signal.SIGTERM)))
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(RegenerationStopped(signal.SIGTERM)))
     assert main(["train", "--out", str(tmp_path / "run"), "--no-progress"]) == 128 + signal.SIGTERM
     assert "nothing to --resume" not in caplog.text  # the regeneration said what it kept
 
@@ -499,9 +500,9 @@ def test_a_stopped_regeneration_exits_with_its_signal_and_no_resume_advice(tmp_p
 def test_a_stop_under_no_save_says_nothing_was_saved(tmp_path, caplog, monkeypatch):
     import signal
 
-    from dflash.trainer import TrainingStopped
+    from dflash.train.trainer import TrainingStopped
 
-    monkeypatch.setattr("dflash.trainer.Trainer", _Stops(TrainingStopped(signal.SIGTERM, 5)))
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(TrainingStopped(signal.SIGTERM, 5)))
     assert main(["train", "--out", str(tmp_path / "run"), "--no-save", "--no-progress"]) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM after step 5; nothing was saved (--no-save)" in caplog.text
     assert "checkpoint" not in caplog.text
@@ -528,7 +529,7 @@ def test_resume_with_flags_that_change_the_math_is_refused_before_the_target_loa
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
     assert main(["train", "--resume", "--out", str(run), "--lr", "1e-3", "--no-progress"]) == 2
     assert "different config (lr: 0.003 -> 0.001)" in caplog.text
 
@@ -546,7 +547,7 @@ def test_resuming_a_finished_run_says_so_before_anything_loads(assets, tmp_path,
     (run / "checkpoints" / "step_00000003" / "config.json").write_text("{}")
     (run / "checkpoints" / "latest").write_text("step_00000003\n")
     (run / "train_config.json").write_text(json.dumps(_config(assets, run, steps=3).to_dict()))
-    monkeypatch.setattr("dflash.trainer.Trainer", _Stops(AssertionError("the trainer was built")))
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(AssertionError("the trainer was built")))
     assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 0
     assert f"nothing to train: {run} is already at step 3 of 3" in capsys.readouterr().out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000003"]  # nothing written

@@ -1,13 +1,13 @@
 """DFlash drafter training (arXiv 2602.06036): the loop around a step engine.
 
 :class:`Trainer` builds the inputs once (targets, tokenizer, data, the initial drafter, the loss
-settings), hands them to a step engine (:mod:`dflash.engine`: one device, or target and drafter
+settings), hands them to a step engine (:mod:`dflash.train.engine`: one device, or target and drafter
 threads) and owns everything around a step: the loop, the learning-rate schedule, metrics,
 logging, checkpoints and exact resume, and a clean stop on SIGTERM/SIGINT.
 
 Shape of the loop (torchtitan's): ``train()`` is a short while-loop; each step asks the engine
 for one optimizer step at the schedule's learning rate and gets back host-side statistics
-(:class:`dflash.engine.StepStats`, one device-to-host transfer per step).
+(:class:`dflash.train.engine.StepStats`, one device-to-host transfer per step).
 
 Stopping: the first SIGTERM (what SLURM and Kubernetes send before killing a job) or SIGINT
 finishes the step in flight, saves a checkpoint (with torchrun, every process stops after the
@@ -43,12 +43,6 @@ from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.drafter.mask_token import resolve_mask_token_id
-from dflash.engine import StepEngine, StepStats
-from dflash.engine.jobs import JobSource, seq_len_schedule
-from dflash.engine.local import LocalEngine
-from dflash.engine.replica import build_replicas
-from dflash.engine.step import LossSettings, detect_peak_tflops
-from dflash.engine.threaded import ThreadedEngine, bottleneck
 from dflash.files import sha256_file
 from dflash.progress_logging import log_above_progress_bars
 from dflash.run import checkpoint
@@ -57,6 +51,13 @@ from dflash.run.preflight import check_drafter_config, validate_inputs
 from dflash.run.resume import check_process_count, check_resume_config
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
+from dflash.train.engine import StepEngine, StepStats
+from dflash.train.flops import detect_peak_tflops
+from dflash.train.jobs import JobSource, seq_len_schedule
+from dflash.train.local import LocalEngine
+from dflash.train.replica import build_replicas
+from dflash.train.step import LossSettings
+from dflash.train.threaded import ThreadedEngine, bottleneck
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class Trainer:
     Raises:
         ValueError (incl. DatasetError, TargetLoadError, CheckpointError, DeviceSpecError): bad
             inputs, with the file/flag and the fix in the message.
-        dflash.engine.threaded.PipelineError: a thread of the threaded engine failed.
+        dflash.train.threaded.PipelineError: a thread of the threaded engine failed.
     """
 
     def __init__(self, config: TrainConfig):

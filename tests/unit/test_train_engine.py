@@ -1,4 +1,4 @@
-"""dflash.engine on CPU "devices": the threaded engine equals the local engine on the same global
+"""dflash.train.engine on CPU "devices": the threaded engine equals the local engine on the same global
 batch with every loss option, replicas stay bit-identical, exact resume, thread failures reach
 the main thread with their names, the prefetch buffer orders and bounds."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from tiny import make_target, record_losses, train_config, write_chat_data
 
-import dflash.loss
+import dflash.train.loss
 from dflash.drafter.files import CheckpointError
-from dflash.engine import threaded
-from dflash.engine.jobs import seq_len_schedule
-from dflash.engine.threaded import Control, Inbox, PipelineError
-from dflash.trainer import Trainer
+from dflash.train import threaded
+from dflash.train.jobs import seq_len_schedule
+from dflash.train.threaded import Control, Inbox, PipelineError
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +75,13 @@ def test_threaded_engine_equals_the_local_engine_with_every_loss_flag(assets, tm
 def test_every_engine_runs_the_lm_head_in_chunks_of_loss_chunk_blocks(assets, tmp_path, monkeypatch):
     # A micro-batch has 2 rows x 6 anchors = 12 draft blocks: 12 chunks of 1 block, or 3 of 4.
     sizes = []
-    real = dflash.loss._FusedChunkLoss.forward
+    real = dflash.train.loss._FusedChunkLoss.forward
 
     def counting(ctx, hidden, *args):
         sizes.append(hidden.shape[0])
         return real(ctx, hidden, *args)
 
-    monkeypatch.setattr(dflash.loss._FusedChunkLoss, "forward", staticmethod(counting))
+    monkeypatch.setattr(dflash.train.loss._FusedChunkLoss, "forward", staticmethod(counting))
     layouts = {"local": (dict(target_devices=None, drafter_devices=None), 1), "threaded": ({}, 2)}
     for name, (layout, micro_batches) in layouts.items():
         for chunk in (1, 4):
@@ -185,8 +185,8 @@ def test_optimizer_step_divides_by_the_weight_and_clips_in_the_fused_kernel(grad
     import types
 
     from dflash.distributed import FlatGradients
-    from dflash.engine.replica import DrafterReplica, build_optimizer, optimizer_step
-    from dflash.engine.step import StatsLayout
+    from dflash.train.replica import DrafterReplica, build_optimizer, optimizer_step
+    from dflash.train.step import StatsLayout
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))

@@ -2,7 +2,7 @@
 process per host (``dflash train --target-devices ... --drafter-devices ...``; torchrun across hosts).
 
 One thread per target device, each with its own frozen target replica, and one thread per
-drafter device, each with its own :class:`~dflash.engine.replica.DrafterReplica`. Data flow::
+drafter device, each with its own :class:`~dflash.train.replica.DrafterReplica`. Data flow::
 
     JobSource (lock; data loader, anchor RNG)       jobs in a fixed order j = 0, 1, 2, ...
       -> target threads (any free one takes the next job; target forward, copy to the drafter's
@@ -28,18 +28,12 @@ import torch
 
 from dflash.compile_watch import raise_recompile_limit
 from dflash.distributed import ProcessInfo, gather_objects
-from dflash.engine import StepStats, read_step_stats
-from dflash.engine.jobs import Job, JobSource
-from dflash.engine.replica import DrafterReplica, load_replica_state, optimizer_step
-from dflash.engine.step import (
-    LossSettings,
-    StatsLayout,
-    TargetBatch,
-    drafter_step,
-    drafter_step_flops,
-    produce_target_states,
-)
 from dflash.target.model import Target
+from dflash.train.engine import StepStats, read_step_stats
+from dflash.train.flops import drafter_step_flops
+from dflash.train.jobs import Job, JobSource
+from dflash.train.replica import DrafterReplica, load_replica_state, optimizer_step
+from dflash.train.step import LossSettings, StatsLayout, TargetBatch, drafter_step, produce_target_states
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +325,7 @@ def run_drafters(workers: list[DrafterWorker], control: Control, step: int) -> l
 
 
 class ThreadedEngine:
-    """:class:`dflash.engine.StepEngine` over target and drafter threads (module docstring).
+    """:class:`dflash.train.engine.StepEngine` over target and drafter threads (module docstring).
 
     Args:
         targets (list[Target]): one frozen target per target device.

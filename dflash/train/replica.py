@@ -2,7 +2,7 @@
 
 A replica is one device's copy of the drafter with its frozen heads (the target's embedding and
 LM head on that device), its optimizer, its compiled step function and a flat gradient buffer
-whose tail holds the step statistics (:class:`dflash.engine.step.StatsLayout`). Every replica of
+whose tail holds the step statistics (:class:`dflash.train.step.StatsLayout`). Every replica of
 every process takes the same step from the same summed gradients (:func:`optimizer_step`), so
 replicas stay bit-identical without broadcasting weights, as DDP does. The local engine has one.
 """
@@ -16,7 +16,7 @@ import torch
 
 from dflash.compile_watch import CountingBackend, DynamoWarnings, StepWatch, fresh_function
 from dflash.distributed import FlatGradients, sum_replicas
-from dflash.engine.step import LossSettings, StatsLayout, drafter_forward_loss
+from dflash.train.step import LossSettings, StatsLayout, drafter_forward_loss
 
 ADAM_BETAS = (0.9, 0.95)
 

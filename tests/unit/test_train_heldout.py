@@ -11,7 +11,7 @@ from tiny import make_target, record_losses, train_config, write_chat_data
 
 from dflash.run import acceptance_log
 from dflash.run.checkpoint import step_dir_name
-from dflash.trainer import Trainer
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_a_scratch_run_measures_acceptance_every_n_steps_without_changing_its_tr
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     heldout = dict(eval_data=str(inputs["heldout"]), eval_prompts=2, eval_max_new_tokens=8, eval_every=2)
-    with caplog.at_level("INFO", logger="dflash.trainer"):
+    with caplog.at_level("INFO", logger="dflash.train"):
         measured = _train(inputs, tmp_path / "measured", **heldout)
     plain = _train(inputs, tmp_path / "plain")
     assert measured.losses == plain.losses  # training waited, nothing it draws moved

@@ -1,6 +1,6 @@
 """The local engine: the target and one drafter replica on one device, run on the calling thread.
 
-A step takes ``grad_accum`` jobs from the :class:`~dflash.engine.jobs.JobSource`, runs the
+A step takes ``grad_accum`` jobs from the :class:`~dflash.train.jobs.JobSource`, runs the
 target on each, then the drafter on each (gradients accumulate into the flat buffer), then the
 optimizer step. The step's statistics reach the host in one transfer after the optimizer step;
 on CUDA the target/drafter time split comes from CUDA events read after that transfer, so
@@ -13,11 +13,12 @@ import time
 
 import torch
 
-from dflash.engine import StepStats, read_step_stats
-from dflash.engine.jobs import JobSource
-from dflash.engine.replica import DrafterReplica, load_replica_state, optimizer_step
-from dflash.engine.step import LossSettings, StatsLayout, drafter_step, drafter_step_flops, produce_target_states
 from dflash.target.model import Target
+from dflash.train.engine import StepStats, read_step_stats
+from dflash.train.flops import drafter_step_flops
+from dflash.train.jobs import JobSource
+from dflash.train.replica import DrafterReplica, load_replica_state, optimizer_step
+from dflash.train.step import LossSettings, StatsLayout, drafter_step, produce_target_states
 
 
 class _Clock:
@@ -39,7 +40,7 @@ class _Clock:
 
 
 class LocalEngine:
-    """:class:`dflash.engine.StepEngine` on one device.
+    """:class:`dflash.train.engine.StepEngine` on one device.
 
     Args:
         target (Target): the frozen target, on the replica's device.

@@ -1,15 +1,15 @@
 """Step engines: each does one optimizer step of drafter training and reports its statistics.
 
-- :class:`~dflash.engine.local.LocalEngine`: one device; the target and the drafter run inline
+- :class:`~dflash.train.local.LocalEngine`: one device; the target and the drafter run inline
   on the calling thread.
-- :class:`~dflash.engine.threaded.ThreadedEngine`: target threads -> bounded prefetch queues ->
+- :class:`~dflash.train.threaded.ThreadedEngine`: target threads -> bounded prefetch queues ->
   drafter threads in one process, gradients averaged over the drafter replicas and, with
   torchrun, over processes.
 
-Both take their micro-batches from one :class:`~dflash.engine.jobs.JobSource`, build their
-replicas with :func:`~dflash.engine.replica.build_replicas` and step them with
-:func:`~dflash.engine.replica.optimizer_step`, so for the same global batch they compute the
-same loss and gradients. The :class:`dflash.trainer.Trainer` owns everything around a step
+Both take their micro-batches from one :class:`~dflash.train.jobs.JobSource`, build their
+replicas with :func:`~dflash.train.replica.build_replicas` and step them with
+:func:`~dflash.train.replica.optimizer_step`, so for the same global batch they compute the
+same loss and gradients. The :class:`dflash.train.trainer.Trainer` owns everything around a step
 (loop, learning-rate schedule, metrics, logging, checkpoints).
 """
 
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from dflash.engine.step import StatsLayout
+from dflash.train.step import StatsLayout
 
 
 @dataclass
@@ -39,7 +39,7 @@ class StepStats:
         target_s (float): target busy seconds, summed over this process's target replicas.
         data_wait_frac (float): share of the step the drafters waited for target states.
         flops (float): drafter model FLOPs of the step, this process
-            (:func:`dflash.engine.step.drafter_step_flops`).
+            (:func:`dflash.train.flops.drafter_step_flops`).
         stop (bool): some process asked to stop after this step (SIGTERM/SIGINT).
         threads (dict): per-thread busy/wait shares since the last report (threaded engine).
     """
@@ -59,7 +59,7 @@ class StepStats:
 
     @property
     def tau_hat(self) -> float:
-        """``1 + sum_k prod_{i<=k} acc_i`` (:func:`dflash.loss.acceptance_length_estimate`)."""
+        """``1 + sum_k prod_{i<=k} acc_i`` (:func:`dflash.train.loss.acceptance_length_estimate`)."""
         tau, reach = 1.0, 1.0
         for a in self.acc:
             reach *= a
@@ -88,7 +88,7 @@ def read_step_stats(stats: torch.Tensor, grad_norm: torch.Tensor, layout: StatsL
 
 
 class StepEngine(Protocol):
-    """The interface of a step engine (what :class:`dflash.trainer.Trainer` calls)."""
+    """The interface of a step engine (what :class:`dflash.train.trainer.Trainer` calls)."""
 
     drafter: torch.nn.Module  # replica 0: what checkpoints save
 

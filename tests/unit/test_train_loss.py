@@ -1,4 +1,4 @@
-"""Chunked loss, position weights, soft labels, D-PACE and tau_hat (dflash/loss.py)."""
+"""Chunked loss, position weights, soft labels, D-PACE and tau_hat (dflash/train/loss.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import loss as L
 from dflash import masks
+from dflash.train import loss as L
 
 B, N, BS, H, V, S = 2, 5, 4, 16, 40, 22
 
