@@ -250,13 +250,13 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     strictly (:mod:`dflash.drafter.files`): never a random weight, never a default shape.
 
     Raises:
-        CheckpointError: see :func:`dflash.run.checkpoint.find_checkpoint`; a config that is not a
+        CheckpointError: see :func:`dflash.run.step_dirs.find_checkpoint`; a config that is not a
             drafter's or lacks a field, or weights that disagree with it (named), before any
             model is built.
     """
     from dflash.drafter.files import DRAFTER_FILES
     from dflash.drafter.model import load_drafter_dir
-    from dflash.run.checkpoint import find_checkpoint
+    from dflash.run.step_dirs import find_checkpoint
 
     step_dir = find_checkpoint(path, files=DRAFTER_FILES)
     drafter = load_drafter_dir(step_dir, dtype=dtype, device=device)

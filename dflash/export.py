@@ -29,7 +29,8 @@ import torch
 
 from dflash.drafter.files import DRAFTER_FILES
 from dflash.run import acceptance_log
-from dflash.run.checkpoint import find_checkpoint, write_drafter_files
+from dflash.run.checkpoint import write_drafter_files
+from dflash.run.step_dirs import find_checkpoint
 
 logger = logging.getLogger(__name__)
 

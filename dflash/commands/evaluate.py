@@ -173,7 +173,7 @@ def _evaluate(args: argparse.Namespace):
     from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
     from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
     from dflash.files import check_weight_files
-    from dflash.run.checkpoint import find_checkpoint
+    from dflash.run.step_dirs import find_checkpoint
     from dflash.target.files import context_length, load_tokenizer, read_target_config, require_transformers_for
     from dflash.target.model import load_target
 
@@ -226,7 +226,7 @@ def _evaluate(args: argparse.Namespace):
 def _record(run_dir: Path, drafter: Path, prompts, report) -> None:
     """Add the measurement to ``run_dir/acceptance.json`` (:mod:`dflash.run.acceptance_log`)."""
     from dflash.run import acceptance_log
-    from dflash.run.checkpoint import find_checkpoint
+    from dflash.run.step_dirs import find_checkpoint
 
     checkpoint = find_checkpoint(drafter, verify=False).name
     try:

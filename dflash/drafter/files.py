@@ -23,6 +23,10 @@ many the target had, ``num_target_layers``); it has no embedding or LM head of i
 target's, so its vocabulary and mask token are the target's. Loading an 8B target takes minutes:
 :func:`check_drafter_fits_target` reads the two ``config.json`` files and says, in terms of the model
 each flag names, what does not fit; it loads no weights and never imports transformers.
+
+Torch and transformers are imported only where a drafter's config class or a model on the meta
+device is needed: ``dflash train`` reads the names here while it settles its config, before anything
+heavy is imported.
 """
 
 from __future__ import annotations
@@ -30,9 +34,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
-from dflash.files import read_json_object
+from dflash.files import WeightFileError, check_safetensors, read_json_object
+from dflash.target.files import TargetLoadError, read_target_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -151,8 +154,6 @@ def check_tensors(directory: str | Path, config) -> None:
     """
     from safetensors import safe_open
 
-    from dflash.files import WeightFileError, check_safetensors
-
     directory = Path(directory)
     try:
         fix = f"copy {directory} again from where it came from, or pass another drafter directory"
@@ -193,6 +194,8 @@ def check_tensors(directory: str | Path, config) -> None:
 
 def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every weight of the drafter of ``config``, from a model on the meta device."""
+    import torch
+
     from dflash.drafter.modeling_dflash import DFlashDraftModel
 
     with torch.device("meta"):
@@ -235,8 +238,6 @@ def target_geometry(target_dir: Path) -> dict:
     Raises:
         TargetLoadError: see :func:`dflash.target.files.read_target_config`, or a field is missing.
     """
-    from dflash.target.files import TargetLoadError, read_target_config
-
     raw = read_target_config(target_dir)
     text = raw.get("text_config") or raw
     fields = ("hidden_size", "num_hidden_layers", "vocab_size")

@@ -27,7 +27,11 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from dflash.assets import default_target_dir
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, parse_layer_types
+from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError, check_tensors, read_drafter_config
+from dflash.run.step_dirs import find_checkpoint
+from dflash.target.files import read_target_config
 from dflash.target.taps import max_captured_layers
 
 logger = logging.getLogger(__name__)
@@ -106,9 +110,6 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         ValueError: flags that contradict each other or the ``--init-from`` drafter, or an
             ``--init-from`` drafter that does not fit the target (the message names the field).
     """
-    from dflash.assets import default_target_dir
-    from dflash.target.files import read_target_config
-
     target_dir = Path(config.target) if config.target else default_target_dir()
     target = read_target_config(target_dir)
     if config.init_from:
@@ -173,9 +174,6 @@ def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> di
 def _drafter_directory(init_from: str) -> str:
     """``--init-from`` as the drafter directory it names: itself, or the latest checkpoint of a
     run directory (``--out`` of ``dflash train``, as ``dflash eval`` and ``dflash export`` take)."""
-    from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError
-    from dflash.run.checkpoint import find_checkpoint
-
     path = Path(init_from)
     if (path / CONFIG_NAME).is_file() or not path.is_dir():
         return init_from  # a drafter directory, or a missing one that read_drafter_config names
@@ -190,8 +188,6 @@ def _drafter_directory(init_from: str) -> str:
 def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
     """The shape fields of the ``--init-from`` drafter, refused where they contradict a flag or
     do not fit the target, or where its weights cannot load (read from the file's header)."""
-    from dflash.drafter.files import check_tensors, read_drafter_config
-
     drafter = read_drafter_config(config.init_from)
     values = {field: getattr(drafter, key) for field, key in _FROM_DRAFTER.items()}
     values |= {

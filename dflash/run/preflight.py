@@ -4,7 +4,8 @@ Importing transformers and loading the target take 15-120 s, regenerating replie
 error found after them costs all of that. :func:`validate_inputs` reads only small files (the
 target's ``config.json`` and file names, the first records of the data, the output directory's
 listing), never imports transformers and never loads weights, so every error below arrives in
-well under a second. It changes nothing on disk.
+well under a second; torch is imported only by its last checks, which ask it which devices this host
+has. It changes nothing on disk.
 
 Numbers (``--lr nan``, ``--steps 0``, ...) are checked earlier still, when the
 :class:`~dflash.config.TrainConfig` is built.
@@ -22,7 +23,26 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from dflash.config import TrainConfig
+from dflash.assets import default_data_dir, default_target_dir
+from dflash.config import TrainConfig, read_saved_config
+from dflash.data.chats import read_conversations
+from dflash.devices import check_cpu_threads, parse_layout, resolve_device
+from dflash.drafter.files import CheckpointError
+from dflash.files import check_weight_files
+from dflash.run.layout import check_out_location
+from dflash.run.resume import check_resume_config
+from dflash.run.step_dirs import find_checkpoint
+from dflash.target.files import (
+    FLA_PACKAGE,
+    TargetLoadError,
+    check_packable,
+    fla_available,
+    is_hybrid,
+    read_target_config,
+    require_tokenizer_files,
+    require_transformers_for,
+)
+from dflash.target.taps import check_taps
 
 #: Records of the data file parsed up front; the rest is read when the run builds its data.
 HEAD_RECORDS = 64
@@ -49,9 +69,6 @@ def validate_inputs(config: TrainConfig) -> None:
         ValueError: the first problem found; its subclasses (DatasetError, TargetLoadError,
             CheckpointError, DeviceSpecError) and the message name the flag or file and the fix.
     """
-    from dflash.assets import default_data_dir, default_target_dir
-    from dflash.data.chats import read_conversations
-
     check_out_dir(Path(config.out), resume=config.resume, allow_nonempty=config.allow_nonempty_out)
     if config.resume:
         check_resume_flags(config)
@@ -93,11 +110,10 @@ def check_drafter_config(config: TrainConfig) -> None:
     """
     if config.init_from:
         return
+    # Transformers (seconds to import) and torch: after the config is settled (module docstring).
     from transformers import AutoConfig
 
-    from dflash.assets import default_target_dir
     from dflash.drafter.model import drafter_config
-    from dflash.target.taps import check_taps
 
     target_dir = Path(config.target) if config.target else default_target_dir()
     target = AutoConfig.from_pretrained(target_dir)
@@ -138,9 +154,6 @@ def check_resume_flags(config: TrainConfig) -> None:
     Raises:
         CheckpointError: a flag that changes the math differs (names each, old -> new).
     """
-    from dflash.config import read_saved_config
-    from dflash.run.resume import check_resume_config
-
     saved = read_saved_config(config.out)
     if saved:
         check_resume_config(saved, config, Path(config.out), warn=False)
@@ -155,10 +168,6 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
             inside another run, or holds other files without ``allow_nonempty``.
         CheckpointError: ``resume`` without a checkpoint in ``out``.
     """
-    from dflash.drafter.files import CheckpointError
-    from dflash.run.checkpoint import find_checkpoint
-    from dflash.run.layout import check_out_location
-
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
     if (out / "config.json").is_file() and not (out / "checkpoints").is_dir():
@@ -214,16 +223,6 @@ def check_target_fits(target_dir: Path, config: TrainConfig) -> dict:
         ValueError: the layers to tap do not fit (names the flags and values that do), the mask
             token is not in the vocabulary, or ``--seq-len`` is past the target's positions.
     """
-    from dflash.files import check_weight_files
-    from dflash.target.files import (
-        TargetLoadError,
-        check_packable,
-        read_target_config,
-        require_tokenizer_files,
-        require_transformers_for,
-    )
-    from dflash.target.taps import check_taps
-
     raw = read_target_config(target_dir)
     require_transformers_for(raw, target_dir / "config.json", decoding=config.measures_acceptance)
     require_tokenizer_files(target_dir)
@@ -257,14 +256,10 @@ def check_devices(config: TrainConfig) -> None:
     Raises:
         ValueError, DeviceSpecError: the message names the device, what this host has, and the fix.
     """
-    from dflash.devices import check_cpu_threads, parse_layout
-
     check_cpu_threads(config.cpu_threads)
     if config.drafter_devices is not None:
         parse_layout(config.target_devices, config.drafter_devices)
     else:
-        from dflash.devices import resolve_device
-
         resolve_device(config.device)
 
 
@@ -280,17 +275,11 @@ def check_linear_attention_kernels(target_config: dict, target_dir: Path, config
     Raises:
         ValueError: names the package, the install command, the slowdown and the flag.
     """
-    from dflash.target.files import FLA_PACKAGE, fla_available, is_hybrid
-
     if config.slow_linear_attention or not is_hybrid(target_config) or fla_available():
         return
     if config.drafter_devices is not None:
-        from dflash.devices import parse_layout
-
         on_cuda = parse_layout(config.target_devices, config.drafter_devices).device_type == "cuda"
     else:
-        from dflash.devices import resolve_device
-
         on_cuda = resolve_device(config.device).type == "cuda"
     if on_cuda:
         raise ValueError(

@@ -29,7 +29,9 @@ import os
 from pathlib import Path
 
 from dflash.config import INPUT_PATHS, TrainConfig, absolute_path
+from dflash.devices import count_slots
 from dflash.drafter.files import CheckpointError
+from dflash.run.drafter_shape import SHAPE_FIELDS, resolve_drafter_shape
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +67,6 @@ _LAYOUT_FLAGS = ("device", "target_devices", "drafter_devices")
 def drafter_replicas(values: dict) -> int:
     """Drafter replicas of one process under the flags ``values``: the slots of
     ``drafter_devices`` (counted, not checked against this host), else 1."""
-    from dflash.devices import count_slots
-
     spec = values.get("drafter_devices")
     return 1 if spec is None else count_slots(spec)
 
@@ -123,7 +123,8 @@ def same_input(saved: str | None, current: str | None, *, warn: bool = True) -> 
 
 
 def check_resume_config(saved: dict, current: TrainConfig, where: Path, *, warn: bool = True) -> None:
-    """``current`` continues the run saved with the flags ``saved`` (module docstring).
+    """``current``, a settled config (:func:`dflash.run.settle.settle`), continues the run saved with the
+    flags ``saved`` (module docstring).
 
     Args:
         where: the run or step directory the flags come from (named in messages).
@@ -133,14 +134,13 @@ def check_resume_config(saved: dict, current: TrainConfig, where: Path, *, warn:
         CheckpointError: a flag that changes the math differs (each named, old -> new), or the
             layout changed in a way the run cannot continue exactly under (the reason and the fix).
     """
-    from dflash.run.drafter_shape import SHAPE_FIELDS, resolve_drafter_shape
-
-    # A key the saved run lacks is a field added since; it ran with that field's default. A shape
-    # field it left empty was filled by the rule of dflash.run.drafter_shape, as the current one is.
+    # A key the saved run lacks is a field added since; it ran with that field's default.
     saved = {**TrainConfig.defaults(), **saved}
-    current = resolve_drafter_shape(current)
-    shape = resolve_drafter_shape(dataclasses.replace(current, **{k: saved[k] for k in SHAPE_FIELDS}))
-    saved |= {k: getattr(shape, k) for k in SHAPE_FIELDS}
+    shape = {k: saved[k] for k in SHAPE_FIELDS}
+    if shape != {k: getattr(current, k) for k in SHAPE_FIELDS}:
+        # A run saves its settled config, so only one saved before the rule of dflash.run.drafter_shape
+        # existed can have left a shape field empty: it is filled by the rule, as the current one was.
+        saved |= {k: getattr(resolve_drafter_shape(dataclasses.replace(current, **shape)), k) for k in SHAPE_FIELDS}
     values = current.to_dict()
     exempt = RESUMABLE_CHANGES | set(INPUT_PATHS) | set(LAYOUT_FIELDS)
     changed = sorted(k for k, v in values.items() if k not in exempt and saved.get(k) != v)

@@ -47,8 +47,9 @@ from dflash.files import sha256_file
 from dflash.progress_logging import log_above_progress_bars
 from dflash.run import checkpoint
 from dflash.run.layout import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
-from dflash.run.preflight import check_drafter_config, validate_inputs
+from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
+from dflash.run.step_dirs import find_checkpoint, step_dir_name
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 from dflash.train.engine import StepEngine, StepStats
@@ -184,7 +185,8 @@ class _Throughput:
 
 
 class Trainer:
-    """Builds targets, data, drafter and a step engine from a :class:`TrainConfig`, and trains.
+    """Builds targets, data, drafter and a step engine from a settled :class:`TrainConfig`
+    (:func:`dflash.run.settle.settle`: the drafter's shape resolved, every input checked), and trains.
 
     Raises:
         ValueError (incl. DatasetError, TargetLoadError, CheckpointError, DeviceSpecError): bad
@@ -194,13 +196,12 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         from dflash.assets import default_data_dir, default_target_dir
-        from dflash.run.drafter_shape import resolve_drafter_shape
 
-        config = resolve_drafter_shape(config)  # before anything loads: an --init-from misfit is named here
+        if config.block_size is None or config.num_draft_layers is None:  # settle() fills both
+            raise ValueError("Trainer takes a settled config: pass it through dflash.run.settle.settle first")
         self.config = config
         logger.debug("config: %s", json.dumps(config.to_dict(), sort_keys=True))
         self.out = Path(config.out)
-        validate_inputs(config)  # before anything slow: arguments, files, devices
         check_drafter_config(config)  # the drafter's config from the target's config.json, before the target loads
         self.process = ProcessInfo.from_env()
         self.layout, self.threaded = resolve_layout(config, self.process)
@@ -398,7 +399,7 @@ class Trainer:
         """``config.json`` of the checkpoint ``--resume`` continues; {} for a new run."""
         if not self.config.resume:
             return {}
-        step_dir = checkpoint.find_checkpoint(self.out, verify=False)
+        step_dir = find_checkpoint(self.out, verify=False)
         return json.loads((step_dir / CONFIG_NAME).read_text())
 
     def _mask_token_id(self, target, resumed: dict) -> int:
@@ -503,7 +504,7 @@ class Trainer:
             acceptance_log.entry(
                 report,
                 self.heldout,
-                checkpoint=checkpoint.step_dir_name(self.step) if saved else None,
+                checkpoint=step_dir_name(self.step) if saved else None,
                 source=f"dflash train{origin} ({when})",
             ),
         )
@@ -823,7 +824,7 @@ class Trainer:
             CheckpointError: no/corrupt checkpoint, a different config, a different number of
                 processes, or a training state from an older dflash.
         """
-        step_dir = checkpoint.find_checkpoint(self.out)
+        step_dir = find_checkpoint(self.out)
         state = checkpoint.load_training_state(step_dir)
         check_resume_config(state["config"], self.config, step_dir)
         if state.get("data_sha256", self.data_sha256) != self.data_sha256:

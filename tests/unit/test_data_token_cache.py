@@ -19,6 +19,7 @@ from dflash.data.chats import read_conversations
 from dflash.data.token_cache import TokenCache, TokenizingStopped, cache_key
 from dflash.data.tokenize import build_examples, tokenize_conversations
 from dflash.run.layout import TOKENS_DIR
+from dflash.run.settle import settle
 from dflash.target.files import load_tokenizer
 from dflash.train.trainer import Trainer
 
@@ -36,7 +37,7 @@ def _examples(trainer):
 
 
 def test_a_resume_reads_the_tokens_instead_of_the_chats(assets, tmp_path, monkeypatch, caplog):
-    first = Trainer(_config(assets, tmp_path, steps=2, save_every=2))
+    first = Trainer(settle(_config(assets, tmp_path, steps=2, save_every=2)))
     first.train()
     (cache,) = (tmp_path / TOKENS_DIR).iterdir()
     assert json.loads((cache / "key.json").read_text())["seq_len"] == 48
@@ -47,7 +48,7 @@ def test_a_resume_reads_the_tokens_instead_of_the_chats(assets, tmp_path, monkey
     monkeypatch.setattr(dflash.train.trainer, "read_conversations", fail)
     monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", fail)
     with caplog.at_level(logging.INFO):
-        resumed = Trainer(_config(assets, tmp_path, steps=3, save_every=2, resume=True))
+        resumed = Trainer(settle(_config(assets, tmp_path, steps=3, save_every=2, resume=True)))
     assert _examples(resumed) == _examples(first)
     assert f"tokens read from {cache} (tokenized before with the same data and settings)" in caplog.text
     assert "16 conversations, 8 longer than seq_len=48 (truncated)" in caplog.text  # as on the first start

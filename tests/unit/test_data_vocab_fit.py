@@ -7,6 +7,7 @@ from tiny import make_target, train_config, write_chat_data
 
 from dflash.data.chats import DatasetError
 from dflash.data.tokenize import Example, check_token_ids
+from dflash.run.settle import settle
 from dflash.train.trainer import Trainer
 
 
@@ -34,4 +35,4 @@ def test_the_trainer_refuses_a_target_smaller_than_its_tokenizer(tmp_path):
     with pytest.raises(
         DatasetError, match=rf"token id \d+ is past the target.s embedding of {vocab - 40} rows.*use the tokenizer"
     ):
-        Trainer(config)
+        Trainer(settle(config))

@@ -11,7 +11,8 @@ import torch
 from tiny import make_target, train_config, write_chat_data
 
 from dflash.cli import main
-from dflash.run.checkpoint import find_checkpoint
+from dflash.run.settle import settle
+from dflash.run.step_dirs import find_checkpoint
 from dflash.train.trainer import Trainer
 
 
@@ -29,7 +30,7 @@ def run(tmp_path_factory):
         draft_layer_types="sliding,full",
         draft_sliding_window=8,
     )
-    Trainer(config).train()
+    Trainer(settle(config)).train()
     args = ["eval", "--drafter", str(root / "run"), "--data", str(heldout), "--num-prompts", "2"]
     assert main([*args, "--max-new-tokens", "8", "--cpu-threads", "1"]) == 0
     return root / "run", target, heldout

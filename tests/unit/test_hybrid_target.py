@@ -8,7 +8,6 @@ import pytest
 import torch
 from tiny import make_target
 
-from dflash.target import files as target_files
 from dflash.target.files import TargetLoadError
 from dflash.target.model import load_target
 
@@ -36,12 +35,13 @@ def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path
 @pytest.fixture
 def on_cuda_without_fla(monkeypatch):
     """Preflight sees a CUDA host without flash-linear-attention (this machine has neither)."""
-    import dflash.devices
     import dflash.run.preflight
 
     monkeypatch.setattr(dflash.run.preflight, "check_devices", lambda config: None)
-    monkeypatch.setattr(dflash.devices, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
-    monkeypatch.setattr(target_files, "fla_available", lambda: False)
+    monkeypatch.setattr(
+        dflash.run.preflight, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda")
+    )
+    monkeypatch.setattr(dflash.run.preflight, "fla_available", lambda: False)
 
 
 def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(

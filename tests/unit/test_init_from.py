@@ -16,7 +16,8 @@ from dflash.cli import main
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
 from dflash.run import acceptance_log
-from dflash.run.checkpoint import find_checkpoint
+from dflash.run.settle import settle
+from dflash.run.step_dirs import find_checkpoint
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 
@@ -108,7 +109,7 @@ def test_the_run_starts_from_the_drafter_s_weights(assets, tmp_path):
 
     config = train_config(target=assets["target"], data=assets["data"], out=tmp_path, init_from=str(assets["drafter"]))
     trainer = Trainer(
-        dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4)
+        settle(dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4))
     )
     published = load_file(str(assets["drafter"] / "model.safetensors"))
     state = trainer.drafter.state_dict()
@@ -147,7 +148,7 @@ def test_the_fine_tuned_drafter_keeps_the_source_drafter_s_causality(assets, tmp
         target=assets["target"], data=assets["data"], out=tmp_path / "run", init_from=str(source), steps=1
     )
     trainer = Trainer(
-        dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4)
+        settle(dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4))
     )
     assert trainer.drafter.config.is_causal is is_causal
     expected = [kind == "sliding_attention" if is_causal is None else is_causal for kind in LAYER_TYPES]

@@ -9,7 +9,8 @@ import torch
 
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError
 from dflash.run import checkpoint as ckpt
-from dflash.run.checkpoint import find_checkpoint, load_drafter_files, save_checkpoint
+from dflash.run.checkpoint import load_drafter_files, save_checkpoint
+from dflash.run.step_dirs import find_checkpoint
 
 # The smallest config a checkpoint accepts: save_checkpoint needs the RoPE base to write it for every loader.
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}

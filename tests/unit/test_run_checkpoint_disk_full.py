@@ -15,7 +15,8 @@ from safetensors import SafetensorError
 
 from dflash.drafter.files import CheckpointError
 from dflash.run import checkpoint as ckpt
-from dflash.run.checkpoint import find_checkpoint, save_checkpoint
+from dflash.run.checkpoint import save_checkpoint
+from dflash.run.step_dirs import find_checkpoint
 
 ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -12,7 +12,8 @@ import torch
 from tiny import make_target, write_chat_data
 
 from dflash.drafter.files import CheckpointError
-from dflash.run.checkpoint import MANIFEST_NAME, find_checkpoint, save_checkpoint
+from dflash.run.checkpoint import save_checkpoint
+from dflash.run.step_dirs import MANIFEST_NAME, find_checkpoint
 
 
 def _save(out, step):
@@ -30,7 +31,7 @@ def test_a_missing_latest_falls_back_to_the_newest_step(tmp_path, caplog):
     _save(tmp_path, 1)
     newest = _save(tmp_path, 2)
     (tmp_path / "checkpoints" / "latest").unlink()
-    with caplog.at_level(logging.WARNING, logger="dflash.run.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash.run"):
         assert find_checkpoint(tmp_path) == newest
         assert find_checkpoint(tmp_path / "checkpoints") == newest
     assert "latest is missing; using the newest complete step, step_00000002" in caplog.text

@@ -13,6 +13,7 @@ import dflash.run.layout
 from dflash.config import TrainConfig
 from dflash.run.layout import CHECKPOINT_OVERHEAD, checkpoint_bytes
 from dflash.run.preflight import validate_inputs
+from dflash.run.settle import settle
 from dflash.train.trainer import Trainer
 
 
@@ -33,7 +34,7 @@ def test_an_empty_out_is_refused():
 
 
 def test_an_out_inside_another_run_is_refused(assets, tmp_path):
-    Trainer(_config(assets, tmp_path / "run", steps=1)).train()
+    Trainer(settle(_config(assets, tmp_path / "run", steps=1))).train()
     for inside in (tmp_path / "run" / "checkpoints", tmp_path / "run" / "deeper" / "out"):
         with pytest.raises(ValueError, match=f"--out {inside} is inside the run {tmp_path / 'run'}: .*--out "):
             validate_inputs(_config(assets, inside))
@@ -61,7 +62,7 @@ Usage = namedtuple("Usage", "total used free")
 
 
 def test_a_disk_that_cannot_hold_the_next_checkpoint_is_refused_at_start(assets, tmp_path, monkeypatch):
-    trainer = Trainer(_config(assets, tmp_path / "measured", steps=1, save_every=1))
+    trainer = Trainer(settle(_config(assets, tmp_path / "measured", steps=1, save_every=1)))
     trainer.train()
     step_dir = tmp_path / "measured" / "checkpoints" / "step_00000001"
     written = sum(p.stat().st_size for p in step_dir.iterdir())
@@ -70,8 +71,8 @@ def test_a_disk_that_cannot_hold_the_next_checkpoint_is_refused_at_start(assets,
 
     monkeypatch.setattr(dflash.run.layout.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, estimate - 1))
     with pytest.raises(ValueError, match=r"MB free, but a checkpoint of this run takes about .* MB: the first save"):
-        Trainer(_config(assets, tmp_path / "full", steps=2))  # refused while it is built: before any step
-    Trainer(_config(assets, tmp_path / "nosave", steps=2, save=False))  # nothing to save: no check
+        Trainer(settle(_config(assets, tmp_path / "full", steps=2)))  # refused while it is built: before any step
+    Trainer(settle(_config(assets, tmp_path / "nosave", steps=2, save=False)))  # nothing to save: no check
 
 
 def test_a_disk_that_holds_fewer_than_keep_last_checkpoints_is_warned_about(tmp_path, monkeypatch, caplog):

@@ -16,6 +16,7 @@ from tiny import record_losses, train_config, training_inputs
 
 from dflash.drafter.files import CheckpointError
 from dflash.run.resume import check_process_count, check_resume_config, resumed_values
+from dflash.run.settle import settle
 from dflash.train.trainer import Trainer
 
 THREADED = dict(target_devices="cpu", drafter_devices="cpu:0-1", grad_accum=1)
@@ -28,7 +29,7 @@ def assets(tmp_path_factory):
 
 
 def _trainer(assets, out, **layout):
-    return Trainer(train_config(target=assets["target"], data=assets["data"], out=out, save_every=3, **layout))
+    return Trainer(settle(train_config(target=assets["target"], data=assets["data"], out=out, save_every=3, **layout)))
 
 
 def _final(out):
@@ -77,7 +78,7 @@ def test_a_layout_that_cannot_keep_a_step_is_refused_with_the_fix(assets, tmp_pa
     saved = json.loads((tmp_path / "train_config.json").read_text())
     given = {"resume": True, "out": str(tmp_path), "drafter_devices": "cpu:0-2"}
     with pytest.raises(CheckpointError) as raised:
-        Trainer(train_config(**resumed_values(saved, given)))
+        Trainer(settle(train_config(**resumed_values(saved, given))))
     assert (
         "a step of this run trains on 4 rows per process (--batch-size 2 x --grad-accum 1 x 2 drafter replicas on "
         "cpu:0-1), the resumed layout on 6 (--batch-size 2 x --grad-accum 1 x 3 drafter replicas on cpu:0-2)"
@@ -85,7 +86,7 @@ def test_a_layout_that_cannot_keep_a_step_is_refused_with_the_fix(assets, tmp_pa
     assert "use 1 or 2 drafter device(s)" in str(raised.value)
     local = {"resume": True, "out": str(tmp_path), "device": "cpu"}
     with pytest.raises(CheckpointError, match=r"pass --grad-accum 2 \(or leave it out\)"):
-        Trainer(train_config(**resumed_values(saved, {**local, "grad_accum": 3})))
+        Trainer(settle(train_config(**resumed_values(saved, {**local, "grad_accum": 3}))))
     varied = {**saved, "vary_seq_len": 2}
     with pytest.raises(CheckpointError, match="--vary-seq-len 2 cycles the sequence lengths per drafter replica"):
         check_resume_config(varied, train_config(**resumed_values(varied, local)), tmp_path)

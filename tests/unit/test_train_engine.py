@@ -10,6 +10,7 @@ from tiny import make_target, record_losses, train_config, write_chat_data
 
 import dflash.train.loss
 from dflash.drafter.files import CheckpointError
+from dflash.run.settle import settle
 from dflash.train import threaded
 from dflash.train.jobs import seq_len_schedule
 from dflash.train.threaded import Control, Inbox, PipelineError
@@ -50,9 +51,11 @@ def test_threaded_engine_equals_the_local_engine_with_every_loss_flag(assets, tm
     # batches, same anchor stream). The two-term gradient sum g0 + g1 is the same float sum in
     # both, and AdamW sees identical inputs, so losses, gradients and weights match bit for bit.
     local = Trainer(
-        _config(assets, tmp_path / "local", grad_accum=2, target_devices=None, drafter_devices=None, **LOSS_FLAGS)
+        settle(
+            _config(assets, tmp_path / "local", grad_accum=2, target_devices=None, drafter_devices=None, **LOSS_FLAGS)
+        )
     )
-    threaded_ = Trainer(_config(assets, tmp_path / "threaded", **LOSS_FLAGS))
+    threaded_ = Trainer(settle(_config(assets, tmp_path / "threaded", **LOSS_FLAGS)))
     assert local.engine.settings == threaded_.engine.settings  # one LossSettings, built once
     try:
         for step in range(1, 4):
@@ -86,7 +89,7 @@ def test_every_engine_runs_the_lm_head_in_chunks_of_loss_chunk_blocks(assets, tm
     for name, (layout, micro_batches) in layouts.items():
         for chunk in (1, 4):
             sizes.clear()
-            trainer = Trainer(_config(assets, tmp_path / f"{name}{chunk}", loss_chunk_blocks=chunk, **layout))
+            trainer = Trainer(settle(_config(assets, tmp_path / f"{name}{chunk}", loss_chunk_blocks=chunk, **layout)))
             trainer.engine.run(1, lr=1e-2)
             trainer.engine.close()
             assert sorted(sizes) == [chunk] * ((12 // chunk) * micro_batches), (name, chunk)
@@ -97,17 +100,17 @@ def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path, monkeypat
     config = dict(
         drafter_devices="cpu:0-2", target_devices="cpu:0-1", grad_accum=2, steps=6, save_every=3, batch_size=1
     )
-    reference = record_losses(Trainer(_config(assets, tmp_path / "full", **config)))
+    reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full", **config))))
     reference.train()
     first, second, third = (r.model for r in reference.engine.replicas)
     _assert_same_weights(first, second)
     _assert_same_weights(first, third)
 
-    crashed = record_losses(Trainer(_config(assets, tmp_path / "split", **config)), crash_after=3)
+    crashed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", **config))), crash_after=3)
     with pytest.raises(KeyboardInterrupt):
         crashed.train()
     assert all(not w.is_alive() for w in crashed.engine.threads)  # the threads were stopped
-    resumed = record_losses(Trainer(_config(assets, tmp_path / "split", resume=True, **config)))
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True, **config))))
     assert resumed.step == 3
     resumed.train()
     assert crashed.losses + resumed.losses == reference.losses  # bitwise
@@ -117,11 +120,11 @@ def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path, monkeypat
 
 def test_resume_with_a_different_drafter_layout_is_refused(assets, tmp_path, monkeypatch):
     monkeypatch.setattr("dflash.devices.usable_cores", lambda: 4)
-    Trainer(_config(assets, tmp_path, steps=1)).train()
+    Trainer(settle(_config(assets, tmp_path, steps=1))).train()
     with pytest.raises(CheckpointError, match="4 rows per process .* the resumed layout on 6 .* use 1 or 2 drafter"):
-        Trainer(_config(assets, tmp_path, steps=2, drafter_devices="cpu:0-2", resume=True))
+        Trainer(settle(_config(assets, tmp_path, steps=2, drafter_devices="cpu:0-2", resume=True)))
     # Target threads may change between runs: the math does not depend on them.
-    resumed = Trainer(_config(assets, tmp_path, steps=2, target_devices="cpu:0-1", resume=True))
+    resumed = Trainer(settle(_config(assets, tmp_path, steps=2, target_devices="cpu:0-1", resume=True)))
     assert resumed.step == 1
 
 
@@ -136,7 +139,7 @@ def test_a_failing_target_thread_stops_all_threads_and_is_reraised_with_its_name
         return real(target, batch, **kwargs)
 
     monkeypatch.setattr(threaded, "produce_target_states", flaky)
-    trainer = Trainer(_config(assets, tmp_path))
+    trainer = Trainer(settle(_config(assets, tmp_path)))
     with pytest.raises(PipelineError, match=r"thread 'target0 \(cpu\)' failed: RuntimeError: target exploded") as info:
         trainer.train()
     assert isinstance(info.value.__cause__, RuntimeError)
@@ -150,7 +153,7 @@ def test_a_failing_drafter_thread_is_named(assets, tmp_path, monkeypatch):
 
     monkeypatch.setattr(threaded, "drafter_step", broken)
     with pytest.raises(PipelineError, match=r"thread 'drafter\d \(cpu:\d\)' failed: ValueError: drafter exploded"):
-        Trainer(_config(assets, tmp_path)).train()
+        Trainer(settle(_config(assets, tmp_path))).train()
 
 
 def test_inbox_orders_out_of_order_puts_and_bounds_the_prefetch():

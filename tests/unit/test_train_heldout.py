@@ -10,7 +10,8 @@ import pytest
 from tiny import make_target, record_losses, train_config, write_chat_data
 
 from dflash.run import acceptance_log
-from dflash.run.checkpoint import step_dir_name
+from dflash.run.settle import settle
+from dflash.run.step_dirs import step_dir_name
 from dflash.train.trainer import Trainer
 
 
@@ -25,7 +26,9 @@ def inputs(tmp_path_factory):
 
 
 def _train(inputs, out, **values):
-    trainer = record_losses(Trainer(train_config(target=inputs["target"], data=inputs["data"], out=out, **values)))
+    trainer = record_losses(
+        Trainer(settle(train_config(target=inputs["target"], data=inputs["data"], out=out, **values)))
+    )
     trainer.train()
     return trainer
 

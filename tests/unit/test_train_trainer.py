@@ -14,7 +14,8 @@ from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.data.chats import DatasetError
 from dflash.drafter.files import CheckpointError
-from dflash.run.checkpoint import find_checkpoint
+from dflash.run.settle import settle
+from dflash.run.step_dirs import find_checkpoint
 from dflash.train.trainer import Trainer
 
 
@@ -33,15 +34,15 @@ def _config(assets, out, **overrides):
 
 
 def test_resume_continues_exactly(assets, tmp_path):
-    reference = record_losses(Trainer(_config(assets, tmp_path / "full")))
+    reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full"))))
     reference.train()
     assert len(reference.losses) == 6
 
-    first = record_losses(Trainer(_config(assets, tmp_path / "split")), crash_after=3)
+    first = record_losses(Trainer(settle(_config(assets, tmp_path / "split"))), crash_after=3)
     with pytest.raises(KeyboardInterrupt):
         first.train()
     assert find_checkpoint(tmp_path / "split").name == "step_00000003"
-    resumed = record_losses(Trainer(_config(assets, tmp_path / "split", resume=True)))
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True))))
     assert resumed.step == 3
     resumed.train()
     assert first.losses + resumed.losses == reference.losses  # bitwise, not approximately
@@ -59,33 +60,35 @@ def test_a_run_saved_with_every_layer_bidirectional_resumes_so_exactly(assets, t
     rule = shape.drafter_config
     with monkeypatch.context() as legacy:
         legacy.setattr(shape, "drafter_config", lambda *a, **k: rule(*a, **{**k, "is_causal": False}))
-        reference = record_losses(Trainer(_config(assets, tmp_path / "full", **sliding)))
+        reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full", **sliding))))
         reference.train()
-        first = record_losses(Trainer(_config(assets, tmp_path / "split", **sliding)), crash_after=3)
+        first = record_losses(Trainer(settle(_config(assets, tmp_path / "split", **sliding))), crash_after=3)
         with pytest.raises(KeyboardInterrupt):
             first.train()
     assert json.loads((find_checkpoint(tmp_path / "split") / "config.json").read_text())["is_causal"] is False
-    resumed = record_losses(Trainer(_config(assets, tmp_path / "split", resume=True, **sliding)))
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True, **sliding))))
     assert resumed.drafter.config.is_causal is False
     resumed.train()
     assert first.losses + resumed.losses == reference.losses
     # A new run of the same flags takes the default rule: its sliding layer is causal.
-    assert Trainer(_config(assets, tmp_path / "new", **sliding)).drafter.config.layer_is_causal("sliding_attention")
+    assert Trainer(settle(_config(assets, tmp_path / "new", **sliding))).drafter.config.layer_is_causal(
+        "sliding_attention"
+    )
 
 
 def test_resume_with_a_different_config_is_refused(assets, tmp_path):
-    Trainer(_config(assets, tmp_path / "run", steps=1)).train()
+    Trainer(settle(_config(assets, tmp_path / "run", steps=1))).train()
     with pytest.raises(CheckpointError, match=r"different config \(lr: 0\.01 -> 0\.02\).*same flags"):
-        Trainer(_config(assets, tmp_path / "run", steps=2, lr=2e-2, resume=True))
+        Trainer(settle(_config(assets, tmp_path / "run", steps=2, lr=2e-2, resume=True)))
     with pytest.raises(CheckpointError, match="empty: does not exist"):
-        Trainer(_config(assets, tmp_path / "empty", resume=True))
+        Trainer(settle(_config(assets, tmp_path / "empty", resume=True)))
 
 
 def test_grad_accumulation_normalises_over_the_whole_optimizer_step(assets, tmp_path):
     # Two micro-batches of 2 must give the same update as one batch of 4 (same examples, same
     # anchors): the loss is divided by the weight sum of the step, not averaged per micro-batch.
-    one = Trainer(_config(assets, tmp_path / "a", batch_size=4, grad_accum=1, grad_clip=0.0, steps=1))
-    two = Trainer(_config(assets, tmp_path / "b", batch_size=2, grad_accum=2, grad_clip=0.0, steps=1))
+    one = Trainer(settle(_config(assets, tmp_path / "a", batch_size=4, grad_accum=1, grad_clip=0.0, steps=1)))
+    two = Trainer(settle(_config(assets, tmp_path / "b", batch_size=2, grad_accum=2, grad_clip=0.0, steps=1)))
     loss_one, loss_two = one.engine.run(1, lr=1e-2).loss, two.engine.run(1, lr=1e-2).loss
     assert loss_one == pytest.approx(loss_two, rel=1e-5)
     for (name, p1), p2 in zip(one.drafter.named_parameters(), two.drafter.parameters()):
@@ -97,7 +100,7 @@ def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path)
 
     from dflash.drafter.model import DFlashDraftModel
 
-    trainer = Trainer(_config(assets, tmp_path, steps=2, save_every=0))
+    trainer = Trainer(settle(_config(assets, tmp_path, steps=2, save_every=0)))
     trainer.train()
     step_dir = find_checkpoint(tmp_path)
     raw = json.loads((step_dir / "config.json").read_text())
@@ -118,7 +121,9 @@ def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path)
 
 
 def test_llama_target_trains_through_the_same_path(assets, tmp_path):
-    trainer = record_losses(Trainer(_config(assets, tmp_path, target=str(assets["llama"]), steps=8, save_every=0)))
+    trainer = record_losses(
+        Trainer(settle(_config(assets, tmp_path, target=str(assets["llama"]), steps=8, save_every=0)))
+    )
     trainer.train()
     assert type(trainer.engine.target.model).__name__ == "LlamaForCausalLM"
     assert trainer.engine.target.layer_ids == [1, 2]
@@ -184,7 +189,9 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     from dflash.data.regenerate import response_prompts
     from dflash.evaluate import greedy_generate
 
-    trainer = Trainer(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
+    trainer = Trainer(
+        settle(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
+    )
     regenerated = read_conversations(tmp_path / "regenerated_train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(assets["qwen3"])
     # One per conversation: its prompt (messages before the first assistant turn) + the target's reply.
@@ -209,7 +216,7 @@ def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
     from dflash.train.flops import drafter_step_flops
     from dflash.train.step import drafter_step, produce_target_states
 
-    trainer = Trainer(_config(assets, tmp_path, max_anchors=2))
+    trainer = Trainer(settle(_config(assets, tmp_path, max_anchors=2)))
     engine = trainer.engine
     engine.source.restart(first_step=1, last_step=1)
     job = engine.source.take()
@@ -276,9 +283,9 @@ def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypat
 
     monkeypatch.setattr(trainer_module, "load_target", no_target)
     with pytest.raises(CheckpointError, match="nothing: does not exist"):
-        Trainer(_config(assets, tmp_path / "nothing", resume=True))
+        Trainer(settle(_config(assets, tmp_path / "nothing", resume=True)))
     with pytest.raises(ValueError, match="a directory, not a file; pass --data"):
-        Trainer(_config(assets, tmp_path / "run", data=str(tmp_path)))
+        Trainer(settle(_config(assets, tmp_path / "run", data=str(tmp_path))))
     assert not (tmp_path / "nothing").exists() and not (tmp_path / "run").exists()
 
 
@@ -301,18 +308,18 @@ def test_data_without_a_usable_conversation_fails_before_the_target_loads(
     ]
     data = write_jsonl(tmp_path / "unusable.jsonl", unusable)
     with pytest.raises(DatasetError, match=named):
-        Trainer(_config(assets, tmp_path / "run", data=data, responses=responses))
+        Trainer(settle(_config(assets, tmp_path / "run", data=data, responses=responses)))
 
 
 def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets, tmp_path, monkeypatch):
     monkeypatch.chdir(assets["data"].parent)
     config = _config(assets, tmp_path / "run", steps=1, data=assets["data"].name)
     assert config.data == str(assets["data"])
-    Trainer(config).train()
+    Trainer(settle(config)).train()
     saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
     assert saved["data"] == str(assets["data"]) and saved["target"] == str(assets["qwen3"])
     monkeypatch.chdir(tmp_path)
-    assert Trainer(TrainConfig.from_dict({**saved, "steps": 2, "resume": True})).step == 1
+    assert Trainer(settle(TrainConfig.from_dict({**saved, "steps": 2, "resume": True}))).step == 1
 
 
 def test_resume_compares_inputs_as_files_not_strings(assets, tmp_path, monkeypatch, caplog):
@@ -406,8 +413,8 @@ def test_packing_is_the_default_and_fills_rows(assets, tmp_path, monkeypatch):
         return real(target, batch, **kwargs)
 
     monkeypatch.setattr(local_module, "produce_target_states", spy)
-    packed = Trainer(_config(assets, tmp_path / "packed", seq_len=96))
-    unpacked = Trainer(_config(assets, tmp_path / "unpacked", seq_len=96, pack=False))
+    packed = Trainer(settle(_config(assets, tmp_path / "packed", seq_len=96)))
+    unpacked = Trainer(settle(_config(assets, tmp_path / "unpacked", seq_len=96, pack=False)))
     assert packed.config.pack and not unpacked.config.pack
     fills = {}
     for name, trainer in (("packed", packed), ("unpacked", unpacked)):
@@ -421,7 +428,7 @@ def test_packing_is_the_default_and_fills_rows(assets, tmp_path, monkeypatch):
 
 def test_no_save_trains_without_writing_a_checkpoint(assets, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        trainer = Trainer(_config(assets, tmp_path, steps=2, save_every=1, save=False))
+        trainer = Trainer(settle(_config(assets, tmp_path, steps=2, save_every=1, save=False)))
     assert "no checkpoint will be written" in caplog.text
     assert trainer.train()["loss"] > 0
     assert not (tmp_path / "checkpoints").exists()
@@ -439,28 +446,28 @@ def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets,
 
 
 def test_metrics_log_of_a_resumed_run_continues_from_its_checkpoint(assets, tmp_path):
-    crashed = record_losses(Trainer(_config(assets, tmp_path / "run", save_every=2)), crash_after=3)
+    crashed = record_losses(Trainer(settle(_config(assets, tmp_path / "run", save_every=2))), crash_after=3)
     with pytest.raises(KeyboardInterrupt):
         crashed.train()  # steps 1-3 logged, the checkpoint holds step 2
-    Trainer(_config(assets, tmp_path / "run", save_every=2, resume=True)).train()
+    Trainer(settle(_config(assets, tmp_path / "run", save_every=2, resume=True))).train()
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 7))
     # A new run into a directory left without a checkpoint starts a new log.
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step"')
-    Trainer(_config(assets, tmp_path / "other", steps=1)).train()
+    Trainer(settle(_config(assets, tmp_path / "other", steps=1))).train()
     assert [json.loads(line)["step"] for line in (tmp_path / "other" / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_resume_warns_when_the_data_file_changed(assets, tmp_path, caplog):
     data = tmp_path / "train.jsonl"
     data.write_text(assets["data"].read_text())
-    Trainer(_config(assets, tmp_path / "run", data=str(data), steps=2)).train()
+    Trainer(settle(_config(assets, tmp_path / "run", data=str(data), steps=2))).train()
     with caplog.at_level(logging.WARNING):
-        Trainer(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True))
+        Trainer(settle(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True)))
         assert "data file changed" not in caplog.text
         data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
-        Trainer(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True))
+        Trainer(settle(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True)))
     assert "the data file changed since" in caplog.text
 
 
