@@ -26,6 +26,7 @@ from dflash.run.preflight import refuse_existing_run
 from dflash.run.resume import resumed_values
 from dflash.run.settle import settle
 from dflash.run.step_dirs import find_checkpoint
+from dflash.signals import Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -169,27 +170,24 @@ def run(args: argparse.Namespace) -> int:
         config = settle(_config_from_flags(values))  # once, before torch-heavy imports
         if config.resume and _already_done(config):
             return 0
-        from dflash.train.trainer import Trainer, TrainingStopped  # torch, transformers: seconds
+        from dflash.train.trainer import Trainer  # torch, transformers: seconds
 
-        try:
-            with _out_lock(config):
-                trainer = Trainer(config)
-                metrics = trainer.train()
-        except TrainingStopped as stopped:
-            if config.save:
-                _resume_hint(config.out, f"{stopped}, checkpoint saved")
-            else:
-                logger.error("%s; nothing was saved (--no-save)", stopped)
-            return 128 + stopped.signum
+        with _out_lock(config):
+            trainer = Trainer(config)
+            metrics = trainer.train()
         trainer.close()  # not after a failure: the other ranks may be inside a collective
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
-    except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", None)  # dflash.data.regenerate.RegenerationStopped: it said what it kept
-        if signum is None:
-            _resume_hint(values.get("out", TrainConfig.out), "interrupted")
-        return 128 + (signum or signal.SIGINT)
+    except Stopped as stopped:  # it said what it kept; training saved a checkpoint after its last step
+        if stopped.step is not None and config.save:
+            _resume_hint(config.out, f"{stopped}, checkpoint saved")
+        elif stopped.step is not None:
+            logger.error("%s; nothing was saved (--no-save)", stopped)
+        return 128 + stopped.signum
+    except KeyboardInterrupt:
+        _resume_hint(values.get("out", TrainConfig.out), "interrupted")
+        return 128 + signal.SIGINT
     if not trainer.is_main:  # rank 0 speaks for the job
         return 0
     if not metrics:

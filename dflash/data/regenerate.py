@@ -17,11 +17,9 @@ where it stopped when the same run starts again; the joined result is cached as 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
-import signal
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -32,21 +30,10 @@ import torch
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
 from dflash.data.tokenize import TemplateRejected, char_budget, encode, render_chat
 from dflash.distributed import barrier, broadcast_from_main
+from dflash.signals import StopRequest
 from dflash.target.model import Target
 
 logger = logging.getLogger(__name__)
-
-
-class RegenerationStopped(KeyboardInterrupt):
-    """SIGTERM or SIGINT stopped the regeneration; every journal keeps what was done.
-
-    Args:
-        signum (int): the signal.
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"regeneration stopped by {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 # Shares of one corpus can finish far apart (hours of generation, unevenly long replies): the
@@ -357,7 +344,7 @@ def regenerated_corpus(
 
     Raises:
         RuntimeError: rank 0 does not see every journal (``--out`` not shared by the hosts).
-        KeyboardInterrupt: SIGINT or SIGTERM while generating (the journals keep what was done).
+        dflash.signals.Stopped: SIGINT or SIGTERM while generating (the journals keep what was done).
     """
     key_path = cache.with_name(cache.name + ".key.json")
     todo = broadcast_from_main(_todo(cache, key_path, key, resume, len(conversations)) if rank == 0 else None)
@@ -373,7 +360,7 @@ def regenerated_corpus(
     )
     shards = world_size * len(targets)
     first = rank * len(targets)
-    with _sigterm_interrupts():
+    with _stop_request().installed():
         _generate_in_threads(
             targets,
             tokenizer,
@@ -480,32 +467,10 @@ def _generate_in_threads(targets, tokenizer, shares, journals, *, progress: bool
         raise errors[0]
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts():
-    """In the main thread, the first SIGTERM or SIGINT raises :class:`RegenerationStopped` (a
-    KeyboardInterrupt: the threads stop
-    after their batch in flight and say what they kept); the handlers then go back to the
-    defaults, so a second signal ends the process at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = (signal.SIGTERM, signal.SIGINT)
-
-    def interrupt(signum, frame):
-        for s in signals:
-            signal.signal(s, signal.SIG_DFL)
-        logger.warning(
-            "%s received: stopping the regeneration after the batches in flight (send it again to exit at once)",
-            signal.Signals(signum).name,
-        )
-        raise RegenerationStopped(signum)
-
-    previous = {s: signal.signal(s, interrupt) for s in signals}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+def _stop_request() -> StopRequest:
+    """In the main thread, the first SIGTERM or SIGINT raises :class:`dflash.signals.Stopped` (a
+    KeyboardInterrupt: the threads stop after their batch in flight and say what they kept)."""
+    return StopRequest("stopping the regeneration after the batches in flight", interrupting="regeneration")
 
 
 def write_conversations(path: Path, conversations) -> None:

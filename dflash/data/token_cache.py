@@ -16,7 +16,6 @@ the next start tokenizes only the rest.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -24,7 +23,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import threading
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch
 
 from dflash.data.tokenize import Example, Tokenized, tokenize_conversations, tokenizing_bar
 from dflash.run.layout import TOKENS_DIR
+from dflash.signals import Stopped, StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +51,6 @@ TOKENIZER_FILES = (
 )
 #: The modules whose code decides the tokens (rendering, loss mask, tool calls).
 _CODE = ("chats.py", "tokenize.py", "tool_calls.py")
-
-
-class TokenizingStopped(KeyboardInterrupt):
-    """SIGTERM or SIGINT stopped the tokenizing; the finished parts are kept (it said so).
-
-    Args:
-        signum (int): the signal.
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"tokenizing stopped by {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 def _sha256(path: Path) -> str:
@@ -136,7 +123,7 @@ class TokenCache:
         and, with ``write``, saved as each finishes; the cache is marked complete at the end.
 
         Raises:
-            TokenizingStopped: SIGTERM/SIGINT; the parts finished by then are saved (with ``write``).
+            Stopped: SIGTERM/SIGINT; the parts finished by then are saved (with ``write``).
             DatasetError: see :func:`dflash.data.tokenize.tokenize_conversations`.
         """
         starts = range(0, len(conversations), PART_SIZE)
@@ -166,7 +153,7 @@ class TokenCache:
                 self._write_part(index, part)
 
         with tokenizing_bar(len(conversations), source=source, progress=progress, initial=done) as bar:
-            with _stop_request() as stop:
+            with StopRequest("stopping the tokenizing after the parts in flight").installed() as stop:
                 if workers > 1:
                     _in_processes(tokenizer, tasks, settings, workers, stop, bar, finished)
                 else:
@@ -184,7 +171,7 @@ class TokenCache:
                     if write
                     else f"{kept} of {len(conversations)} conversations were tokenized, none kept (not rank 0)",
                 )
-                raise TokenizingStopped(stop.signum)
+                raise Stopped(stop.signum, "tokenizing")
         if write:
             _atomic_write(self.dir / _COMPLETE_NAME, json.dumps({"parts": len(starts)}).encode())
             self._remove_others()
@@ -238,37 +225,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
     atomic_write_bytes(path, data)
 
 
-class _Stop:
-    signum: int | None = None
-
-
-@contextlib.contextmanager
-def _stop_request():
-    """In the main thread, the first SIGTERM or SIGINT asks to stop after the parts in flight; the
-    handlers then go back to the defaults, so a second signal ends the process at once."""
-    stop = _Stop()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    signals = (signal.SIGTERM, signal.SIGINT)
-
-    def handle(signum, frame):
-        stop.signum = signum
-        for s in signals:
-            signal.signal(s, signal.SIG_DFL)
-        logger.warning(
-            "%s received: stopping the tokenizing after the parts in flight (send it again to exit at once)",
-            signal.Signals(signum).name,
-        )
-
-    previous = {s: signal.signal(s, handle) for s in signals}
-    try:
-        yield stop
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 _worker_tokenizer = None
 
 
@@ -283,7 +239,7 @@ def _tokenize_part(chunk, first: int, settings: dict) -> Tokenized:
     return tokenize_conversations(_worker_tokenizer, chunk, first=first, **settings)
 
 
-def _in_processes(tokenizer, tasks: dict, settings: dict, workers: int, stop: _Stop, bar, finished) -> None:
+def _in_processes(tokenizer, tasks: dict, settings: dict, workers: int, stop: StopRequest, bar, finished) -> None:
     """Tokenize ``tasks`` (part index -> (conversations, first index)) in ``workers`` spawned
     processes, handing each result to ``finished``; on ``stop``, the parts not started are
     cancelled and those in flight finished."""

@@ -23,7 +23,6 @@ import logging
 import math
 import random
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from dflash.run.layout import METRICS_NAME, REGENERATED_NAME, check_free_space, 
 from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
 from dflash.run.step_dirs import find_checkpoint, step_dir_name
+from dflash.signals import Stopped, StopRequest
 from dflash.target.files import load_tokenizer
 from dflash.target.model import load_target
 from dflash.train.engine import StepEngine, StepStats
@@ -61,57 +61,6 @@ from dflash.train.step import LossSettings
 from dflash.train.threaded import ThreadedEngine, bottleneck
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingStopped(Exception):
-    """Training stopped early on a signal after saving a checkpoint.
-
-    Args:
-        signum (int): the signal (``signal.SIGTERM`` or ``signal.SIGINT``).
-        step (int): the last completed (and saved) step.
-    """
-
-    def __init__(self, signum: int, step: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
-        self.signum, self.step = signum, step
-
-
-class _StopRequest:
-    """SIGTERM/SIGINT handlers for the loop: the first signal asks to stop after the current
-    step; the handlers then go back to the defaults, so a second signal ends the process at once,
-    even while the main thread is inside a long native call."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, *, save: bool = True) -> None:
-        self.signum: int | None = None
-        self.save = save
-
-    @contextlib.contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():  # only the main thread may
-            yield self
-            return
-        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        try:
-            yield self
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        for s in self.SIGNALS:
-            signal.signal(s, signal.SIG_DFL)
-        logger.warning(
-            "%s received: finishing this step, %s, then exiting (send it again to exit at once)",
-            signal.Signals(signum).name,
-            "saving a checkpoint" if self.save else "saving nothing (--no-save)",
-        )
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
 
 
 def learning_rate(step: int, config: TrainConfig, total_steps: int) -> float:
@@ -567,7 +516,7 @@ class Trainer:
         """Train to ``total_steps``; returns the last step's metrics ({} if there was nothing to do).
 
         Raises:
-            TrainingStopped: a SIGTERM/SIGINT stopped training after a checkpoint was saved.
+            Stopped: a SIGTERM/SIGINT stopped training after a checkpoint was saved (``step`` set).
         """
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
@@ -584,7 +533,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         throughput = _Throughput()
         first_step = self.step + 1
-        stop = _StopRequest(save=cfg.save)
+        saving = "saving a checkpoint" if cfg.save else "saving nothing (--no-save)"
+        stop = StopRequest(f"finishing this step, {saving}, then exiting")
         started = time.perf_counter()
         if self.heldout is not None and self.step == 0:
             self._measure_acceptance(when="before step 1", writer=writer, started=started, saved=False)
@@ -605,7 +555,7 @@ class Trainer:
                     # request; one process stops right after the step in flight.
                     if stats.stop or (stop.requested and self.process.world_size == 1):
                         self.save_checkpoint()
-                        raise TrainingStopped(stop.signum or signal.SIGTERM, self.step)
+                        raise Stopped(stop.signum or signal.SIGTERM, step=self.step)
                     if cfg.save_every and self.step % cfg.save_every == 0:
                         self.save_checkpoint()
                     if self._eval_due():

@@ -212,7 +212,7 @@ def test_a_stop_waits_for_every_thread_to_finish_its_batch(target, target_dir, t
     import signal
     import time
 
-    from dflash.data.regenerate import _generate_in_threads, _sigterm_interrupts
+    from dflash.data.regenerate import _generate_in_threads, _stop_request
 
     second = load_target(target_dir, num_capture_layers=1, device="cpu")
     generate = second.model.generate
@@ -226,7 +226,7 @@ def test_a_stop_waits_for_every_thread_to_finish_its_batch(target, target_dir, t
     journals = [ReplyJournal(tmp_path / f"j{s}", KEY) for s in (0, 1)]
     main = threading.main_thread().ident
     threading.Timer(1.0, signal.pthread_kill, args=(main, signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt), _sigterm_interrupts():
+    with pytest.raises(KeyboardInterrupt), _stop_request().installed():
         _generate_in_threads(
             [target, second], load_tokenizer(target_dir), shares, journals, batch_size=1, progress=False, **SETTINGS
         )
@@ -240,10 +240,10 @@ def test_the_first_sigterm_interrupts_regeneration_and_a_second_one_kills(caplog
     import signal
     import time
 
-    from dflash.data.regenerate import _sigterm_interrupts
+    from dflash.data.regenerate import _stop_request
 
     before = signal.getsignal(signal.SIGTERM)
-    with _sigterm_interrupts():
+    with _stop_request().installed():
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(10)

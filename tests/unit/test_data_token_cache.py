@@ -16,10 +16,11 @@ from tiny import CONVERSATIONS, inputs_config, training_inputs, write_jsonl
 import dflash.data.token_cache
 import dflash.train.trainer
 from dflash.data.chats import read_conversations
-from dflash.data.token_cache import TokenCache, TokenizingStopped, cache_key
+from dflash.data.token_cache import TokenCache, cache_key
 from dflash.data.tokenize import build_examples, tokenize_conversations
 from dflash.run.layout import TOKENS_DIR
 from dflash.run.settle import settle
+from dflash.signals import Stopped
 from dflash.target.files import load_tokenizer
 from dflash.train.trainer import Trainer
 
@@ -100,7 +101,7 @@ def test_a_signal_while_tokenizing_keeps_the_finished_parts_and_says_so(assets, 
     cache = TokenCache(tmp_path, {"k": 1})
     settings = dict(seq_len=48, overflow="truncate", source="chats.jsonl", progress=False, write=True, workers=1)
     handler = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(TokenizingStopped) as stopped:
+    with pytest.raises(Stopped) as stopped:
         cache.tokenize(tokenizer, conversations, **settings)
     assert stopped.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == handler
     assert (

@@ -16,6 +16,7 @@ from dflash.data.chats import DatasetError
 from dflash.drafter.files import CheckpointError
 from dflash.run.settle import settle
 from dflash.run.step_dirs import find_checkpoint
+from dflash.signals import Stopped
 from dflash.train.trainer import Trainer
 
 
@@ -486,7 +487,7 @@ class _Stops:
         self.error = error
 
     def __call__(self, config):
-        if isinstance(self.error, KeyboardInterrupt):
+        if isinstance(self.error, Stopped) and self.error.step is None:
             raise self.error  # during construction: regeneration runs there
         return self
 
@@ -497,9 +498,7 @@ class _Stops:
 def test_a_stopped_regeneration_exits_with_its_signal_and_no_resume_advice(tmp_path, caplog, monkeypatch):
     import signal
 
-    from dflash.data.regenerate import RegenerationStopped
-
-    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(RegenerationStopped(signal.SIGTERM)))
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(Stopped(signal.SIGTERM, "regeneration")))
     assert main(["train", "--out", str(tmp_path / "run"), "--no-progress"]) == 128 + signal.SIGTERM
     assert "nothing to --resume" not in caplog.text  # the regeneration said what it kept
 
@@ -507,9 +506,7 @@ def test_a_stopped_regeneration_exits_with_its_signal_and_no_resume_advice(tmp_p
 def test_a_stop_under_no_save_says_nothing_was_saved(tmp_path, caplog, monkeypatch):
     import signal
 
-    from dflash.train.trainer import TrainingStopped
-
-    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(TrainingStopped(signal.SIGTERM, 5)))
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(Stopped(signal.SIGTERM, step=5)))
     assert main(["train", "--out", str(tmp_path / "run"), "--no-save", "--no-progress"]) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM after step 5; nothing was saved (--no-save)" in caplog.text
     assert "checkpoint" not in caplog.text
