@@ -64,11 +64,6 @@ class Batch:
         """Real (non-padding) tokens in the batch."""
         return int(self.lengths.sum())
 
-    @property
-    def row_fill(self) -> float:
-        """Real tokens / row tokens (``num_tokens / (B * S)``), in [0, 1]."""
-        return self.num_tokens / self.input_ids.numel()
-
     def truncated(self, length: int) -> Batch:
         """The first ``length`` positions of every row (``--vary-seq-len``)."""
         cut = lambda t: t[:, :length].contiguous()

@@ -26,7 +26,7 @@ Conversations longer than ``seq_len`` never reach the packer: ``dflash.data.toke
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -115,19 +115,3 @@ def row_packer(
             f"{lengths[too_long[0]]} tokens); build them with the same --seq-len and --overflow"
         )
     return lambda order, generator: pack_rows(lengths, order, generator, seq_len=seq_len, window=window)
-
-
-def row_fill(batches: Iterable) -> float:
-    """Real tokens / row tokens over ``batches`` (each with ``num_tokens`` and ``input_ids [B, S]``,
-    e.g. :class:`dflash.data.batches.Batch`), in [0, 1]: the ``row fill`` of the trainer's summary line.
-
-    Raises:
-        ValueError: no batch, or batches of no tokens at all.
-    """
-    tokens = slots = 0
-    for batch in batches:
-        tokens += batch.num_tokens
-        slots += batch.input_ids.numel()
-    if not slots:
-        raise ValueError("row_fill needs at least one non-empty batch")
-    return tokens / slots

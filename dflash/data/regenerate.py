@@ -77,12 +77,6 @@ def require_a_prompt(tokenizer, conversations, *, source: str, seq_len: int, max
     )
 
 
-def response_prompts(tokenizer, conversations, *, max_prompt_tokens: int) -> list[list[dict[str, str]]]:
-    """:func:`prompt_that_fits` of each conversation, those that have one, in order."""
-    prompts = (prompt_that_fits(tokenizer, c, max_prompt_tokens=max_prompt_tokens) for c in conversations)
-    return [p for p in prompts if p is not None]
-
-
 class ReplyJournal:
     """The replies one process has regenerated so far, kept on disk.
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash.data.tokenize import Example, Tokenized, tokenize_conversations, tokenizing_bar
+from dflash.files import sha256_file
 from dflash.run.layout import TOKENS_DIR
 from dflash.signals import Stopped, StopRequest
 
@@ -53,10 +54,6 @@ TOKENIZER_FILES = (
 _CODE = ("chats.py", "tokenize.py", "tool_calls.py")
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def cache_key(*, data_sha256: str, tokenizer_dir: Path, seq_len: int, overflow: str) -> dict:
     """What the tokens of a data file depend on (module docstring)."""
     import tokenizers
@@ -66,11 +63,11 @@ def cache_key(*, data_sha256: str, tokenizer_dir: Path, seq_len: int, overflow: 
     return {
         "data_sha256": data_sha256,
         "tokenizer": {
-            name: _sha256(tokenizer_dir / name) for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()
+            name: sha256_file(tokenizer_dir / name) for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()
         },
         "seq_len": seq_len,
         "overflow": overflow,
-        "code": {name: _sha256(here / name) for name in _CODE},
+        "code": {name: sha256_file(here / name) for name in _CODE},
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
     }

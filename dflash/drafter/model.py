@@ -26,18 +26,8 @@ from dflash.config import TrainConfig, parse_layer_types
 from dflash.drafter import modeling_dflash
 from dflash.drafter.files import WEIGHTS_NAME, check_tensors, read_drafter_config
 from dflash.drafter.hf_config import drafter_rope_parameters
-from dflash.drafter.modeling_dflash import QWEN3_MASK_TOKEN_ID, SUPPORTED_ATTENTION, DFlashDraftConfig
+from dflash.drafter.modeling_dflash import DFlashDraftConfig
 from dflash.target.taps import default_target_layer_ids, max_captured_layers
-
-__all__ = [
-    "QWEN3_MASK_TOKEN_ID",
-    "SUPPORTED_ATTENTION",
-    "DFlashDraftConfig",
-    "DFlashDraftModel",
-    "create_drafter_config",
-    "default_target_layer_ids",
-    "max_captured_layers",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +179,8 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
     anchors and builds the DFlash mask. Pick the attention backend with transformers' usual
     switch: ``from_pretrained(..., attn_implementation=...)``, ``DFlashDraftModel._from_config(config,
     attn_implementation=...)`` or ``model.set_attn_implementation(...)``; one of
-    :data:`SUPPORTED_ATTENTION`. Use "flex_attention" on GPU (BlockMask, compiles); "sdpa" on CPU
-    (torch 2.13 has no CPU flex_attention backward). Both give the same result.
+    :data:`dflash.drafter.modeling_dflash.SUPPORTED_ATTENTION`. Use "flex_attention" on GPU (BlockMask,
+    compiles); "sdpa" on CPU (torch 2.13 has no CPU flex_attention backward). Both give the same result.
 
     Args:
         config (DFlashDraftConfig)

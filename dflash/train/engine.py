@@ -15,7 +15,7 @@ same loss and gradients. The :class:`dflash.train.trainer.Trainer` owns everythi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,7 +41,6 @@ class StepStats:
         flops (float): drafter model FLOPs of the step, this process
             (:func:`dflash.train.flops.drafter_step_flops`).
         stop (bool): some process asked to stop after this step (SIGTERM/SIGINT).
-        threads (dict): per-thread busy/wait shares since the last report (threaded engine).
     """
 
     loss: float
@@ -55,11 +54,12 @@ class StepStats:
     data_wait_frac: float
     flops: float
     stop: bool
-    threads: dict = field(default_factory=dict)
 
     @property
     def tau_hat(self) -> float:
-        """``1 + sum_k prod_{i<=k} acc_i`` (:func:`dflash.train.loss.acceptance_length_estimate`)."""
+        """The acceptance length estimate ``1 + sum_k prod_{i<=k} acc_i``: a slot counts only if every
+        earlier one was accepted, with its accuracy as its acceptance probability (greedy verification);
+        the 1 is the bonus token, as in the tau of decoding. Between 1 and Bs."""
         tau, reach = 1.0, 1.0
         for a in self.acc:
             reach *= a

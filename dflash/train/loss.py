@@ -18,8 +18,6 @@ micro-batches, all ranks), not per micro-batch.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -266,40 +264,3 @@ def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor, alpha: float) -> 
     smoothed = torch.where(label_mask, (1.0 - alpha) * label_log_prob.exp() + alpha, 1.0)
     reach = torch.cumprod(smoothed, dim=-1) * label_mask
     return reach.flip(-1).cumsum(-1).flip(-1) * label_mask
-
-
-def per_position_accuracy(correct: Tensor, total: Tensor) -> Tensor:
-    """acc_k = correct_k / total_k for slots k = 1..Bs-1, from counts aggregated over steps/ranks.
-
-    Args:
-        correct (Tensor): ``[Bs]`` summed :attr:`LossOutput.correct`.
-        total (Tensor): ``[Bs]`` summed :attr:`LossOutput.total`.
-
-    Returns:
-        Tensor: float64 ``[Bs - 1]``; a slot with no supervised tokens gets 0 (so tau_hat never
-        counts a position it has no evidence for).
-    """
-    correct, total = correct[1:].double(), total[1:].double()
-    return torch.where(total > 0, correct / total.clamp(min=1), 0.0)
-
-
-def acceptance_length_estimate(acc: Tensor | Sequence[float]) -> float:
-    """tau_hat = 1 + sum_{k=1}^{Bs-1} prod_{i<=k} acc_i (counts the bonus token, like inference tau).
-
-    Treats each slot as accepted only if all earlier ones were, with per-slot accuracy as the
-    acceptance probability (the greedy verification rule of speculative decoding).
-
-    Args:
-        acc (Tensor | Sequence[float]): per-slot accuracies for slots 1..Bs-1
-            (:func:`per_position_accuracy`), each in [0, 1].
-
-    Returns:
-        float: between 1 and Bs.
-
-    Raises:
-        ValueError: an accuracy outside [0, 1].
-    """
-    acc = torch.as_tensor(acc, dtype=torch.float64).flatten()
-    if acc.numel() and (acc.min() < 0 or acc.max() > 1 or not math.isfinite(acc.sum().item())):
-        raise ValueError(f"accuracies must be in [0, 1], got {acc.tolist()}")
-    return 1.0 + torch.cumprod(acc, dim=0).sum().item()

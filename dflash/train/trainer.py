@@ -11,7 +11,7 @@ for one optimizer step at the schedule's learning rate and gets back host-side s
 
 Stopping: the first SIGTERM (what SLURM and Kubernetes send before killing a job) or SIGINT
 finishes the step in flight, saves a checkpoint (with torchrun, every process stops after the
-same step: the request travels with the step's gradients) and raises :class:`TrainingStopped`;
+same step: the request travels with the step's gradients) and raises :class:`dflash.signals.Stopped`;
 a second signal ends the process at once (the checkpoints on disk stay intact: writes are atomic).
 """
 

@@ -124,9 +124,9 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.parametrize("path", ["build_examples", "response_prompts"])
+@pytest.mark.parametrize("path", ["build_examples", "prompt_that_fits"])
 def test_the_indexing_errors_warning_is_silenced_only_where_ids_are_cut(tmp_path, path):
-    from dflash.data.regenerate import response_prompts
+    from dflash.data.regenerate import prompt_that_fits
 
     fresh = make_tokenizer(tmp_path / "tok")  # transformers warns once per tokenizer object
     fresh.model_max_length = 16
@@ -136,7 +136,8 @@ def test_the_indexing_errors_warning_is_silenced_only_where_ids_are_cut(tmp_path
         if path == "build_examples":
             build_examples(fresh, CONVERSATIONS, seq_len=64, progress=False)
         else:
-            response_prompts(fresh, CONVERSATIONS, max_prompt_tokens=64)
+            for conversation in CONVERSATIONS:
+                prompt_that_fits(fresh, conversation, max_prompt_tokens=64)
         assert not [m for m in capture.messages if "indexing errors" in m]
         fresh("the cat sat on the mat and looked at the dog " * 4)  # a caller that feeds the model is warned
         assert [m for m in capture.messages if "indexing errors" in m]

@@ -12,7 +12,9 @@ from transformers import LlamaConfig, Qwen3Config
 
 from dflash import masks
 from dflash.drafter.hf_config import rope_parameters_of
-from dflash.drafter.model import DFlashDraftConfig, DFlashDraftModel, create_drafter_config, default_target_layer_ids
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.modeling_dflash import DFlashDraftConfig
+from dflash.target.taps import default_target_layer_ids
 
 HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1

@@ -12,7 +12,9 @@ import dflash.train.loss
 from dflash.drafter.files import CheckpointError
 from dflash.run.settle import settle
 from dflash.train import threaded
+from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.jobs import seq_len_schedule
+from dflash.train.step import StatsLayout
 from dflash.train.threaded import Control, Inbox, PipelineError
 from dflash.train.trainer import Trainer
 
@@ -189,7 +191,6 @@ def test_optimizer_step_divides_by_the_weight_and_clips_in_the_fused_kernel(grad
 
     from dflash.distributed import FlatGradients
     from dflash.train.replica import DrafterReplica, build_optimizer, optimizer_step
-    from dflash.train.step import StatsLayout
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
@@ -216,3 +217,29 @@ def test_optimizer_step_divides_by_the_weight_and_clips_in_the_fused_kernel(grad
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _stats(acc) -> StepStats:
+    return StepStats(
+        loss=0.0, acc=acc, grad_norm=0.0, tokens=1, row_tokens=1, step_s=1.0, drafter_s=1.0, target_s=0.0,
+        data_wait_frac=0.0, flops=0.0, stop=False,
+    )  # fmt: skip
+
+
+def test_tau_hat_known_values():
+    assert _stats([1.0, 1.0, 1.0]).tau_hat == 4.0
+    assert _stats([0.5, 0.5]).tau_hat == pytest.approx(1.75)
+    assert _stats([0.0, 1.0, 1.0]).tau_hat == 1.0
+    assert _stats([0.9, 0.8, 0.5]).tau_hat == pytest.approx(1 + 0.9 + 0.72 + 0.36)
+
+
+def test_step_accuracy_divides_the_counts_summed_over_micro_batches():
+    layout = StatsLayout(3)
+    # Two micro-batches: slot 1 has 1/1 then 0/3 correct -> 1/4 overall, not the mean 1/2.
+    correct = torch.tensor([0, 1, 2]) + torch.tensor([0, 0, 1])
+    total = torch.tensor([0, 1, 2]) + torch.tensor([0, 3, 2])
+    stats = torch.zeros(layout.size)
+    stats[layout.correct], stats[layout.total] = correct.float(), total.float()
+    assert read_step_stats(stats, torch.tensor(0.0), layout)["acc"] == [0.25, 0.75]
+    none = torch.zeros(StatsLayout(2).size)
+    assert read_step_stats(none, torch.tensor(0.0), StatsLayout(2))["acc"] == [0.0]

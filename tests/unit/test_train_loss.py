@@ -186,24 +186,6 @@ def test_dpace_loss_is_a_mean_over_supervised_slots():
     assert out.weight_sum == 3
 
 
-def test_acceptance_length_estimate_known_values():
-    assert L.acceptance_length_estimate([1.0, 1.0, 1.0]) == 4.0
-    assert L.acceptance_length_estimate([0.5, 0.5]) == pytest.approx(1.75)
-    assert L.acceptance_length_estimate([0.0, 1.0, 1.0]) == 1.0
-    assert L.acceptance_length_estimate([0.9, 0.8, 0.5]) == pytest.approx(1 + 0.9 + 0.72 + 0.36)
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        L.acceptance_length_estimate([1.2])
-
-
-def test_per_position_accuracy_divides_aggregated_counts():
-    # Two micro-batches: slot 1 has 1/1 then 0/3 correct -> 1/4 overall, not the mean 1/2.
-    correct = torch.tensor([0, 1, 2]) + torch.tensor([0, 0, 1])
-    total = torch.tensor([0, 1, 2]) + torch.tensor([0, 3, 2])
-    acc = L.per_position_accuracy(correct, total)
-    torch.testing.assert_close(acc, torch.tensor([0.25, 0.75], dtype=torch.float64))
-    assert L.per_position_accuracy(torch.tensor([0, 0]), torch.tensor([0, 0])).tolist() == [0.0]
-
-
 def test_bad_options_raise():
     hidden, weight, labels, label_mask, anchors, teacher = _inputs()
     w = L.position_weights(BS, 2.0)

@@ -187,7 +187,7 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     from transformers import AutoTokenizer
 
     from dflash.data.chats import read_conversations
-    from dflash.data.regenerate import response_prompts
+    from dflash.data.regenerate import prompt_that_fits
     from dflash.evaluate import greedy_generate
 
     trainer = Trainer(
@@ -196,7 +196,7 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     regenerated = read_conversations(tmp_path / "regenerated_train.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(assets["qwen3"])
     # One per conversation: its prompt (messages before the first assistant turn) + the target's reply.
-    assert len(response_prompts(tokenizer, CONVERSATIONS, max_prompt_tokens=90)) == 4
+    assert sum(prompt_that_fits(tokenizer, c, max_prompt_tokens=90) is not None for c in CONVERSATIONS) == 4
     assert len(regenerated) == 16 and [c[:-1] for c in regenerated[:4]] == [
         c[: 1 + (c[0]["role"] == "system")] for c in CONVERSATIONS
     ]
