@@ -14,7 +14,7 @@ with the published ones (z-lab/dflash ``benchmark.py``, whose numbers the DFlash
 - tau per step: mean of ``accepted + 1`` over all steps of all prompts, the last step of a prompt
   cut at EOS / the token budget (it counts only tokens the step really emitted).
 - tau per prompt (z-lab): mean over prompts of each prompt's mean ``accepted + 1``, counted as
-  z-lab/dflash's ``dflash_generate`` counts it at commit 10129599 (``dflash/drafter/model.py``): it steps
+  z-lab/dflash's ``dflash_generate`` counts it at commit 10129599 (``dflash/model.py``): it steps
   while ``start + 1 < max_length`` and no stop token was written, records ``produced = min(accepted
   + 1, max_length - start - 1)`` cut after the first stop token, and takes no step when the
   prefill token is a stop token (nor when the budget is that token alone). Those are exactly the
@@ -43,6 +43,11 @@ from pathlib import Path
 
 import torch
 
+from dflash.data.chats import DatasetError, prompt_messages, read_conversations
+from dflash.data.tokenize import TemplateRejected, cut_to_budget, encode, render_chat
+from dflash.drafter.files import DRAFTER_FILES
+from dflash.drafter.model import load_drafter_dir
+from dflash.run.step_dirs import find_checkpoint
 from dflash.target.model import Target
 from dflash.target.rollback import StateRollback, crop, new_cache
 
@@ -254,10 +259,6 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
             drafter's or lacks a field, or weights that disagree with it (named), before any
             model is built.
     """
-    from dflash.drafter.files import DRAFTER_FILES
-    from dflash.drafter.model import load_drafter_dir
-    from dflash.run.step_dirs import find_checkpoint
-
     step_dir = find_checkpoint(path, files=DRAFTER_FILES)
     drafter = load_drafter_dir(step_dir, dtype=dtype, device=device)
     logger.info(
@@ -339,9 +340,6 @@ def load_prompts(
             usable prompt (the message says why and the fix).
     """
     import random
-
-    from dflash.data.chats import DatasetError, prompt_messages, read_conversations
-    from dflash.data.tokenize import TemplateRejected, cut_to_budget, encode, render_chat
 
     held_out = HeldOutPrompts(Path(path), [], num_prompts, context, max_new_tokens)
     limit = held_out.max_prompt_tokens

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from dflash.drafter.files import DRAFTER_FILES
+from dflash.assets import default_target_dir
+from dflash.config import read_saved_config
+from dflash.drafter.files import DRAFTER_FILES, check_tensors, read_drafter_config
 from dflash.run import acceptance_log
 from dflash.run.checkpoint import write_drafter_files
 from dflash.run.step_dirs import find_checkpoint
@@ -55,8 +57,6 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
             their config (named), before anything is written.
     """
     from safetensors.torch import load_file
-
-    from dflash.drafter.files import check_tensors, read_drafter_config
 
     out = Path(out)
     if "dflash" not in out.name.lower():
@@ -96,14 +96,10 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
 
 def _trained_target(run_dir: Path | None) -> str:
     """The target the run trained against (its train_config.json), for the launch lines."""
-    from dflash.config import read_saved_config
-
     target = read_saved_config(run_dir).get("target") if run_dir is not None else None
     if target:
         return target
     if run_dir is not None and (run_dir / "train_config.json").is_file():
-        from dflash.assets import default_target_dir
-
         return str(default_target_dir())  # trained on the embedded default target
     return "TARGET"
 

@@ -30,6 +30,7 @@ import torch
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
 from dflash.data.tokenize import TemplateRejected, char_budget, encode, render_chat
 from dflash.distributed import barrier, broadcast_from_main
+from dflash.files import sha256_file
 from dflash.signals import StopRequest
 from dflash.target.model import Target
 
@@ -293,8 +294,6 @@ def regeneration_key(
     generation config and tokenizer files (sha256), its weight files (name, size, mtime: hashing
     tens of GB would take minutes), its dtype, and the length limits. Not the directory's path: a
     moved target keeps its replies."""
-    from dflash.files import sha256_file
-
     files = {}
     for path in sorted(target_dir.iterdir()):
         if path.name in _TARGET_TEXT_FILES:

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from dflash.data.tokenize import Example, Tokenized, tokenize_conversations, tokenizing_bar
-from dflash.files import sha256_file
+from dflash.devices import usable_cores
+from dflash.files import atomic_write_bytes, sha256_file
 from dflash.run.layout import TOKENS_DIR
 from dflash.signals import Stopped, StopRequest
 
@@ -76,8 +77,6 @@ def cache_key(*, data_sha256: str, tokenizer_dir: Path, seq_len: int, overflow: 
 def usable_workers() -> int:
     """Worker processes for tokenizing: the cores this process may use, shared with the other
     torchrun processes of its host."""
-    from dflash.devices import usable_cores
-
     return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
@@ -129,7 +128,7 @@ class TokenCache:
         todo = [index for index in range(len(starts)) if index not in parts]
         if write:
             self.dir.mkdir(parents=True, exist_ok=True)
-            _atomic_write(self.dir / _KEY_NAME, json.dumps(self.key, indent=1).encode())
+            atomic_write_bytes(self.dir / _KEY_NAME, json.dumps(self.key, indent=1).encode())
         done = sum(parts[i].conversations for i in parts)
         if todo:
             # A worker costs seconds to start (torch, transformers): each gets two parts at least.
@@ -170,7 +169,7 @@ class TokenCache:
                 )
                 raise Stopped(stop.signum, "tokenizing")
         if write:
-            _atomic_write(self.dir / _COMPLETE_NAME, json.dumps({"parts": len(starts)}).encode())
+            atomic_write_bytes(self.dir / _COMPLETE_NAME, json.dumps({"parts": len(starts)}).encode())
             self._remove_others()
         return Tokenized.joined([parts[index] for index in range(len(starts))])
 
@@ -188,7 +187,7 @@ class TokenCache:
             "lengths": torch.tensor([len(example.input_ids) for example in part.examples], dtype=torch.int64),
         }
         counts = {k: v for k, v in vars(part).items() if k != "examples"}
-        _atomic_write(self._part_path(index), save(tensors, metadata={"counts": json.dumps(counts)}))
+        atomic_write_bytes(self._part_path(index), save(tensors, metadata={"counts": json.dumps(counts)}))
 
     def _read_part(self, index: int) -> Tokenized | None:
         from safetensors import SafetensorError, safe_open
@@ -214,12 +213,6 @@ class TokenCache:
             if other.is_dir() and other != self.dir:
                 shutil.rmtree(other, ignore_errors=True)
                 logger.info("removed %s: tokens of another data file or other settings", other)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    from dflash.files import atomic_write_bytes
-
-    atomic_write_bytes(path, data)
 
 
 _worker_tokenizer = None

@@ -27,6 +27,7 @@ import torch
 
 from dflash.config import SAVE_DTYPES
 from dflash.drafter.files import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
+from dflash.drafter.hf_config import MODELING_FILE, modeling_source, portable_config
 from dflash.files import atomic_write_bytes, fsync_dir
 from dflash.run.step_dirs import LATEST_NAME, MANIFEST_NAME, complete_steps, step_dir_name, write_manifest
 
@@ -141,8 +142,6 @@ def save_checkpoint(
         CheckpointError: the OS refused a write (disk full, quota, permissions); the temp
             directory is removed first, the previous checkpoints and ``latest`` are untouched.
     """
-    from dflash.drafter.hf_config import portable_config
-
     exported = {k: _export(v, dtype) for k, v in weights.items()}
     config = portable_config(drafter_config, dtype=_single_dtype(exported))
     if training_state is not None and any(exported[k].dtype != v.dtype for k, v in weights.items()):
@@ -187,8 +186,6 @@ def write_drafter_files(
     Raises:
         ValueError: ``drafter_config`` has no RoPE base.
     """
-    from dflash.drafter.hf_config import portable_config
-
     exported = {k: _export(v, dtype) for k, v in weights.items()}
     _write_step(directory, portable_config(drafter_config, dtype=_single_dtype(exported)), exported, None)
 
@@ -202,8 +199,6 @@ def _single_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype | None:
 def _write_step(tmp: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], training_state) -> None:
     """Write and fsync the files of a step directory, manifest last, into the empty ``tmp``."""
     from safetensors.torch import save_file
-
-    from dflash.drafter.hf_config import MODELING_FILE, modeling_source
 
     (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (tmp / MODELING_FILE).write_bytes(modeling_source())

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from dflash import watchdog
+from dflash.assets import default_data_dir, default_target_dir
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import SAVED_CONFIG_NAME, TrainConfig
 from dflash.data.batches import BatchLoader, ShardedSampler
@@ -42,15 +43,18 @@ from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.drafter.mask_token import resolve_mask_token_id
+from dflash.drafter.model import DFlashDraftModel, drafter_config, load_drafter_dir
+from dflash.evaluate import evaluate, load_prompts, stop_token_ids
 from dflash.files import sha256_file
+from dflash.patching.importhook import active_finder
 from dflash.progress_logging import log_above_progress_bars
-from dflash.run import checkpoint
+from dflash.run import acceptance_log, checkpoint
 from dflash.run.layout import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
 from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
 from dflash.run.step_dirs import find_checkpoint, step_dir_name
 from dflash.signals import Stopped, StopRequest
-from dflash.target.files import load_tokenizer
+from dflash.target.files import context_length, load_tokenizer
 from dflash.target.model import load_target
 from dflash.train.engine import StepEngine, StepStats
 from dflash.train.flops import detect_peak_tflops
@@ -144,7 +148,6 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig):
-        from dflash.assets import default_data_dir, default_target_dir
 
         if config.block_size is None or config.num_draft_layers is None:  # settle() fills both
             raise ValueError("Trainer takes a settled config: pass it through dflash.run.settle.settle first")
@@ -318,8 +321,6 @@ class Trainer:
     def _regenerated(self, targets, conversations):
         """Target-regenerated conversations (:func:`dflash.data.regenerate.regenerated_corpus`), cached
         in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
-        from dflash.assets import default_target_dir
-
         cfg = self.config
         key = regeneration_key(
             Path(cfg.target) if cfg.target else default_target_dir(),
@@ -363,13 +364,9 @@ class Trainer:
         return mask_id
 
     def _build_drafter(self, target):
-        from dflash.drafter.model import DFlashDraftModel, drafter_config
-
         cfg = self.config
         attention = "flex_attention" if self.layout.device_type == "cuda" else "sdpa"
         if cfg.init_from:
-            from dflash.drafter.model import load_drafter_dir
-
             logger.info("drafter: starting from %s (its shape, RoPE and weights)", cfg.init_from)
             return load_drafter_dir(cfg.init_from, dtype=torch.float32, attn_implementation=attention).train()
         resumed = self._resumed_drafter_config()
@@ -387,10 +384,6 @@ class Trainer:
 
     def _heldout_prompts(self, target_dir: Path):
         """The held-out prompts of --eval-data (or the embedded held-out set), read before the target loads."""
-        from dflash.assets import default_data_dir
-        from dflash.evaluate import load_prompts
-        from dflash.target.files import context_length
-
         cfg = self.config
         path = Path(cfg.eval_data) if cfg.eval_data else default_data_dir() / "heldout.jsonl"
         return load_prompts(
@@ -408,10 +401,6 @@ class Trainer:
         step; step 0 before step 1) and in ``acceptance.json`` of ``--out`` (for this step's
         checkpoint when ``saved``). Training waits while it runs. Rank 0 only; the other processes
         wait at their next collective."""
-        from dflash.drafter.model import DFlashDraftModel
-        from dflash.evaluate import evaluate, stop_token_ids
-        from dflash.run import acceptance_log
-
         began = time.perf_counter()
         target, drafter = self.eval_target, self.drafter
         with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
@@ -806,8 +795,6 @@ class Trainer:
 
 def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
     """Compiling from several threads of one process is what plain torch gets wrong (bug classes A-H)."""
-    from dflash.patching.importhook import active_finder
-
     if compiled and drafter_threads > 1 and active_finder() is None:
         logger.warning(
             "the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported before the "

@@ -189,7 +189,7 @@ def _z_lab_acceptance_lengths(
     reference: list[int], accepted: int, *, max_new_tokens: int, block_size: int, stop_ids: set[int]
 ) -> list[int]:
     """A stand-in of z-lab/dflash's ``dflash_generate`` bookkeeping at commit 10129599
-    (``dflash/drafter/model.py``, as ``benchmark.py`` runs it), for a target whose greedy continuation is
+    (``dflash/model.py``, as ``benchmark.py`` runs it), for a target whose greedy continuation is
     ``reference`` and a drafter that gets ``accepted`` drafts of every block right. Indices count
     from the prompt's end: ``start`` is the last written token (0: the prefill token) and
     ``max_length`` is ``max_new_tokens``. It steps while ``start + 1 < max_length`` and no stop token

@@ -1,4 +1,4 @@
-"""Chunked loss, position weights, soft labels, D-PACE and tau_hat (dflash/train/loss.py)."""
+"""Chunked loss, position weights, soft labels and D-PACE (dflash/train/loss.py)."""
 
 from __future__ import annotations
 

@@ -55,12 +55,12 @@ def test_resume_continues_exactly(assets, tmp_path):
 def test_a_run_saved_with_every_layer_bidirectional_resumes_so_exactly(assets, tmp_path, monkeypatch):
     """Runs saved before the engines' causality rule was followed say is_causal false (every
     layer bidirectional, as they trained); a resume keeps that, not today's default rule."""
-    import dflash.drafter.model as shape
+    import dflash.train.trainer as trainer_module
 
     sliding = dict(draft_layer_types="sliding,full", draft_sliding_window=8)
-    rule = shape.drafter_config
+    rule = trainer_module.drafter_config
     with monkeypatch.context() as legacy:
-        legacy.setattr(shape, "drafter_config", lambda *a, **k: rule(*a, **{**k, "is_causal": False}))
+        legacy.setattr(trainer_module, "drafter_config", lambda *a, **k: rule(*a, **{**k, "is_causal": False}))
         reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full", **sliding))))
         reference.train()
         first = record_losses(Trainer(settle(_config(assets, tmp_path / "split", **sliding))), crash_after=3)
