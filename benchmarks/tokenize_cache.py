@@ -48,6 +48,7 @@ def measure(mode: str, data: Path, out: Path, seq_len: int) -> dict:
     from dflash.data.token_cache import TokenCache, cache_key, usable_workers
     from dflash.data.tokenize import build_examples, usable_examples
     from dflash.files import sha256_file
+    from dflash.run.layout import TOKENS_DIR
     from dflash.target.files import load_tokenizer
 
     tokenizer = load_tokenizer(default_target_dir())
@@ -59,7 +60,7 @@ def measure(mode: str, data: Path, out: Path, seq_len: int) -> dict:
         key = cache_key(
             data_sha256=sha256_file(data), tokenizer_dir=default_target_dir(), seq_len=seq_len, overflow="truncate"
         )
-        cache = TokenCache(out, key)
+        cache = TokenCache(Path(out) / TOKENS_DIR, key)
         tokens = cache.complete()
         if mode == "first" and tokens is not None:
             raise SystemExit(f"{cache.dir} exists before the first start")

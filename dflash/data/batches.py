@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.data.packing import row_packer
 from dflash.data.tokenize import Example
 
 
@@ -236,3 +237,33 @@ class BatchLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.load_state_dict(state)
         self._indices = None  # restart the generator from the restored position
+
+
+def build_loader(
+    examples: Sequence[Example],
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    pack: bool,
+    pad_token_id: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> BatchLoader:
+    """The training batches of ``examples``: rows of ``seq_len`` tokens (several conversations each with
+    ``pack``, :func:`dflash.data.packing.row_packer`), ``batch_size`` rows a batch, in the order drawn from
+    ``seed``, this process's shard of ``world_size``. Within a process the step engine deals the batches
+    out to the drafter replicas in turn.
+
+    Raises:
+        ValueError: fewer rows than one global batch (see :class:`ShardedSampler`).
+    """
+    sampler = ShardedSampler(
+        len(examples),
+        batch_size=batch_size,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        packer=row_packer(examples, seq_len=seq_len) if pack else None,
+    )
+    return BatchLoader(examples, sampler, seq_len=seq_len, pad_token_id=pad_token_id)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
-from dflash.data.tokenize import TemplateRejected, char_budget, encode, render_chat
+from dflash.data.tokenize import TemplateRejected, char_budget, encode, padding_id, render_chat
 from dflash.distributed import barrier, broadcast_from_main
 from dflash.files import sha256_file
 from dflash.signals import StopRequest
@@ -186,7 +186,7 @@ def regenerate_replies(
         texts = {i: render_chat(tokenizer, p, add_generation_prompt=True) for i, p in prompts.items() if p is not None}
         # Similar lengths together (less padding), longest first: a batch too big for memory fails at once.
         order = sorted(texts, key=lambda i: -len(texts[i]))
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_id = padding_id(tokenizer)
         for start in range(0, len(order), batch_size):
             if stop is not None and stop.is_set():
                 raise KeyboardInterrupt

@@ -31,7 +31,6 @@ import torch
 from dflash.data.tokenize import Example, Tokenized, tokenize_conversations, tokenizing_bar
 from dflash.devices import usable_cores
 from dflash.files import atomic_write_bytes, sha256_file
-from dflash.run.layout import TOKENS_DIR
 from dflash.signals import Stopped, StopRequest
 
 logger = logging.getLogger(__name__)
@@ -81,16 +80,17 @@ def usable_workers() -> int:
 
 
 class TokenCache:
-    """The cache of one data file's tokens under one :func:`cache_key`, in ``out/tokenized/``.
+    """The cache of one data file's tokens under one :func:`cache_key`, in ``root`` (a run's
+    ``out/tokenized/``, :data:`dflash.run.layout.TOKENS_DIR`).
 
     Args:
-        out (Path): the run's ``--out``.
+        root (Path): the directory of the run's token caches.
         key (dict): :func:`cache_key`.
     """
 
-    def __init__(self, out: Path, key: dict) -> None:
+    def __init__(self, root: Path, key: dict) -> None:
         self.key = key
-        self.root = Path(out) / TOKENS_DIR
+        self.root = Path(root)
         self.dir = self.root / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def complete(self) -> Tokenized | None:

@@ -167,6 +167,11 @@ def encode(tokenizer, text: str, **kwargs):
     return tokenizer(text, add_special_tokens=False, verbose=False, **kwargs)
 
 
+def padding_id(tokenizer) -> int:
+    """The token that pads a batch: the tokenizer's pad token, else its eos token (many ship no pad token)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def char_budget(max_tokens: int) -> int:
     """Characters of content that surely hold ``max_tokens`` tokens (module docstring)."""
     return max_tokens * MAX_CHARS_PER_TOKEN

@@ -106,5 +106,9 @@ class StepEngine(Protocol):
     def compile_summary(self) -> dict[str, dict[str, int]]:
         """Per replica: compiles, unexpected recompiles, eager fallbacks, graph breaks."""
 
+    def interval_report(self) -> dict[str, dict[str, float]]:
+        """Per thread since the last call, by thread name: busy/wait shares of wall time and tokens/s
+        (what a threaded run logs per thread); empty where the work runs inline."""
+
     def close(self) -> None:
         """Stop threads; safe to call twice and after a failure."""

@@ -145,6 +145,9 @@ class LocalEngine:
         self.source.generator.set_state(state["anchor_rng"][0])
         self._resume_state = self.source.resume_state()
 
+    def interval_report(self) -> dict[str, dict[str, float]]:
+        return {}  # target and drafter run inline on the calling thread: no threads to report
+
     def compile_summary(self) -> dict[str, dict[str, int]]:
         return {self.replica.name: self.replica.watch.summary()} if self.replica.watch.enabled else {}
 

@@ -38,8 +38,6 @@ from dflash.train.step import LossSettings, StatsLayout, TargetBatch, drafter_st
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-#: Below this share of wall time spent waiting, neither side is said to hold the other up.
-BOTTLENECK_WAIT_SHARE = 0.05
 
 
 class PipelineError(RuntimeError):
@@ -477,12 +475,3 @@ class ThreadedEngine:
         stuck = [w.name for w in self.threads if w.is_alive()]
         if stuck:
             logger.error("pipeline threads still running after shutdown: %s", stuck)
-
-
-def bottleneck(side: dict[str, float]) -> str:
-    """Which side holds the pipeline up, from the mean wait shares (0-1) of the two sides."""
-    if max(side["drafter_wait"], side["target_blocked"]) < BOTTLENECK_WAIT_SHARE:
-        return f"none (both sides wait under {BOTTLENECK_WAIT_SHARE:.0%} of the time)"
-    if side["drafter_wait"] > side["target_blocked"]:
-        return "target side (drafters wait for data)"
-    return "drafter side (targets wait for room in the prefetch buffers)"

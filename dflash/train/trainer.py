@@ -24,7 +24,6 @@ import math
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,12 +32,11 @@ from dflash import watchdog
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import SAVED_CONFIG_NAME, TrainConfig
-from dflash.data.batches import BatchLoader, ShardedSampler
+from dflash.data.batches import build_loader
 from dflash.data.chats import read_conversations
-from dflash.data.packing import row_packer
 from dflash.data.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
 from dflash.data.token_cache import TokenCache, cache_key, usable_workers
-from dflash.data.tokenize import Example, Tokenized, check_token_ids, usable_examples
+from dflash.data.tokenize import Example, Tokenized, check_token_ids, padding_id, usable_examples
 from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
@@ -49,20 +47,21 @@ from dflash.files import sha256_file
 from dflash.patching.importhook import active_finder
 from dflash.progress_logging import log_above_progress_bars
 from dflash.run import acceptance_log, checkpoint
-from dflash.run.layout import METRICS_NAME, REGENERATED_NAME, check_free_space, checkpoint_bytes
+from dflash.run.layout import REGENERATED_NAME, TOKENS_DIR, check_free_space, checkpoint_bytes
 from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
 from dflash.run.step_dirs import find_checkpoint, step_dir_name
 from dflash.signals import Stopped, StopRequest
 from dflash.target.files import context_length, load_tokenizer
 from dflash.target.model import load_target
-from dflash.train.engine import StepEngine, StepStats
+from dflash.train.engine import StepEngine
 from dflash.train.flops import detect_peak_tflops
 from dflash.train.jobs import JobSource, seq_len_schedule
 from dflash.train.local import LocalEngine
+from dflash.train.metrics import MetricsLog, Throughput, progress_postfix
 from dflash.train.replica import build_replicas
 from dflash.train.step import LossSettings
-from dflash.train.threaded import ThreadedEngine, bottleneck
+from dflash.train.threaded import ThreadedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -120,21 +119,6 @@ def resolve_layout(config: TrainConfig, process: ProcessInfo) -> tuple[DeviceLay
     device = resolve_device(config.device)
     slot = Slot(str(device), device)
     return DeviceLayout((slot,), (slot,)), False
-
-
-@dataclass
-class _Throughput:
-    """Sums over the steps after this process's first (compile / warm-up) step."""
-
-    steps: int = 0
-    totals: dict = field(
-        default_factory=lambda: dict.fromkeys(("tokens", "row_tokens", "step_s", "drafter_s", "target_s", "flops"), 0.0)
-    )
-
-    def add(self, stats: StepStats) -> None:
-        self.steps += 1
-        for key in self.totals:
-            self.totals[key] += getattr(stats, key)
 
 
 class Trainer:
@@ -203,7 +187,17 @@ class Trainer:
             source = self.out / REGENERATED_NAME
             conversations = self._regenerated(targets, conversations)
             examples = self._examples(conversations, None, source=source, data_sha256=sha256_file(source))
-        self.loader = self._build_loader(examples, source=source, vocab_size=targets[0].embed_tokens.num_embeddings)
+        check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
+        self.loader = build_loader(
+            examples,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            pack=config.pack,
+            pad_token_id=padding_id(self.tokenizer),
+            rank=self.process.rank,
+            world_size=self.process.world_size,
+        )
         drafter = self._build_drafter(targets[0])
         if config.save and self.is_main:  # before the steps a failed first save would lose
             check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
@@ -256,7 +250,7 @@ class Trainer:
             seq_len=self.config.seq_len,
             overflow=self.config.overflow,
         )
-        return TokenCache(self.out, key)
+        return TokenCache(self.out / TOKENS_DIR, key)
 
     def _examples(self, conversations, tokens: Tokenized | None, *, source, data_sha256: str) -> list[Example]:
         """The run's examples: ``tokens`` (read from the cache), else the cached tokens of
@@ -284,22 +278,6 @@ class Trainer:
                 workers=usable_workers(),
             )
         return usable_examples(tokens, seq_len=cfg.seq_len, overflow=cfg.overflow, source=str(source))
-
-    def _build_loader(self, examples: list[Example], *, source, vocab_size: int) -> BatchLoader:
-        """The batches of ``examples``, sharded by process (and packed with ``--pack``)."""
-        cfg = self.config
-        check_token_ids(examples, vocab_size=vocab_size, source=str(source))
-        # Sharded by process; within a process jobs go round-robin to the drafter replicas.
-        sampler = ShardedSampler(
-            len(examples),
-            batch_size=cfg.batch_size,
-            seed=cfg.seed,
-            rank=self.process.rank,
-            world_size=self.process.world_size,
-            packer=row_packer(examples, seq_len=cfg.seq_len) if cfg.pack else None,
-        )
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        return BatchLoader(examples, sampler, seq_len=cfg.seq_len, pad_token_id=pad)
 
     def _log_replies(self, source) -> None:
         """Where the assistant replies trained on come from; a warning when they are not the target's
@@ -394,7 +372,7 @@ class Trainer:
             max_new_tokens=cfg.eval_max_new_tokens,
         )
 
-    def _measure_acceptance(self, *, when: str, writer, started: float, saved: bool) -> None:
+    def _measure_acceptance(self, *, when: str, log: MetricsLog, started: float, saved: bool) -> None:
         """Held-out acceptance of the drafter now (:func:`dflash.evaluate.evaluate`, on a copy in the
         target's dtype and on its device), logged with its cost, kept in ``self.acceptance``
         (``dflash train`` prints it), in TensorBoard and ``metrics.jsonl`` (``heldout/*`` at this
@@ -432,10 +410,7 @@ class Trainer:
             "heldout/mismatches": report.mismatches,
             "heldout/seconds": seconds,
         }
-        for name, value in figures.items():
-            writer.add_scalar(name, value, self.step)
-        with open(self.out / METRICS_NAME, "a") as f:
-            f.write(json.dumps({"step": self.step, **figures}) + "\n")
+        log.record(self.step, figures)
         origin = f" --init-from {self.config.init_from}" if self.config.init_from else ""
         acceptance_log.record(
             self.out,
@@ -507,26 +482,29 @@ class Trainer:
         Raises:
             Stopped: a SIGTERM/SIGINT stopped training after a checkpoint was saved (``step`` set).
         """
-        from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
         cfg = self.config
-        writer = None
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / SAVED_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            self._trim_metrics()
-            # purge_step: TensorBoard hides what an earlier run of this --out logged from here on.
-            writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.step + 1)
+        log = MetricsLog(
+            self.out,
+            layout=self.layout,
+            total_steps=self.total_steps,
+            peak_flops=self.peak_flops,
+            start_step=self.step,
+            main=self.is_main,
+        )
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc="train")
         metrics: dict[str, float] = {}
-        throughput = _Throughput()
+        throughput = Throughput()
         first_step = self.step + 1
         saving = "saving a checkpoint" if cfg.save else "saving nothing (--no-save)"
         stop = StopRequest(f"finishing this step, {saving}, then exiting")
         started = time.perf_counter()
         if self.heldout is not None and self.step == 0:
-            self._measure_acceptance(when="before step 1", writer=writer, started=started, saved=False)
+            self._measure_acceptance(when="before step 1", log=log, started=started, saved=False)
         try:
             with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
                 while self.step < self.total_steps:
@@ -535,11 +513,11 @@ class Trainer:
                         stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
                     if self.step > first_step:
                         throughput.add(stats)
-                    metrics = self._metrics(stats)
+                    metrics = log.metrics(stats, lr=self._lr())
                     bar.update(1)
-                    bar.set_postfix(self._postfix(metrics), refresh=False)
+                    bar.set_postfix(progress_postfix(metrics), refresh=False)
                     if self._log_due():
-                        self._log(metrics, writer)
+                        log.log_step(self.step, metrics, self.engine.interval_report())
                     # Several processes stop together at the step whose gradients carried the
                     # request; one process stops right after the step in flight.
                     if stats.stop or (stop.requested and self.process.world_size == 1):
@@ -549,22 +527,17 @@ class Trainer:
                         self.save_checkpoint()
                     if self._eval_due():
                         saved = bool(cfg.save and cfg.save_every and self.step % cfg.save_every == 0)
-                        self._measure_acceptance(
-                            when=f"at step {self.step}", writer=writer, started=started, saved=saved
-                        )
+                        self._measure_acceptance(when=f"at step {self.step}", log=log, started=started, saved=saved)
                 if not cfg.save_every or self.step % cfg.save_every:
                     self.save_checkpoint()
             if self.heldout is not None and metrics:
-                self._measure_acceptance(when="after the last step", writer=writer, started=started, saved=cfg.save)
+                self._measure_acceptance(when="after the last step", log=log, started=started, saved=cfg.save)
         finally:
             bar.close()
             self.engine.close()
-            if writer is not None:
-                writer.close()
-            if self.is_main:  # also after a failure or a stop: a soak run ends that way
-                self._log_compile_summary()
-        if self.is_main:
-            self._log_throughput(throughput)
+            log.close()
+            log.log_compile_summary(self.engine.compile_summary())  # also after a failure or a stop: a soak ends so
+        log.log_throughput(throughput)
         return metrics
 
     def _stall_watch(self):
@@ -580,145 +553,11 @@ class Trainer:
         every = self.config.eval_every
         return self.heldout is not None and bool(every) and self.step % every == 0 and self.step < self.total_steps
 
-    def _trim_metrics(self) -> None:
-        """Keep only the rows of ``metrics.jsonl`` up to the step this run starts from: a resume
-        continues the log of the checkpoint it starts from, a new run starts an empty one (a
-        killed run may have logged steps after its last checkpoint)."""
-        path = self.out / METRICS_NAME
-        if not path.exists():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= self.step:
-                    kept.append(line + "\n")
-            except (ValueError, KeyError, TypeError):  # a row cut short by a kill
-                continue
-        path.write_text("".join(kept))
-
     def _lr(self) -> float:
         return learning_rate(self.step, self.config, self.total_steps)
 
     def _log_due(self) -> bool:
         return self.step % self.config.log_every == 0 or self.step in (1, self.total_steps)
-
-    def _metrics(self, stats: StepStats) -> dict[str, float]:
-        metrics = {
-            "loss": stats.loss,
-            "tau_hat": stats.tau_hat,
-            "grad_norm": stats.grad_norm,
-            "lr": self._lr(),
-            "tokens_per_s": stats.tokens / stats.step_s,
-            "drafter_tokens_per_s": stats.tokens / max(stats.drafter_s, 1e-9),
-            "data_wait_frac": stats.data_wait_frac,
-            "target_frac": stats.target_s / len(self.layout.targets) / stats.step_s,
-            "row_fill": stats.tokens / max(stats.row_tokens, 1),
-            **{f"acc/{k + 1}": a for k, a in enumerate(stats.acc)},
-        }
-        if self.peak_flops:
-            metrics["drafter_mfu"] = stats.flops / max(stats.drafter_s, 1e-9) / self.peak_flops
-        return metrics
-
-    @staticmethod
-    def _postfix(metrics: dict[str, float]) -> dict[str, str]:
-        return {
-            "loss": f"{metrics['loss']:.3f}",
-            "tau_hat": f"{metrics['tau_hat']:.2f}",
-            "tok/s": f"{metrics['tokens_per_s']:.0f}",
-        }
-
-    def _log(self, metrics: dict[str, float], writer) -> None:
-        threads = self.engine.interval_report() if self.threaded else {}
-        if not self.is_main:
-            return
-        for name, value in metrics.items():
-            writer.add_scalar(name, value, self.step)
-        with open(self.out / METRICS_NAME, "a") as f:
-            f.write(json.dumps({"step": self.step, **metrics}) + "\n")
-        mfu = f" mfu {100 * metrics['drafter_mfu']:.1f}%" if "drafter_mfu" in metrics else ""
-        logger.info(
-            "step %d/%d loss %.4f tau_hat %.3f acc1 %.3f lr %.2e tok/s %.0f drafter tok/s %.0f data-wait %.1f%% "
-            "target %.1f%% row fill %.0f%%%s",
-            self.step,
-            self.total_steps,
-            metrics["loss"],
-            metrics["tau_hat"],
-            metrics.get("acc/1", 0.0),
-            metrics["lr"],
-            metrics["tokens_per_s"],
-            metrics["drafter_tokens_per_s"],
-            100 * metrics["data_wait_frac"],
-            100 * metrics["target_frac"],
-            100 * metrics["row_fill"],
-            mfu,
-        )
-        if threads:
-            self._log_threads(threads, writer)
-        writer.flush()
-
-    def _log_threads(self, threads: dict[str, dict[str, float]], writer) -> None:
-        """Per-thread busy/wait shares since the last log line, and which side is the bottleneck."""
-        mean = lambda prefix, key: (
-            sum(s[key] for n, s in threads.items() if n.startswith(prefix)) / sum(n.startswith(prefix) for n in threads)
-        )
-        side = {
-            "target_busy": mean("target", "busy"),
-            "target_blocked": mean("target", "blocked"),
-            "drafter_busy": mean("drafter", "busy"),
-            "drafter_wait": mean("drafter", "wait"),
-        }
-        rows = []
-        for name, s in threads.items():
-            row = f"{name}: busy {100 * s['busy']:.0f}% wait {100 * s['wait']:.0f}%"
-            if name.startswith("target"):
-                row += f" blocked {100 * s['blocked']:.0f}%"
-            else:
-                row += f" queue {s['queue']:.0f}"
-                if self.peak_flops:
-                    row += f" mfu {100 * s['flops_per_busy_s'] / self.peak_flops:.1f}%"
-            rows.append(row + f" {s['tokens_per_s']:.0f} tok/s")
-        logger.info("step %d threads: %s; bottleneck: %s", self.step, "; ".join(rows), bottleneck(side))
-        for name, s in threads.items():
-            for key, value in s.items():
-                writer.add_scalar(f"threads/{name.split(' ')[0]}/{key}", value, self.step)
-        for key, value in side.items():
-            writer.add_scalar(f"threads/{key}", value, self.step)
-
-    def _log_compile_summary(self) -> None:
-        for name, counts in self.engine.compile_summary().items():
-            healthy = not (counts["eager_fallbacks"] or counts["unexpected_recompiles"] or counts["graph_breaks"])
-            (logger.info if healthy else logger.warning)(
-                "%s: %d compile(s), %d unexpected recompile(s), %d eager fallback step(s), %d graph break(s)",
-                name,
-                counts["compiles"],
-                counts["unexpected_recompiles"],
-                counts["eager_fallbacks"],
-                counts["graph_breaks"],
-            )
-
-    def _log_throughput(self, throughput: _Throughput) -> None:
-        """The steady-state summary line (benchmarks parse it: keep its shape)."""
-        if not throughput.steps:
-            return
-        t = throughput.totals
-        parts = [
-            f"steady state over {throughput.steps} steps: {t['tokens'] / t['step_s']:.0f} tok/s end to end",
-            f"drafter step {t['tokens'] / t['drafter_s']:.0f} tok/s",
-            f"{t['flops'] / t['drafter_s'] / 1e12:.3g} TFLOP/s",
-            (
-                f"drafter MFU {100 * t['flops'] / t['drafter_s'] / self.peak_flops:.1f}% of "
-                f"{self.peak_flops / 1e12:.3g} TFLOP/s"
-                if self.peak_flops
-                else "drafter MFU n/a (pass --peak-tflops)"
-            ),
-            f"row fill {100 * t['tokens'] / max(t['row_tokens'], 1):.1f}%",
-            f"target share {100 * t['target_s'] / len(self.layout.targets) / t['step_s']:.1f}%",
-        ]
-        if self.layout.device_type == "cuda":
-            devices = dict.fromkeys(s.device for s in self.layout.targets + self.layout.drafters)
-            peaks = ", ".join(f"{d} {torch.cuda.max_memory_allocated(d) / 2**30:.1f} GiB" for d in devices)
-            parts.append(f"peak memory {peaks}")
-        logger.info(", ".join(parts))
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

@@ -68,7 +68,7 @@ def test_the_key_follows_the_data_tokenizer_and_settings(assets, tmp_path):
     config = json.loads((target / "tokenizer_config.json").read_text())
     (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ messages }}"}))
     changed.append(cache_key(**base))
-    dirs = {TokenCache(tmp_path, k).dir for k in [key, *changed]}
+    dirs = {TokenCache(tmp_path / "tokenized", k).dir for k in [key, *changed]}
     assert len(dirs) == 5
 
 
@@ -77,7 +77,7 @@ def test_worker_processes_give_the_tokens_of_one_process(assets, tmp_path, monke
     tokenizer = load_tokenizer(assets["target"])
     conversations = read_conversations(assets["data"])
     alone = build_examples(tokenizer, conversations, seq_len=48, source="chats", progress=False)
-    cache = TokenCache(tmp_path, {"k": 1})
+    cache = TokenCache(tmp_path / "tokenized", {"k": 1})
     settings = dict(seq_len=48, overflow="truncate", source="chats", progress=False, write=True)
     tokens = cache.tokenize(tokenizer, conversations, workers=2, **settings)
     assert tokens.examples == alone and tokens.conversations == 16
@@ -98,7 +98,7 @@ def test_a_signal_while_tokenizing_keeps_the_finished_parts_and_says_so(assets, 
         return tokenize_conversations(*args, **kwargs)
 
     monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", tokenize_then_sigterm)
-    cache = TokenCache(tmp_path, {"k": 1})
+    cache = TokenCache(tmp_path / "tokenized", {"k": 1})
     settings = dict(seq_len=48, overflow="truncate", source="chats.jsonl", progress=False, write=True, workers=1)
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Stopped) as stopped:
