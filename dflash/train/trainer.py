@@ -1,9 +1,10 @@
 """DFlash drafter training (arXiv 2602.06036): the loop around a step engine.
 
-:class:`Trainer` builds the inputs once (targets, tokenizer, data, the initial drafter, the loss
-settings), hands them to a step engine (:mod:`dflash.train.engine`: one device, or target and drafter
-threads) and owns everything around a step: the loop, the learning-rate schedule, metrics,
-logging, checkpoints and exact resume, and a clean stop on SIGTERM/SIGINT.
+:class:`Trainer` builds the inputs once from a settled config (:func:`dflash.run.settle.settle`:
+targets, tokenizer, data, the initial drafter, the loss settings), hands them to a step engine
+(:mod:`dflash.train.engine`: one device, or target and drafter threads) and owns everything around a
+step: the loop, the learning-rate schedule, checkpoints and exact resume, and a clean stop on
+SIGTERM/SIGINT. What each step's figures are and where they are written is :mod:`dflash.train.metrics`'s.
 
 Shape of the loop (torchtitan's): ``train()`` is a short while-loop; each step asks the engine
 for one optimizer step at the schedule's learning rate and gets back host-side statistics
