@@ -22,8 +22,8 @@ import torch
 from transformers import Qwen3Config
 
 from dflash import masks
-from dflash.loss import dflash_loss, position_weights
-from dflash.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.train.loss import dflash_loss, position_weights
 
 
 def build(args, dtype):

@@ -1,4 +1,4 @@
-"""Drafter-side scaling of the threaded engine (dflash/engine/threaded.py), from synthetic hidden
+"""Drafter-side scaling of the threaded engine (dflash/train/threaded.py), from synthetic hidden
 states (no target weights needed).
 
     python benchmarks/drafter_scaling.py --device cuda --size realistic     # H200: W = visible GPUs
@@ -40,16 +40,17 @@ import torch
 from transformers import Qwen3Config
 
 from dflash.compile_watch import DynamoWarnings, raise_recompile_limit
-from dflash.data import Batch
+from dflash.data.batches import Batch
 from dflash.devices import Slot
-from dflash.engine.jobs import Job
-from dflash.engine.replica import build_replicas, optimizer_step
-from dflash.engine.step import LossSettings, TargetBatch, detect_peak_tflops, drafter_step, drafter_step_flops
-from dflash.engine.threaded import Control, DrafterWorker, Inbox, Prefetched, run_drafters
-from dflash.loss import DPACE_ALPHA
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.masks import sample_anchors
-from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.target import TargetStates
+from dflash.target.model import TargetStates
+from dflash.train.flops import detect_peak_tflops, drafter_step_flops
+from dflash.train.jobs import Job
+from dflash.train.loss import DPACE_ALPHA
+from dflash.train.replica import build_replicas, optimizer_step
+from dflash.train.step import LossSettings, TargetBatch, drafter_step
+from dflash.train.threaded import Control, DrafterWorker, Inbox, Prefetched, run_drafters
 
 SIZES = {
     "tiny": dict(

@@ -21,7 +21,8 @@ import warnings
 import torch
 
 from dflash.config import TrainConfig
-from dflash.trainer import Trainer
+from dflash.run.settle import settle
+from dflash.train.trainer import Trainer
 
 
 def _origin() -> str:
@@ -36,7 +37,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(TrainConfig(device="cuda", out=out, steps=args.steps + 1, progress=False))
+        trainer = Trainer(settle(TrainConfig(device="cuda", out=out, steps=args.steps + 1, progress=False)))
         trainer.engine.run(1, lr=1e-4)  # compiles
         torch.cuda.synchronize()
         origins = collections.Counter()

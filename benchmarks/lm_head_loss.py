@@ -1,9 +1,9 @@
-"""The drafter's chunked LM head + loss, fused (dflash.loss) vs checkpointed, side by side.
+"""The drafter's chunked LM head + loss, fused (dflash.train.loss) vs checkpointed, side by side.
 
     python benchmarks/lm_head_loss.py --device cuda          # realistic: 8,192 draft rows, H 4096, V 151,936
     python benchmarks/lm_head_loss.py --device cpu --tiny    # smoke test
 
-``dflash.loss.dflash_loss`` computes each chunk's loss and its gradient with respect to the hidden
+``dflash.train.loss.dflash_loss`` computes each chunk's loss and its gradient with respect to the hidden
 states in one pass. The baseline runs the same per-chunk loss under ``torch.utils.checkpoint``
 (forward keeps only the chunk's inputs, backward recomputes its logits): the same memory bound, one
 more V x H matmul per draft token. Both run forward + backward of the loss alone, compiled with
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.loss import dflash_loss, position_weights
+from dflash.train.loss import dflash_loss, position_weights
 
 
 def checkpointed_loss(hidden, weight, labels, label_mask, slot_weights, chunk_blocks):

@@ -172,7 +172,8 @@ def token_lengths(target: Path, data: Path, seq_len: int) -> list[int]:
     """Tokens per conversation after the chat template and truncation, as the trainer sees them."""
     from transformers import AutoTokenizer
 
-    from dflash.data import build_examples, read_conversations
+    from dflash.data.chats import read_conversations
+    from dflash.data.tokenize import build_examples
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     return [len(e.input_ids) for e in build_examples(tokenizer, read_conversations(data), seq_len=seq_len)]

@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.seq_len, args.batches, args.repeats = 8, 128, "1,2", 1
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash.layer_taps import default_target_layer_ids
-    from dflash.target import Target
+    from dflash.target.model import Target
+    from dflash.target.taps import default_target_layer_ids
 
     device = torch.device(device)
     torch.manual_seed(0)

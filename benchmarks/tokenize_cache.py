@@ -7,11 +7,11 @@ What ``dflash train`` does with its data before step 1, each measured in a fresh
 same JSONL file, the embedded default target's tokenizer and ``--seq-len``:
 
 - **before** (the trainer up to the token cache): read and check every line
-  (:func:`dflash.data.read_conversations`), then tokenize in one process
-  (:func:`dflash.data.build_examples`). A resume did the same again, so it is measured again.
+  (:func:`dflash.data.chats.read_conversations`), then tokenize in one process
+  (:func:`dflash.data.tokenize.build_examples`). A resume did the same again, so it is measured again.
 - **after, first start**: the data's sha256 and the cache key, read every line, tokenize in worker
   processes over the usable cores and write each part to the cache in ``--out``
-  (:class:`dflash.token_cache.TokenCache`), as the trainer does.
+  (:class:`dflash.data.token_cache.TokenCache`), as the trainer does.
 - **after, resume**: the sha256 and the key, then the cache read (the chats are not read again).
 
 Loading the tokenizer is left out (the same on every side). The table gives seconds and the
@@ -44,10 +44,12 @@ def write_chats(path: Path, count: int) -> Path:
 def measure(mode: str, data: Path, out: Path, seq_len: int) -> dict:
     """Seconds of one side (module docstring) in this interpreter, and a digest of its examples."""
     from dflash.assets import default_target_dir
-    from dflash.checkpoint import sha256_file
-    from dflash.data import build_examples, read_conversations, usable_examples
-    from dflash.target import load_tokenizer
-    from dflash.token_cache import TokenCache, cache_key, usable_workers
+    from dflash.data.chats import read_conversations
+    from dflash.data.token_cache import TokenCache, cache_key, usable_workers
+    from dflash.data.tokenize import build_examples, usable_examples
+    from dflash.files import sha256_file
+    from dflash.run.layout import TOKENS_DIR
+    from dflash.target.files import load_tokenizer
 
     tokenizer = load_tokenizer(default_target_dir())
     settings = dict(seq_len=seq_len, overflow="truncate", source=str(data))
@@ -58,7 +60,7 @@ def measure(mode: str, data: Path, out: Path, seq_len: int) -> dict:
         key = cache_key(
             data_sha256=sha256_file(data), tokenizer_dir=default_target_dir(), seq_len=seq_len, overflow="truncate"
         )
-        cache = TokenCache(out, key)
+        cache = TokenCache(Path(out) / TOKENS_DIR, key)
         tokens = cache.complete()
         if mode == "first" and tokens is not None:
             raise SystemExit(f"{cache.dir} exists before the first start")
@@ -110,7 +112,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.measure, args.data, args.out, args.seq_len)))
         return
-    from dflash.token_cache import usable_workers
+    from dflash.data.token_cache import usable_workers
 
     with tempfile.TemporaryDirectory(prefix="dflash-tokenize-bench-") as tmp:
         data = write_chats(Path(tmp) / "chats.jsonl", args.chats)

@@ -20,6 +20,16 @@ from functools import cache
 
 # Saved absolute, so train_config.json and a resume from another directory name the same files.
 INPUT_PATHS = ("target", "data", "init_from", "eval_data")
+#: The attention of a drafter layer, as ``layer_types`` in a ``config.json`` names it (the names of
+#: dflash.drafter.modeling_dflash, which imports transformers; this module must not: the CLI settles a config
+#: before anything heavy is imported). tests/unit/test_run_drafter_shape.py checks they agree.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+_SHORT_NAMES = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
+#: gamma of the position decay used by the DFlash paper per block size (Sec. 3.3); --gamma's default.
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+#: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
+SAVE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
 SAVED_CONFIG_NAME = "train_config.json"
 
@@ -44,6 +54,24 @@ def absolute_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def parse_layer_types(text: str) -> list[str]:
+    """``--draft-layer-types`` as a list of ``full_attention``/``sliding_attention``.
+
+    Accepts ``full``, ``sliding`` or the full names, separated by commas or spaces.
+
+    Raises:
+        ValueError: an empty list or an unknown entry (names the choices).
+    """
+    entries = text.replace(",", " ").split()
+    unknown = [e for e in entries if e not in _SHORT_NAMES and e not in LAYER_TYPES]
+    if not entries or unknown:
+        raise ValueError(
+            f"draft_layer_types {text!r}: give one of full / sliding per drafter layer, comma-separated "
+            "(e.g. sliding,sliding,sliding,sliding,full)"
+        )
+    return [_SHORT_NAMES.get(e, e) for e in entries]
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     # ---- inputs and outputs -------------------------------------------------------------
@@ -58,7 +86,7 @@ class TrainConfig:
     allow_nonempty_out: bool = False
     """Train into an --out that already holds files that are not a run's (the run's files go beside them)."""
 
-    # ---- drafter (empty = dflash.drafter_shape's rule: the target's geometry, or the published drafters' shape
+    # ---- drafter (empty = dflash.run.drafter_shape's rule: the target's geometry, or the published drafters' shape
     # for Qwen3.5/3.6 targets, or the --init-from drafter's) -----------------------------------------------------
     init_from: str | None = None
     """Drafter to fine-tune: a published drafter directory (config.json + model.safetensors, z-lab layout) or a
@@ -203,7 +231,7 @@ class TrainConfig:
     progress: bool = True
     """Show a tqdm progress bar."""
 
-    # ---- threaded multi-device layout (dflash/engine/threaded.py) -----------------------------------
+    # ---- threaded multi-device layout (dflash/train/threaded.py) -----------------------------------
     target_devices: str | None = None
     """Devices of the target threads, one frozen target replica each: `cuda:0-4`, `cuda:0,cuda:2`, `cpu`,
     `cpu:0-1`; empty = the single-device path (--device)."""
@@ -257,8 +285,6 @@ class TrainConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_layer_types is not None:
-            from dflash.drafter_shape import parse_layer_types
-
             parse_layer_types(self.draft_layer_types)
         if self.eval_every is not None and not (self.eval_data or self.init_from):
             raise ValueError(
@@ -289,8 +315,6 @@ class TrainConfig:
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
-        from dflash.loss import PAPER_GAMMA
-
         if self.gamma is None and self.block_size is not None and self.block_size not in PAPER_GAMMA:
             raise ValueError(
                 f"gamma: the paper gives no decay for block_size={self.block_size} (only for "
@@ -298,8 +322,6 @@ class TrainConfig:
             )
         if not 0.0 <= self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
-        from dflash.checkpoint import SAVE_DTYPES
-
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if not 0.0 <= self.soft_label_weight <= 1.0:

@@ -11,6 +11,10 @@ Spec grammar (comma-separated items, each one of)::
                   threaded code path without a GPU; at most one per CPU core (each holds a replica)
 
 A slot is one thread's device; its ``name`` (``cuda:3``, ``cpu:1``) names the thread in logs.
+
+Reading a spec needs no torch (a resumed run counts the slots of its saved layout while ``dflash
+train`` settles its config, before torch is imported); a device is resolved by asking torch which
+devices this host has, so the functions that do import it.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _ITEM = re.compile(
     r"^(?:(?P<type>cpu|cuda)(?::(?P<first>\d+)(?:-(?P<last>\d+))?)?|(?P<bare>\d+)(?:-(?P<bare_last>\d+))?)$"
@@ -74,6 +80,8 @@ class DeviceLayout:
 
 
 def _cuda_slot(index: int, flag: str) -> Slot:
+    import torch
+
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise DeviceSpecError(
@@ -113,6 +121,8 @@ def check_cpu_threads(threads: int | None, *, flag: str = "--cpu-threads") -> No
 
 
 def _cpu_slot(index: int, flag: str) -> Slot:
+    import torch
+
     cores = usable_cores()
     if index >= cores:
         raise DeviceSpecError(
@@ -206,3 +216,39 @@ def parse_layout(target_devices: str, drafter_devices: str) -> DeviceLayout:
             "cpu and cuda; use one device type for all threads of a process"
         )
     return DeviceLayout(targets, drafters)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """Turn ``"auto"``/None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` into a device that exists.
+
+    ``"auto"`` picks ``cuda`` when a GPU is visible, else ``cpu``.
+
+    Raises:
+        ValueError: unparsable name, CUDA requested on a host without it, or an index past
+            the visible GPUs; the message names the fix.
+    """
+    import torch
+
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N ({e})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name}: CUDA is not available on this host (torch "
+                f"{torch.__version__}, no visible GPU); use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device {name}: this host has {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}); pick one of those or set CUDA_VISIBLE_DEVICES"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device

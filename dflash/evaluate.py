@@ -43,8 +43,13 @@ from pathlib import Path
 
 import torch
 
-from dflash import state_rollback
-from dflash.target import Target
+from dflash.data.chats import DatasetError, prompt_messages, read_conversations
+from dflash.data.tokenize import TemplateRejected, cut_to_budget, encode, render_chat
+from dflash.drafter.files import DRAFTER_FILES
+from dflash.drafter.model import load_drafter_dir
+from dflash.run.step_dirs import find_checkpoint
+from dflash.target.model import Target
+from dflash.target.rollback import StateRollback, crop, new_cache
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +154,7 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
     """
     _sync(target.device)
     start = time.perf_counter()
-    cache = state_rollback.new_cache(target)
+    cache = new_cache(target)
     out = target.decoder_forward(prompt_ids.to(target.device), past_key_values=cache)
     tokens, prefill_seconds = [], None
     while True:
@@ -181,14 +186,14 @@ def speculative_generate(
     """Greedy speculative decoding; output identical to :func:`greedy_generate`.
 
     A hybrid target's linear-attention states are rolled back to the last kept token after each
-    rejection (:mod:`dflash.state_rollback`); attention layers' KV is cropped.
+    rejection (:mod:`dflash.target.rollback`); attention layers' KV is cropped.
 
     Args:
         drafter: a ``DFlashDraftModel`` (``draft_block``), same device as the target, tapping
             ``target.layer_ids``.
         prompt_ids: int64 ``[1, P]``.
         rollback_strategy (str): how a hybrid target's states advance past a rejection, one of
-            :data:`dflash.state_rollback.STRATEGIES`.
+            :data:`dflash.target.rollback.STRATEGIES`.
 
     Raises:
         ValueError: the drafter taps other layers than ``target.layer_ids``.
@@ -202,9 +207,9 @@ def speculative_generate(
     device = target.device
     _sync(device)
     start = time.perf_counter()
-    cache = state_rollback.new_cache(target)
+    cache = new_cache(target)
     out = target.decoder_forward(prompt_ids.to(device), past_key_values=cache)
-    rollback = state_rollback.StateRollback.for_target(target, cache, rollback_strategy)
+    rollback = StateRollback.for_target(target, cache, rollback_strategy)
     context = target.select(out.hidden_states)  # [1, P, K*H]: states of every verified token
     last = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1], no target state yet
     tokens, accept_lengths = [int(last)], []  # int() waits for the device
@@ -231,7 +236,7 @@ def speculative_generate(
         if rollback:
             rollback.keep(block[:, : accepted + 1], verified)
         else:
-            state_rollback.crop(cache, verified + accepted + 1)
+            crop(cache, verified + accepted + 1)
         last = greedy[accepted : accepted + 1]
     _sync(device)
     return Generation(
@@ -247,16 +252,13 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     shipped for serving (``config.json`` and ``model.safetensors`` are all it reads: no training
     state needed), in ``dtype`` on ``device``, with SDPA attention. The two files are verified
     against the manifest when there is one; without it a warning says they were not. Loaded
-    strictly (:mod:`dflash.drafter_files`): never a random weight, never a default shape.
+    strictly (:mod:`dflash.drafter.files`): never a random weight, never a default shape.
 
     Raises:
-        CheckpointError: see :func:`dflash.checkpoint.find_checkpoint`; a config that is not a
+        CheckpointError: see :func:`dflash.run.step_dirs.find_checkpoint`; a config that is not a
             drafter's or lacks a field, or weights that disagree with it (named), before any
             model is built.
     """
-    from dflash.checkpoint import DRAFTER_FILES, find_checkpoint
-    from dflash.drafter_files import load_drafter_dir
-
     step_dir = find_checkpoint(path, files=DRAFTER_FILES)
     drafter = load_drafter_dir(step_dir, dtype=dtype, device=device)
     logger.info(
@@ -284,7 +286,7 @@ class HeldOutPrompts:
         without_prompt (int): conversations skipped for no user turn before an assistant turn, or
             a prompt the target's chat template rejects.
         usable (int): usable prompts in the file; ``prompts`` is a random sample of them when fewer.
-        messages (list): the messages of each prompt (:func:`dflash.data.prompt_messages`), as ``prompts``.
+        messages (list): the messages of each prompt (:func:`dflash.data.chats.prompt_messages`), as ``prompts``.
     """
 
     source: Path
@@ -328,26 +330,16 @@ def load_prompts(
 
     A prompt is usable when its rendered length plus ``max_new_tokens`` fits the target's
     ``context`` (positions past ``max_position_embeddings`` make tau and speedup meaningless).
-    As in training (:mod:`dflash.data`), a prompt with more content than
-    :func:`dflash.data.char_budget` of that limit is surely too long and skipped unrendered, so
+    As in training (:mod:`dflash.data.tokenize`), a prompt with more content than
+    :func:`dflash.data.tokenize.char_budget` of that limit is surely too long and skipped unrendered, so
     the work per conversation is bounded (a huge one costs nothing).
 
     Raises:
         ValueError: ``max_new_tokens`` leaves no room for a prompt in ``context``.
-        DatasetError: unreadable file (see :func:`dflash.data.read_conversations`), or no
+        DatasetError: unreadable file (see :func:`dflash.data.chats.read_conversations`), or no
             usable prompt (the message says why and the fix).
     """
     import random
-
-    from dflash.data import (
-        DatasetError,
-        TemplateRejected,
-        cut_to_budget,
-        encode,
-        prompt_messages,
-        read_conversations,
-        render_chat,
-    )
 
     held_out = HeldOutPrompts(Path(path), [], num_prompts, context, max_new_tokens)
     limit = held_out.max_prompt_tokens

@@ -1,17 +1,17 @@
 """``dflash export``: a serving-ready drafter directory from a run's checkpoint.
 
-What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflash.portable`):
+What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflash.drafter.hf_config`):
 
 - the weights in bf16 by default (published drafters are; SGLang's ``--dtype auto`` would serve a
   float32 drafter as fp16 next to a bf16 target), checked against the config first
-  (:mod:`dflash.drafter_files`): an export is a complete drafter or nothing;
+  (:mod:`dflash.drafter.files`): an export is a complete drafter or nothing;
 - ``config.json`` with RoPE in both transformers forms, ``layer_types`` / ``sliding_window`` /
   ``is_causal``, ``dflash_config``, ``block_size``, ``auto_map``; ``modeling_dflash.py`` for
   ``trust_remote_code``; ``manifest.json`` so ``dflash eval`` verifies what it reads;
 - a directory name containing ``dflash``: vLLM recognises a DFlash drafter from its path;
 - ``README.md`` with the vLLM and SGLang launch lines (vLLM ignores ``block_size``:
   ``num_speculative_tokens = block_size - 1``; SGLang drafts ``--speculative-num-draft-tokens =
-  block_size``) and the acceptance measured for that checkpoint (:mod:`dflash.acceptance_log`),
+  block_size``) and the acceptance measured for that checkpoint (:mod:`dflash.run.acceptance_log`),
   unless it was measured while verification was wrong (a float32 mismatch against greedy decoding).
 
 The directory is written next to its final place and renamed into it, so it is never half there.
@@ -27,8 +27,12 @@ from pathlib import Path
 
 import torch
 
-from dflash import acceptance_log
-from dflash.checkpoint import DRAFTER_FILES, find_checkpoint, write_drafter_files
+from dflash.assets import default_target_dir
+from dflash.config import read_saved_config
+from dflash.drafter.files import DRAFTER_FILES, check_tensors, read_drafter_config
+from dflash.run import acceptance_log
+from dflash.run.checkpoint import write_drafter_files
+from dflash.run.step_dirs import find_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +57,6 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
             their config (named), before anything is written.
     """
     from safetensors.torch import load_file
-
-    from dflash.drafter_files import check_tensors, read_drafter_config
 
     out = Path(out)
     if "dflash" not in out.name.lower():
@@ -94,14 +96,10 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
 
 def _trained_target(run_dir: Path | None) -> str:
     """The target the run trained against (its train_config.json), for the launch lines."""
-    from dflash.config import read_saved_config
-
     target = read_saved_config(run_dir).get("target") if run_dir is not None else None
     if target:
         return target
     if run_dir is not None and (run_dir / "train_config.json").is_file():
-        from dflash.assets import default_target_dir
-
         return str(default_target_dir())  # trained on the embedded default target
     return "TARGET"
 

@@ -17,7 +17,7 @@ Anchor tensors are always a pair ``anchors`` (int64 ``[B, N]``) and ``valid`` (b
 ``N`` is fixed to ``max_anchors`` so compiled code sees one shape. Invalid (padding) blocks see
 nothing, produce zero attention output and get zero loss weight.
 
-Packed rows (:mod:`dflash.packing`) hold several conversations, each a *document*, named by
+Packed rows (:mod:`dflash.data.packing`) hold several conversations, each a *document*, named by
 ``document_ids`` (int ``[B, S]``): a document is a maximal run of equal ids (packing writes 0, 1,
 2, ... and -1 on padding). Every function here takes ``document_ids=None`` (one document per row,
 the unpacked case) or the row's ids, and then keeps each document on its own as if the target had
@@ -27,14 +27,14 @@ the anchor's document, and draft positions come from the row's ``position_ids`` 
 each document). :func:`document_causal_mask` and :func:`document_causal_block_mask` are the frozen
 target's side of the same rule: causal attention within each document.
 
-Sliding-window drafter layers (``sliding_window=W``, :mod:`dflash.modeling_dflash`) see less
+Sliding-window drafter layers (``sliding_window=W``, :mod:`dflash.drafter.modeling_dflash`) see less
 context: slot k of the block anchored at a sits at position ``a + k`` and sees the W positions
 ending there, so its context is ``max(start, a + k - W + 1) <= kv < a``; ``W >= Bs``, so it still
 sees its block. That is what flash-attention's window gives the same slot at inference
 (transformers, z-lab/dflash) and SpecForge's sliding DFlash mask, so a drafter is trained on the
 context it is served with. Every function taking ``sliding_window`` treats None as full attention.
 
-Causal layers (``causal=True``, :meth:`dflash.modeling_dflash.DFlashDraftConfig.layer_is_causal`:
+Causal layers (``causal=True``, :meth:`dflash.drafter.modeling_dflash.DFlashDraftConfig.layer_is_causal`:
 the sliding layers of a config without ``is_causal``, as vLLM, SGLang, TensorRT-LLM and z-lab's
 newer loader serve them) see their block causally: slot k sees slots ``0..k`` of its own block
 instead of all of it; the context is the same. Every function taking ``causal`` treats False

@@ -203,7 +203,7 @@ def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed:
     """A random SDPA drafter (eval mode) of block size 4 tapping 3 layers of :func:`tiny_target_config`:
     2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63; ``is_causal``
     as in its config (None: the engines' rule, sliding layers causal)."""
-    from dflash.model import DFlashDraftModel, create_drafter_config
+    from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 
     layers = len(layer_types) if layer_types else 2
     config = create_drafter_config(
@@ -246,9 +246,9 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its step directory."""
     from transformers import AutoTokenizer
 
-    from dflash.checkpoint import save_checkpoint
-    from dflash.model import DFlashDraftModel, create_drafter_config
-    from dflash.target import load_target
+    from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+    from dflash.run.checkpoint import save_checkpoint
+    from dflash.target.model import load_target
 
     target = load_target(target_dir, num_capture_layers=2, device="cpu")
     mask_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids("<|mask|>")
@@ -332,11 +332,11 @@ def record_losses(trainer, *, crash_after: int | None = None):
 
 
 def example(length: int, seed: int, supervised: float = 0.7):
-    """A tokenized conversation (:class:`dflash.data.Example`) of ``length`` random tokens, about
+    """A tokenized conversation (:class:`dflash.data.tokenize.Example`) of ``length`` random tokens, about
     ``supervised`` of them in the loss mask."""
     import random
 
-    from dflash.data import Example
+    from dflash.data.tokenize import Example
 
     rng = random.Random(seed)
     return Example(
@@ -346,7 +346,7 @@ def example(length: int, seed: int, supervised: float = 0.7):
 
 def packed_batch(row_lengths: list[list[int]], seq_len: int, seed: int = 0):
     """A collated batch whose row r holds documents of ``row_lengths[r]`` tokens."""
-    from dflash.data import collate
+    from dflash.data.batches import collate
 
     rows = [
         [example(n, seed * 1000 + 10 * r + d) for d, n in enumerate(lengths)] for r, lengths in enumerate(row_lengths)

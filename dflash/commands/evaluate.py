@@ -14,7 +14,18 @@ import json
 import logging
 from pathlib import Path
 
+from dflash.assets import default_data_dir, default_target_dir
 from dflash.commands import COMMON, positive
+from dflash.config import SAVED_CONFIG_NAME, read_saved_config
+from dflash.data.chats import DatasetError, prompt_messages, read_conversations
+from dflash.devices import check_cpu_threads, resolve_device
+from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
+from dflash.files import check_weight_files
+from dflash.run import acceptance_log
+from dflash.run.layout import CHECKPOINTS_DIR
+from dflash.run.lock import training_holder
+from dflash.run.step_dirs import find_checkpoint
+from dflash.target.files import context_length, load_tokenizer, read_target_config, require_transformers_for
 
 logger = logging.getLogger(__name__)
 
@@ -168,20 +179,8 @@ def _evaluate(args: argparse.Namespace):
     command's arguments."""
     import torch
 
-    from dflash.assets import default_target_dir
-    from dflash.checkpoint import DRAFTER_FILES, CheckpointError, find_checkpoint
-    from dflash.compatibility import check_drafter_fits_target
-    from dflash.devices import check_cpu_threads
     from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
-    from dflash.target import (
-        context_length,
-        load_target,
-        load_tokenizer,
-        read_target_config,
-        require_transformers_for,
-        resolve_device,
-    )
-    from dflash.weight_files import check_weight_files
+    from dflash.target.model import load_target
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
         raise CheckpointError(
@@ -230,10 +229,7 @@ def _evaluate(args: argparse.Namespace):
 
 
 def _record(run_dir: Path, drafter: Path, prompts, report) -> None:
-    """Add the measurement to ``run_dir/acceptance.json`` (:mod:`dflash.acceptance_log`)."""
-    from dflash import acceptance_log
-    from dflash.checkpoint import find_checkpoint
-
+    """Add the measurement to ``run_dir/acceptance.json`` (:mod:`dflash.run.acceptance_log`)."""
     checkpoint = find_checkpoint(drafter, verify=False).name
     try:
         acceptance_log.record(
@@ -250,8 +246,6 @@ def _run_config(drafter: Path) -> tuple[Path, dict] | None:
     Raises:
         ValueError: the run's train_config.json is not valid JSON.
     """
-    from dflash.config import SAVED_CONFIG_NAME, read_saved_config
-
     runs = [drafter]
     if drafter.name == "checkpoints":
         runs.append(drafter.parent)
@@ -266,8 +260,6 @@ def _run_config(drafter: Path) -> tuple[Path, dict] | None:
 def _note_training_in_progress(found: tuple[Path, dict] | None) -> None:
     """Say so when the run of ``found`` (:func:`_run_config`) is still being trained: its newest
     checkpoint is evaluated, and a later one may follow."""
-    from dflash.run_lock import training_holder
-
     holder = training_holder(found[0].parent) if found else None
     if holder is not None:
         logger.warning(
@@ -283,9 +275,6 @@ def _refuse_a_run_without_checkpoint(found: tuple[Path, dict] | None) -> None:
     Raises:
         CheckpointError: the run has saved no checkpoint yet, with when it will.
     """
-    from dflash.checkpoint import CheckpointError
-    from dflash.run_dir import CHECKPOINTS_DIR
-
     if found is None:
         return
     run = found[0].parent
@@ -302,9 +291,6 @@ def _refuse_a_run_without_checkpoint(found: tuple[Path, dict] | None) -> None:
 def _warn_of_training_prompts(prompts, found: tuple[Path, dict] | None) -> None:
     """Warn when held-out prompts are prompts of the run's training data (tau on them measures what
     the drafter memorised of those replies)."""
-    from dflash.assets import default_data_dir
-    from dflash.data import DatasetError, prompt_messages, read_conversations
-
     if found is None:
         return
     trained_on = Path(found[1].get("data") or default_data_dir() / "train.jsonl")
@@ -339,8 +325,6 @@ def _trained_target(found: tuple[Path, dict] | None) -> Path | None:
 def _held_out_data(data: str | None, found: tuple[Path, dict] | None) -> Path:
     """``--data``, else the embedded held-out set; logged, with a warning when the run of ``found``
     (:func:`_run_config`) was trained on other data than the embedded set."""
-    from dflash.assets import default_data_dir
-
     if data:
         logger.info("held-out data: %s", data)
         return Path(data)

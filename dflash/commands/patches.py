@@ -12,6 +12,7 @@ import json
 import sys
 
 from dflash.commands import COMMON, positive
+from dflash.patchtools import MissingExtra
 
 
 def _status(args) -> int:
@@ -152,8 +153,11 @@ def _coverage(args) -> int:
 
 
 def _refresh(args) -> int:
-    from dflash.patchtools.refresh import main
-
+    try:
+        from dflash.patchtools.refresh import main
+    except MissingExtra as error:
+        print(f"dflash patches refresh: {error}", file=sys.stderr)
+        return 1
     return main(["--sources", args.sources, *(["--check"] if args.check else []), *args.concerns])
 
 

@@ -11,12 +11,22 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shlex
 import signal
 import types
 import typing
+from pathlib import Path
 
 from dflash.commands import COMMON
+from dflash.config import TrainConfig, field_docs, read_saved_config
+from dflash.drafter.files import CheckpointError
+from dflash.run.lock import run_lock
+from dflash.run.preflight import refuse_existing_run
+from dflash.run.resume import resumed_values
+from dflash.run.settle import settle
+from dflash.run.step_dirs import find_checkpoint
+from dflash.signals import Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +72,6 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
 
 def _saved_config(out: str) -> dict:
     """The flags of the run in ``out`` (its train_config.json), less where it lives; {} if none."""
-    from dflash.config import read_saved_config
-
     return {k: v for k, v in read_saved_config(out).items() if k not in ("out", "resume")}
 
 
@@ -73,10 +81,6 @@ def _config_from_flags(values: dict):
     Raises:
         ValueError: a value the config rejects.
     """
-    import re
-
-    from dflash.config import TrainConfig
-
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
         return TrainConfig.from_dict(values)
@@ -91,8 +95,6 @@ def _config_from_flags(values: dict):
 
 def _already_done(config) -> bool:
     """Whether the run to resume already has its ``--steps`` (said once, before anything loads)."""
-    from dflash.checkpoint import find_checkpoint
-
     step = int(find_checkpoint(config.out, verify=False).name.removeprefix("step_"))
     if config.steps is None or step < config.steps:
         return False
@@ -105,10 +107,7 @@ def _already_done(config) -> bool:
 
 
 def _resumed_values(given: dict) -> dict:
-    """The flags of a resumed run (:func:`dflash.resume.resumed_values`)."""
-    from dflash.config import TrainConfig
-    from dflash.resume import resumed_values
-
+    """The flags of a resumed run (:func:`dflash.run.resume.resumed_values`)."""
     return resumed_values(_saved_config(given.get("out", TrainConfig.out)), given)
 
 
@@ -116,12 +115,7 @@ def _resumed_values(given: dict) -> dict:
 def _out_lock(config):
     """One training per ``--out``: rank 0 holds its lock from before the first write (replies
     regenerated into it) to the end, and checks again under the lock that no other run got there
-    first (:mod:`dflash.run_lock`)."""
-    from pathlib import Path
-
-    from dflash.preflight import refuse_existing_run
-    from dflash.run_lock import run_lock
-
+    first (:mod:`dflash.run.lock`)."""
     if int(os.environ.get("RANK", 0)) != 0:
         yield
         return
@@ -132,8 +126,6 @@ def _out_lock(config):
 
 def _resume_hint(out: str, what: str) -> None:
     """After a stop: how to go on (once per job, from rank 0)."""
-    from dflash.checkpoint import CheckpointError, find_checkpoint
-
     if int(os.environ.get("RANK", 0)) != 0:
         return
     try:
@@ -154,8 +146,6 @@ def _resume_hint(out: str, what: str) -> None:
 
 
 def register(subparsers) -> None:
-    from dflash.config import TrainConfig, field_docs
-
     parser = subparsers.add_parser(
         "train",
         parents=[COMMON],
@@ -171,44 +161,33 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.config import TrainConfig
-
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "epochs" in values and "steps" not in values:
         values["steps"] = None  # --epochs alone means "train by epochs"
     try:
         if values.get("resume"):
             values = _resumed_values(values)
-        config = _config_from_flags(values)
-        from dflash.drafter_shape import resolve_drafter_shape
-        from dflash.preflight import validate_inputs
-
-        config = resolve_drafter_shape(config)  # the rule's block size, layers, taps: before any check reads them
-
-        validate_inputs(config)  # before torch-heavy imports: every argument and input file
+        config = settle(_config_from_flags(values))  # once, before torch-heavy imports
         if config.resume and _already_done(config):
             return 0
-        from dflash.trainer import Trainer, TrainingStopped
+        from dflash.train.trainer import Trainer  # torch, transformers: seconds
 
-        try:
-            with _out_lock(config):
-                trainer = Trainer(config)
-                metrics = trainer.train()
-        except TrainingStopped as stopped:
-            if config.save:
-                _resume_hint(config.out, f"{stopped}, checkpoint saved")
-            else:
-                logger.error("%s; nothing was saved (--no-save)", stopped)
-            return 128 + stopped.signum
+        with _out_lock(config):
+            trainer = Trainer(config)
+            metrics = trainer.train()
         trainer.close()  # not after a failure: the other ranks may be inside a collective
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2
-    except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", None)  # dflash.regenerate.RegenerationStopped: it said what it kept
-        if signum is None:
-            _resume_hint(values.get("out", TrainConfig.out), "interrupted")
-        return 128 + (signum or signal.SIGINT)
+    except Stopped as stopped:  # it said what it kept; training saved a checkpoint after its last step
+        if stopped.step is not None and config.save:
+            _resume_hint(config.out, f"{stopped}, checkpoint saved")
+        elif stopped.step is not None:
+            logger.error("%s; nothing was saved (--no-save)", stopped)
+        return 128 + stopped.signum
+    except KeyboardInterrupt:
+        _resume_hint(values.get("out", TrainConfig.out), "interrupted")
+        return 128 + signal.SIGINT
     if not trainer.is_main:  # rank 0 speaks for the job
         return 0
     if not metrics:

@@ -7,4 +7,20 @@
 - :mod:`dflash.patchtools.upstream`: the upstream PyTorch PR kit (``dflash patches upstream``).
 
 What runs at import (the finder, the loader, the plan, the cache) is :mod:`dflash.patching`.
+
+The packages only these tools use (``merge3`` for the refresh, ``wheel`` for the wheel builder) are the
+``patchtools`` extra of ``pyproject.toml``, so an install that runs the startup hook needs neither; a tool
+run without its package says which extra installs it (:func:`needs_extra`).
 """
+
+
+def needs_extra(package: str, tool: str) -> str:
+    """What to say when ``tool`` is run without ``package`` of the ``patchtools`` extra."""
+    return (
+        f"{tool} needs the {package} package, which the patchtools extra installs: "
+        f"pip install -e '.[patchtools]' (or pip install {package})"
+    )
+
+
+class MissingExtra(ImportError):
+    """A patch tool's package is not installed; the message is :func:`needs_extra`'s."""

@@ -27,7 +27,6 @@ import difflib
 import sys
 from pathlib import Path
 
-import merge3
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -41,6 +40,12 @@ from dflash.patching.series import (
     split_patch,
 )
 from dflash.patching.series_path import series_dir
+from dflash.patchtools import MissingExtra, needs_extra
+
+try:
+    import merge3
+except ImportError:
+    raise MissingExtra(needs_extra("merge3", "dflash patches refresh")) from None
 
 CONTEXT_LINES = 3
 GENERATED_BY = "python -m dflash.patchtools.refresh (generated: edit the source file named below, then refresh)"

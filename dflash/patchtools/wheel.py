@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, FAILED, PENDING, WHEEL_MARKER, make_plan
+from dflash.patchtools import needs_extra
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +214,14 @@ def build_wheel(*, torch_wheel: Path | None = None, from_installed: bool = False
         out_dir: where the new wheel goes (created if missing; a file of the same name is replaced).
 
     Raises:
-        WheelBuildError: see :func:`patch_unpacked`; also a missing input, or ``wheel`` failing.
+        WheelBuildError: see :func:`patch_unpacked`; also a missing input, ``wheel`` not installed
+            (names the extra that installs it) or failing.
         ValueError: neither or both sources given.
     """
     if (torch_wheel is None) == (not from_installed):
         raise ValueError("give exactly one of torch_wheel and from_installed")
+    if importlib.util.find_spec("wheel") is None:
+        raise WheelBuildError(needs_extra("wheel", "dflash patches build-wheel"))
     out_dir.mkdir(parents=True, exist_ok=True)
     # Staging next to the output: an unpacked torch takes ~1 GB, and the final move stays on one file system.
     with tempfile.TemporaryDirectory(prefix=".dflash-build-wheel-", dir=out_dir) as tmp:

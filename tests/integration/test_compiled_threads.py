@@ -8,11 +8,12 @@ import logging
 import pytest
 from tiny import make_target, train_config, write_chat_data
 
-import dflash.trainer
+import dflash.train.trainer
 from dflash.compile_watch import recompile_limit_name
-from dflash.engine import threaded
-from dflash.engine.replica import build_replicas
-from dflash.trainer import Trainer
+from dflash.run.settle import settle
+from dflash.train import threaded
+from dflash.train.replica import build_replicas
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,8 @@ def _config(assets, out):
 
 
 def test_forced_recompiles_in_threads_run_compiled_and_fallbacks_are_reported(assets, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(dflash.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
-    healthy = Trainer(_config(assets, tmp_path / "ok"))
+    monkeypatch.setattr(dflash.train.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
+    healthy = Trainer(settle(_config(assets, tmp_path / "ok")))
     healthy.train()
     assert healthy.engine.compile_summary() == {
         f"drafter{i} (cpu:{i})": {"compiles": 2, "unexpected_recompiles": 0, "eager_fallbacks": 0, "graph_breaks": 0}
@@ -52,7 +53,7 @@ def test_forced_recompiles_in_threads_run_compiled_and_fallbacks_are_reported(as
     name = recompile_limit_name()
     original = getattr(dynamo_config, name)
     monkeypatch.setattr(threaded, "raise_recompile_limit", lambda limit: setattr(dynamo_config, name, 1))
-    starved = Trainer(_config(assets, tmp_path / "starved"))
+    starved = Trainer(settle(_config(assets, tmp_path / "starved")))
     try:
         with caplog.at_level(logging.WARNING, logger="dflash.compile_watch"):
             starved.train()

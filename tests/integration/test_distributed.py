@@ -12,14 +12,16 @@ import pytest
 import torch
 from tiny import make_target, write_chat_data
 
-from dflash.checkpoint import find_checkpoint, load_drafter_files
+from dflash.run.checkpoint import load_drafter_files
+from dflash.run.step_dirs import find_checkpoint
 
 WORKER = """
 import json, sys, torch
 from dflash.config import TrainConfig
-from dflash.trainer import Trainer
+from dflash.run.settle import settle
+from dflash.train.trainer import Trainer
 config = TrainConfig(**json.loads(sys.argv[1]))
-trainer = Trainer(config)
+trainer = Trainer(settle(config))
 trainer.train()
 torch.save(trainer.drafter.state_dict(), f"{config.out}-rank{trainer.process.rank}.pt")  # beside the run
 trainer.close()

@@ -42,7 +42,8 @@ def _cut(shape: str):
     ids=["qwen3-8b-width", "qwen3.6-27b-width"],
 )
 def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, shape, flags, expected):
-    from dflash.trainer import Trainer
+    from dflash.run.settle import settle
+    from dflash.train.trainer import Trainer
 
     model_cls, config = _cut(shape)
     tokenizer = make_tokenizer(tmp_path / "target")
@@ -55,7 +56,7 @@ def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, shape,
     run |= dict(steps=6, log_every=1, save=False, compile="on", responses="data", warmup_steps=1, lr=1e-4)
     data = write_chat_data(tmp_path / "d.jsonl", 16)
     config = train_config(target=tmp_path / "target", data=data, out=tmp_path / "r", device="cuda", **run | flags)
-    trainer = Trainer(config)
+    trainer = Trainer(settle(config))
     drafter = trainer.drafter.config
     layers, heads, kv_heads, head_dim, window = expected
     geometry = (drafter.num_hidden_layers, drafter.num_attention_heads, drafter.num_key_value_heads, drafter.head_dim)

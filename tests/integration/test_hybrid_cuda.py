@@ -7,10 +7,11 @@ host: ``pytest tests/integration/test_hybrid_cuda.py -s`` prints the measured di
 import pytest
 import torch
 
-from dflash import document_separation
+from dflash.target import documents
+from dflash.target.files import fla_available
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or not document_separation.fla_available(),
+    not torch.cuda.is_available() or not fla_available(),
     reason="needs CUDA and flash-linear-attention",
 )
 
@@ -23,7 +24,7 @@ SIZES = [700, 300, 513, 64, 400, 70]
 def test_fla_delta_rule_equals_the_reference_on_segments():
     torch.manual_seed(0)
     ids = torch.cat([torch.full((n,), d) for d, n in enumerate([100, 37, 1, 200, 62])])[None]
-    segments = document_separation.Segments.of(ids, torch.device("cuda"))
+    segments = documents.Segments.of(ids, torch.device("cuda"))
     tokens = ids.shape[1]
     q, k = (torch.randn(1, tokens, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, tokens, 4, 64, device="cuda", dtype=torch.bfloat16)
@@ -31,7 +32,7 @@ def test_fla_delta_rule_equals_the_reference_on_segments():
     beta = torch.rand(1, tokens, 4, device="cuda", dtype=torch.bfloat16)
     out = [
         kernels.delta_rule(q, k, v, g, beta, segments).float()
-        for kernels in (document_separation.FLA_KERNELS, document_separation.REFERENCE_KERNELS)
+        for kernels in (documents.FLA_KERNELS, documents.REFERENCE_KERNELS)
     ]
     print(f"delta rule: fla vs reference max abs {(out[0] - out[1]).abs().max().item():.3e}")
     torch.testing.assert_close(out[0], out[1], rtol=3e-2, atol=3e-2)
@@ -67,7 +68,7 @@ def test_a_changing_segment_count_compiles_no_new_kernels():
     counts = []
     for sizes in ([2048, 2048], [700, 300, 1048, 2048], [100] * 40 + [96], [4096]):
         ids = torch.cat([torch.full((n,), d) for d, n in enumerate(sizes)])[None]
-        document_separation.FLA_KERNELS.delta_rule(*args(), document_separation.Segments.of(ids, torch.device("cuda")))
+        documents.FLA_KERNELS.delta_rule(*args(), documents.Segments.of(ids, torch.device("cuda")))
         torch.cuda.synchronize()
         counts.append(compiled_kernels())
     print(f"compiled Triton kernels after 2, 4, 41 and 1 segments: {counts}")
@@ -83,7 +84,7 @@ def _target(hybrid: bool):
     from shapes import dense_text_config, hybrid_text_config
     from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
 
-    from dflash.target import Target
+    from dflash.target.model import Target
 
     torch.manual_seed(0)
     if hybrid:
@@ -104,13 +105,13 @@ def _worst_later_difference(target, *, mask_only: bool = False) -> float:
     the packed forward gets the attention layers' document mask and nothing else."""
     from tiny import packed_batch
 
-    from dflash.target import TargetStates
+    from dflash.target.model import TargetStates
 
     rows = [SIZES, SIZES[::-1]]
     batch = packed_batch(rows, seq_len=sum(SIZES) + 1, seed=2)
     batch.input_ids.random_(5, VOCAB)
     if mask_only:
-        mask = document_separation.attention_mask(batch.document_ids.cuda(), "sdpa", target.dtype)
+        mask = documents.attention_mask(batch.document_ids.cuda(), "sdpa", target.dtype)
         out = target.decoder_forward(
             batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(), attention_mask=mask
         )

@@ -15,11 +15,11 @@ import textwrap
 
 import pytest
 
-from dflash.run_lock import LOCK_NAME, RunLockError, run_lock
+from dflash.run.lock import LOCK_NAME, RunLockError, run_lock
 
 HOLD = textwrap.dedent("""\
     import logging, sys
-    from dflash.run_lock import RunLockError, run_lock
+    from dflash.run.lock import RunLockError, run_lock
     logging.basicConfig(level=logging.INFO)
     try:
         with run_lock(sys.argv[1]):
@@ -95,7 +95,7 @@ def test_one_process_cannot_hold_the_lock_twice(tmp_path):
 COUNT = textwrap.dedent("""\
     import sys, time
     from pathlib import Path
-    from dflash.run_lock import RunLockError, run_lock
+    from dflash.run.lock import RunLockError, run_lock
     out, rounds = Path(sys.argv[1]), int(sys.argv[2])
     done = 0
     while done < rounds:
@@ -123,7 +123,7 @@ def test_processes_taking_turns_never_hold_it_at_once(tmp_path):
 def test_eval_says_when_the_run_is_still_training(tmp_path, caplog):
     from dflash.commands.evaluate import _note_training_in_progress, _run_config
     from dflash.config import SAVED_CONFIG_NAME
-    from dflash.run_lock import training_holder
+    from dflash.run.lock import training_holder
 
     out = tmp_path / "run"
     (out / "checkpoints" / "step_2").mkdir(parents=True)

@@ -14,7 +14,7 @@ import time
 import pytest
 from tiny import make_target, write_chat_data
 
-from dflash.checkpoint import find_checkpoint
+from dflash.run.step_dirs import find_checkpoint
 
 
 @pytest.fixture(scope="module")

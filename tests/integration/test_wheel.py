@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.checkpoint import sha256_file
+from dflash.files import sha256_file
 from dflash.patching.plan import ALLOW_UNVERIFIED_ENV, BUILT_IN, WHEEL_MARKER, make_plan
 from dflash.patching.series import load_series
 from dflash.patchtools.verify.catalogue import applies_to

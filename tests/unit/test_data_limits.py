@@ -8,8 +8,8 @@ import time
 import pytest
 from tiny import CONVERSATIONS, RecordingTokenizer, chat_template, make_tokenizer, write_jsonl
 
-from dflash import data
-from dflash.data import DatasetError, build_examples, read_conversations, tokenize_conversation
+from dflash.data.chats import DatasetError, read_conversations
+from dflash.data.tokenize import build_examples, char_budget, tokenize_conversation
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +56,14 @@ def test_a_huge_conversation_is_rendered_and_tokenized_only_within_the_budget(to
     huge = _chat("the cat sat on the mat " * 100_000, turns=3)  # 7 MB of content
     [example] = build_examples(recording, [huge], seq_len=seq_len, progress=False)
     assert len(example.input_ids) == seq_len
-    budget = data.char_budget(seq_len)
+    budget = char_budget(seq_len)
     assert max(recording.rendered) <= budget and max(recording.tokenized) <= budget
 
 
 def test_a_cut_conversation_keeps_the_tokens_and_mask_of_the_full_one(tokenizer):
     seq_len = 40
     long = _chat("the cat sat on the mat and looked at the dog. " * 200, turns=2)
-    assert sum(len(m["content"]) for m in long) > data.char_budget(seq_len)  # the cut path
+    assert sum(len(m["content"]) for m in long) > char_budget(seq_len)  # the cut path
     full = tokenize_conversation(tokenizer, long)
     [example] = build_examples(tokenizer, [long], seq_len=seq_len, progress=False)
     assert example.input_ids == full.input_ids[:seq_len] and example.loss_mask == full.loss_mask[:seq_len]
@@ -108,7 +108,7 @@ def test_a_template_error_names_the_conversation(tokenizer):
 
 
 def test_many_conversations_show_progress(tokenizer, monkeypatch, capsys):
-    monkeypatch.setattr(data, "_PROGRESS_CONVERSATIONS", 4, raising=False)
+    monkeypatch.setattr("dflash.data.tokenize._PROGRESS_CONVERSATIONS", 4, raising=False)
     build_examples(tokenizer, CONVERSATIONS * 2, seq_len=64, source="/x/chats.jsonl")
     assert "tokenizing chats.jsonl" in capsys.readouterr().err
     build_examples(tokenizer, CONVERSATIONS * 2, seq_len=64, progress=False)
@@ -124,9 +124,9 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.parametrize("path", ["build_examples", "response_prompts"])
+@pytest.mark.parametrize("path", ["build_examples", "prompt_that_fits"])
 def test_the_indexing_errors_warning_is_silenced_only_where_ids_are_cut(tmp_path, path):
-    from dflash.regenerate import response_prompts
+    from dflash.data.regenerate import prompt_that_fits
 
     fresh = make_tokenizer(tmp_path / "tok")  # transformers warns once per tokenizer object
     fresh.model_max_length = 16
@@ -136,7 +136,8 @@ def test_the_indexing_errors_warning_is_silenced_only_where_ids_are_cut(tmp_path
         if path == "build_examples":
             build_examples(fresh, CONVERSATIONS, seq_len=64, progress=False)
         else:
-            response_prompts(fresh, CONVERSATIONS, max_prompt_tokens=64)
+            for conversation in CONVERSATIONS:
+                prompt_that_fits(fresh, conversation, max_prompt_tokens=64)
         assert not [m for m in capture.messages if "indexing errors" in m]
         fresh("the cat sat on the mat and looked at the dog " * 4)  # a caller that feeds the model is warned
         assert [m for m in capture.messages if "indexing errors" in m]

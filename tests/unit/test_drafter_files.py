@@ -1,4 +1,4 @@
-"""Strict drafter loading (dflash/drafter_files.py), as dflash eval and --init-from use it: a drafter
+"""Strict drafter loading (dflash/drafter/files.py), as dflash eval and --init-from use it: a drafter
 is loaded whole or refused, naming the tensor or the config field, and never built from defaults."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import make_target, save_random_drafter
 
-from dflash.checkpoint import CheckpointError
-from dflash.drafter_files import load_drafter_dir
+from dflash.drafter.files import CheckpointError
+from dflash.drafter.model import load_drafter_dir
 from dflash.evaluate import load_drafter
 
 
@@ -48,7 +48,7 @@ def test_a_complete_drafter_loads_every_weight(shipped):
 
 
 def test_a_config_of_only_architectures_is_refused_before_anything_is_built(shipped, tmp_path, monkeypatch):
-    from dflash import modeling_dflash
+    from dflash.drafter import modeling_dflash
 
     def no_model(*args, **kwargs):
         raise AssertionError("a drafter was built")
@@ -129,8 +129,8 @@ def test_the_tapped_layer_count_is_checked_against_fc(shipped, tmp_path):
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
 def test_a_config_json_that_is_not_an_object_is_named_for_drafters_and_targets(shipped, tmp_path, text):
-    from dflash.drafter_files import read_raw_config
-    from dflash.target import TargetLoadError, read_target_config
+    from dflash.drafter.files import read_raw_config
+    from dflash.target.files import TargetLoadError, read_target_config
 
     drafter = _copy(shipped, tmp_path)
     (drafter / "config.json").write_text(text)

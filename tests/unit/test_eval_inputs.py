@@ -9,7 +9,8 @@ import time
 import pytest
 from tiny import CONVERSATIONS, RecordingTokenizer, make_target, make_tokenizer, save_random_drafter, write_jsonl
 
-from dflash.data import DatasetError, char_budget
+from dflash.data.chats import DatasetError
+from dflash.data.tokenize import char_budget
 from dflash.evaluate import load_prompts
 
 

@@ -9,8 +9,9 @@ import json
 import pytest
 from tiny import save_random_drafter, write_chat_data
 
-from dflash import acceptance_log, state_rollback
 from dflash.cli import main
+from dflash.run import acceptance_log
+from dflash.target import rollback
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,9 @@ def test_a_wrong_verification_exits_non_zero_and_is_not_quoted(run, capsys, monk
     run_dir, heldout = run
 
     def keep_without_rollback(self, kept_ids, verified):  # the linear-attention states stay past the rejection
-        state_rollback.crop(self.cache, verified + kept_ids.shape[1], skip=self.linear_layers)
+        rollback.crop(self.cache, verified + kept_ids.shape[1], skip=self.linear_layers)
 
-    monkeypatch.setattr(state_rollback.StateRollback, "keep", keep_without_rollback)
+    monkeypatch.setattr(rollback.StateRollback, "keep", keep_without_rollback)
     code, report = _eval(run_dir, heldout, capsys)
     assert code == 1
     assert 0 < report["mismatches"] <= report["num_prompts"] == 3

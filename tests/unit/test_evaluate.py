@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny import ScriptedDrafter, make_target, write_chat_data
 
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.evaluate import Generation, evaluate, greedy_generate, load_prompts, speculative_generate, summarize
-from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.target import load_target
+from dflash.target.model import load_target
 
 MAX_NEW = 24
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from tiny import make_target, train_config, write_chat_data
 
-from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
-from dflash.trainer import Trainer
+from dflash.run.settle import settle
+from dflash.run.step_dirs import find_checkpoint
+from dflash.train.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def run(tmp_path_factory):
         draft_layer_types="sliding,full",
         draft_sliding_window=8,
     )
-    Trainer(config).train()
+    Trainer(settle(config)).train()
     args = ["eval", "--drafter", str(root / "run"), "--data", str(heldout), "--num-prompts", "2"]
     assert main([*args, "--max-new-tokens", "8", "--cpu-threads", "1"]) == 0
     return root / "run", target, heldout
@@ -66,7 +67,7 @@ def test_the_export_loads_with_trust_remote_code_strictly_in_bf16(run, tmp_path,
 
 
 def test_the_readme_has_the_launch_lines_and_the_measured_acceptance(run, tmp_path):
-    from dflash import acceptance_log
+    from dflash.run import acceptance_log
 
     run_dir, target_dir, heldout = run
     out = tmp_path / "my-dflash"

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny import make_target
 
-from dflash import document_separation
-from dflash.target import TargetLoadError, load_target
+from dflash.target.files import TargetLoadError
+from dflash.target.model import load_target
 
 
 def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path, monkeypatch):
@@ -35,12 +35,13 @@ def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path
 @pytest.fixture
 def on_cuda_without_fla(monkeypatch):
     """Preflight sees a CUDA host without flash-linear-attention (this machine has neither)."""
-    import dflash.preflight
-    import dflash.target
+    import dflash.run.preflight
 
-    monkeypatch.setattr(dflash.preflight, "check_devices", lambda config: None)
-    monkeypatch.setattr(dflash.target, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda"))
-    monkeypatch.setattr(document_separation, "fla_available", lambda: False)
+    monkeypatch.setattr(dflash.run.preflight, "check_devices", lambda config: None)
+    monkeypatch.setattr(
+        dflash.run.preflight, "resolve_device", lambda name: torch.device("cpu" if name == "cpu" else "cuda")
+    )
+    monkeypatch.setattr(dflash.run.preflight, "fla_available", lambda: False)
 
 
 def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(
@@ -50,8 +51,8 @@ def test_a_hybrid_target_on_cuda_without_the_kernels_is_refused_before_it_loads(
     from tiny import write_chat_data
 
     from dflash.config import TrainConfig
-    from dflash.drafter_shape import resolve_drafter_shape
-    from dflash.preflight import validate_inputs
+    from dflash.run.drafter_shape import resolve_drafter_shape
+    from dflash.run.preflight import validate_inputs
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # loading would fail loudly
     data = write_chat_data(tmp_path / "chats.jsonl")
@@ -110,7 +111,7 @@ def test_random_target_weights_says_which_weights_stay_random(tmp_path, caplog):
 def test_decoding_a_hybrid_target_names_the_releases_whose_cache_it_rolls_back(monkeypatch, installed, refusal):
     import importlib.metadata
 
-    from dflash.target import require_transformers_for
+    from dflash.target.files import require_transformers_for
 
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "transformers" else real(name))

@@ -12,12 +12,14 @@ import torch
 from safetensors.torch import save_file
 from tiny import TINY_TRAINING, make_target, train_config, write_chat_data
 
-from dflash import acceptance_log
-from dflash.checkpoint import find_checkpoint
 from dflash.cli import main
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
-from dflash.model import DFlashDraftModel, create_drafter_config
-from dflash.target import load_target, load_tokenizer
+from dflash.run import acceptance_log
+from dflash.run.settle import settle
+from dflash.run.step_dirs import find_checkpoint
+from dflash.target.files import load_tokenizer
+from dflash.target.model import load_target
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
 ROPE_THETA = 5e5  # not the target's: the drafter's own RoPE must survive
@@ -103,11 +105,11 @@ def test_training_starts_from_the_drafter_and_measures_acceptance_before_and_aft
 def test_the_run_starts_from_the_drafter_s_weights(assets, tmp_path):
     from safetensors.torch import load_file
 
-    from dflash.trainer import Trainer
+    from dflash.train.trainer import Trainer
 
     config = train_config(target=assets["target"], data=assets["data"], out=tmp_path, init_from=str(assets["drafter"]))
     trainer = Trainer(
-        dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4)
+        settle(dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4))
     )
     published = load_file(str(assets["drafter"] / "model.safetensors"))
     state = trainer.drafter.state_dict()
@@ -120,8 +122,8 @@ def test_a_run_directory_starts_from_its_latest_checkpoint(assets, tmp_path):
     # As dflash eval and dflash export take a run; it was refused ("config.json: missing").
     from safetensors.torch import load_file
 
-    from dflash.drafter_files import load_drafter_dir
-    from dflash.drafter_shape import resolve_drafter_shape
+    from dflash.drafter.model import load_drafter_dir
+    from dflash.run.drafter_shape import resolve_drafter_shape
 
     first = tmp_path / "first"
     assert main(_flags(assets, first, init_from=assets["drafter"])) == 0
@@ -138,7 +140,7 @@ def test_a_run_directory_starts_from_its_latest_checkpoint(assets, tmp_path):
 def test_the_fine_tuned_drafter_keeps_the_source_drafter_s_causality(assets, tmp_path, is_causal):
     """A published config without is_causal keeps the engines' rule (causal sliding layers, and no
     key written); one that says is_causal keeps it, written as every engine reads it."""
-    from dflash.trainer import Trainer
+    from dflash.train.trainer import Trainer
 
     changes = {} if is_causal is None else {"is_causal": is_causal}
     source = _published_drafter(assets["target"], tmp_path / "source-dflash", **changes)
@@ -146,7 +148,7 @@ def test_the_fine_tuned_drafter_keeps_the_source_drafter_s_causality(assets, tmp
         target=assets["target"], data=assets["data"], out=tmp_path / "run", init_from=str(source), steps=1
     )
     trainer = Trainer(
-        dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4)
+        settle(dataclasses.replace(config, eval_data=str(assets["heldout"]), eval_prompts=1, eval_max_new_tokens=4))
     )
     assert trainer.drafter.config.is_causal is is_causal
     expected = [kind == "sliding_attention" if is_causal is None else is_causal for kind in LAYER_TYPES]
@@ -175,7 +177,7 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused_before_it_loads(
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
     assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
     assert named in caplog.text
 
@@ -202,7 +204,7 @@ def test_drafter_weights_that_cannot_load_are_refused_before_the_target_loads(
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
     assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
     assert named in caplog.text and str(drafter) in caplog.text
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 from tiny import make_target, save_random_drafter, write_chat_data
 
-from dflash.checkpoint import MANIFEST_NAME, STATE_NAME, WEIGHTS_NAME, CheckpointError, find_checkpoint
+from dflash.drafter.files import WEIGHTS_NAME, CheckpointError
+from dflash.drafter.hf_config import MODELING_FILE
 from dflash.evaluate import load_drafter
-from dflash.portable import MODELING_FILE
+from dflash.run.checkpoint import STATE_NAME
+from dflash.run.step_dirs import MANIFEST_NAME, find_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def _ship(run, to, *, drop):
 )
 def test_a_stripped_drafter_loads_and_says_whether_it_was_verified(run, tmp_path, caplog, drop):
     shipped = _ship(run[1], tmp_path / "my-drafter", drop=drop)
-    with caplog.at_level(logging.WARNING, logger="dflash.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash.run"):
         drafter = load_drafter(shipped, device=torch.device("cpu"), dtype=torch.float32)
     assert drafter.config.block_size == 4
     unverified = f"{shipped} has no manifest.json (a drafter shipped without it): its files were not verified"

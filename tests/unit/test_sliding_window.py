@@ -1,6 +1,6 @@
-"""Sliding-window and causal drafter layers (dflash/masks.py, dflash/modeling_dflash.py): the masks
+"""Sliding-window and causal drafter layers (dflash/masks.py, dflash/drafter/modeling_dflash.py): the masks
 against a position-by-position reference, the engines' causality rule, training equal to drafting,
-flex equal to SDPA (one compile: test_packing.py::test_packed_batches_of_any_layout_compile_once)."""
+flex equal to SDPA (one compile: test_data_packing.py::test_packed_batches_of_any_layout_compile_once)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tiny import assert_same_block_mask, flex_eager, packed_batch, tiny_drafter
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash import masks
-from dflash.modeling_dflash import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash.drafter.modeling_dflash import FULL_ATTENTION, SLIDING_ATTENTION
 
 HIDDEN, VOCAB, BLOCK, WINDOW = 32, 64, 4, 6
 
@@ -205,7 +205,7 @@ def test_a_config_without_is_causal_runs_sliding_layers_causally_and_full_layers
 
 
 def test_causality_is_read_from_is_causal_or_dflash_config_and_a_contradiction_is_refused():
-    from dflash.modeling_dflash import DFlashDraftConfig
+    from dflash.drafter.modeling_dflash import DFlashDraftConfig
 
     base = tiny_drafter(MIXED, sliding_window=WINDOW).config.to_dict()
     base.pop("is_causal")

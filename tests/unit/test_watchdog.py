@@ -62,7 +62,8 @@ STALLED_RUN = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from tiny import make_target, train_config, write_chat_data
-from dflash.trainer import Trainer
+from dflash.run.settle import settle
+from dflash.train.trainer import Trainer
 from pathlib import Path
 
 root = Path({root!r})
@@ -70,7 +71,7 @@ config = train_config(
     target=make_target(root / "target", num_layers=5), data=write_chat_data(root / "d.jsonl"), out=root / "run",
     steps=3, stall_minutes=0.02,
 )
-trainer = Trainer(config)
+trainer = Trainer(settle(config))
 run = trainer.engine.run
 
 def stuck_in_step_two(step, **kwargs):

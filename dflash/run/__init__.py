@@ -1,0 +1,5 @@
+"""One training run and its ``--out``: the config settled before anything loads (the drafter's shape,
+:mod:`~dflash.run.drafter_shape`; every input checked, :mod:`~dflash.run.preflight`; what a resume may
+change, :mod:`~dflash.run.resume`), the run directory's names and checks (:mod:`~dflash.run.layout`)
+and lock (:mod:`~dflash.run.lock`), its checkpoints (:mod:`~dflash.run.checkpoint`) and the held-out
+acceptance measured for it (:mod:`~dflash.run.acceptance_log`)."""

@@ -1,0 +1,65 @@
+"""Held-out acceptance measured for a run, kept beside its checkpoints in ``<run>/acceptance.json``.
+
+Written by ``dflash eval`` (when the drafter it evaluates belongs to a run) and by ``dflash train
+--init-from`` (the starting drafter before step 1, the fine-tuned one after the last step); read by
+``dflash export`` for the README it writes. One JSON object, ``{"measurements": [entry, ...]}``,
+oldest first; an entry is :func:`entry` (the :class:`dflash.evaluate.EvalReport` fields plus what
+was measured, on what and by whom).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from dflash.files import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+LOG_NAME = "acceptance.json"
+
+
+def entry(report, prompts, *, checkpoint: str | None, source: str) -> dict:
+    """One measurement.
+
+    Args:
+        report (EvalReport): what :func:`dflash.evaluate.evaluate` returned.
+        prompts (HeldOutPrompts): the held-out prompts it decoded.
+        checkpoint (str, optional): the step directory's name (``step_00000300``); None for a
+            drafter that is not a checkpoint of the run (the ``--init-from`` starting point).
+        source (str): who measured it, e.g. ``"dflash eval"``.
+    """
+    return {
+        "source": source,
+        "checkpoint": checkpoint,
+        "data": str(prompts.source),
+        "max_new_tokens": prompts.max_new_tokens,
+        **report.to_dict(),
+    }
+
+
+def record(run_dir: str | Path, measurement: dict) -> None:
+    """Append ``measurement`` to ``run_dir/acceptance.json`` (written atomically)."""
+    path = Path(run_dir) / LOG_NAME
+    log = read(run_dir)
+    log.append(measurement)
+    atomic_write_bytes(path, (json.dumps({"measurements": log}, indent=2) + "\n").encode())
+
+
+def read(run_dir: str | Path) -> list[dict]:
+    """The measurements of ``run_dir``, oldest first; [] when there is none (a warning when the
+    file cannot be read: the next :func:`record` starts it again)."""
+    path = Path(run_dir) / LOG_NAME
+    if not path.exists():
+        return []
+    try:
+        return list(json.loads(path.read_text())["measurements"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("%s: unreadable (%s); its measurements are ignored", path, e)
+        return []
+
+
+def latest_for(run_dir: str | Path, checkpoint: str) -> dict | None:
+    """The newest measurement of the checkpoint named ``checkpoint``, or None."""
+    return next((m for m in reversed(read(run_dir)) if m.get("checkpoint") == checkpoint), None)

@@ -1,0 +1,223 @@
+"""The drafter's shape: block size, layers and their attention, heads, widths and tapped layers.
+
+``dflash train`` leaves each of these empty unless a flag sets it; :func:`resolve_drafter_shape`
+fills them, before the target loads, by one of three rules:
+
+- ``--init-from DIR``: the published drafter's own (``config.json``), checked to fit the target
+  (hidden size, vocabulary, number of target layers); a flag that disagrees with it is refused;
+- a Qwen3.5/3.6 target (:func:`qwen3_5_family`): the published drafters' shape, not the
+  target's gated-attention heads (24 / 4 / 256 for the 27B). Dense (``model_type`` ``qwen3_5``,
+  text-only or multimodal): :data:`PUBLISHED_QWEN3_5` (z-lab/Qwen3.6-27B-DFlash as SpecForge ships
+  its config: 5 layers, 4 sliding-window layers of 2048 then 1 full, 32 heads, 8 KV heads,
+  head_dim 128, the target's MLP width, block 16, 5 tapped layers). MoE (``qwen3_5_moe``, e.g.
+  Qwen3.5/3.6-35B-A3B): :data:`PUBLISHED_QWEN3_5_MOE` (z-lab/Qwen3.5-35B-A3B-DFlash: 8 full
+  layers, 32 heads, 4 KV heads, head_dim 128, MLP width 6144, block 16, 5 tapped layers), whose
+  experts have no single MLP width to copy;
+- any other target: the target's own attention and MLP geometry (left empty: the drafter config
+  copies it), all full attention, :data:`STANDARD` block size, layers and taps (small enough for a
+  CPU run).
+
+Flags given explicitly always win over the rule (and must agree with ``--init-from``). Sliding
+layers without ``--draft-sliding-window`` get :data:`DEFAULT_SLIDING_WINDOW`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from dflash.assets import default_target_dir
+from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, parse_layer_types
+from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError, check_tensors, read_drafter_config
+from dflash.run.step_dirs import find_checkpoint
+from dflash.target.files import read_target_config
+from dflash.target.taps import max_captured_layers
+
+logger = logging.getLogger(__name__)
+
+#: ``model_type`` of the Qwen3.5/3.6 hybrid targets (the multimodal checkpoint and its text model),
+#: dense and mixture-of-experts.
+QWEN3_5_MODEL_TYPES = {"dense": ("qwen3_5", "qwen3_5_text"), "moe": ("qwen3_5_moe", "qwen3_5_moe_text")}
+#: Window of the published sliding drafter layers, in tokens.
+DEFAULT_SLIDING_WINDOW = 2048
+#: Rule for targets without a published shape: the target's geometry, TrainConfig field -> value.
+STANDARD = {"block_size": 8, "num_draft_layers": 1, "num_target_layers": 3}
+#: The published Qwen3.5/3.6 drafters' shape (layer types: all sliding but the last).
+PUBLISHED_QWEN3_5 = {
+    "block_size": 16,
+    "num_draft_layers": 5,
+    "num_target_layers": 5,
+    "draft_heads": 32,
+    "draft_kv_heads": 8,
+    "draft_head_dim": 128,
+}
+#: The published Qwen3.5/3.6 MoE drafters' shape (z-lab/Qwen3.5-35B-A3B-DFlash, for a 40-layer target:
+#: taps [1, 10, 19, 28, 37]; all full attention; the MLP width of its config, feed_forward_length 6144
+#: in the GGUF conversions of the 35B-A3B drafters, as its 905 MB of bf16 weights imply).
+PUBLISHED_QWEN3_5_MOE = {
+    "block_size": 16,
+    "num_draft_layers": 8,
+    "num_target_layers": 5,
+    "draft_heads": 32,
+    "draft_kv_heads": 4,
+    "draft_head_dim": 128,
+    "draft_intermediate_size": 6144,
+}
+#: The TrainConfig fields :func:`resolve_drafter_shape` fills.
+SHAPE_FIELDS = (
+    "block_size",
+    "num_draft_layers",
+    "draft_layer_types",
+    "draft_sliding_window",
+    "draft_heads",
+    "draft_kv_heads",
+    "draft_head_dim",
+    "draft_intermediate_size",
+    "target_layer_ids",
+    "num_target_layers",
+    "mask_token_id",
+)
+# TrainConfig field -> what a drafter's config.json calls it (for --init-from).
+_FROM_DRAFTER = {
+    "block_size": "block_size",
+    "num_draft_layers": "num_hidden_layers",
+    "draft_heads": "num_attention_heads",
+    "draft_kv_heads": "num_key_value_heads",
+    "draft_head_dim": "head_dim",
+    "draft_intermediate_size": "intermediate_size",
+}
+
+
+def qwen3_5_family(target_config: dict) -> str | None:
+    """``"dense"`` or ``"moe"`` for a Qwen3.5/3.6 hybrid target ``config.json`` (dict), text-only or
+    multimodal; None for any other target."""
+    text = target_config.get("text_config") or target_config
+    for family, model_types in QWEN3_5_MODEL_TYPES.items():
+        if target_config.get("model_type") in model_types or text.get("model_type") in model_types:
+            return family
+    return None
+
+
+def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
+    """``config`` with the drafter's shape filled in by the rule of the module docstring; reads
+    only the target's ``config.json`` (and the ``--init-from`` drafter's config). Idempotent.
+
+    Raises:
+        TargetLoadError: the target directory has no readable ``config.json``.
+        CheckpointError: the ``--init-from`` directory is not a complete drafter (its config, or
+            weights that are cut short or that the config does not describe).
+        ValueError: flags that contradict each other or the ``--init-from`` drafter, or an
+            ``--init-from`` drafter that does not fit the target (the message names the field).
+    """
+    target_dir = Path(config.target) if config.target else default_target_dir()
+    target = read_target_config(target_dir)
+    if config.init_from:
+        config = dataclasses.replace(config, init_from=_drafter_directory(config.init_from))
+        values = _from_drafter(config, target, target_dir)
+    else:
+        family = qwen3_5_family(target)
+        rule = {"dense": PUBLISHED_QWEN3_5, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
+        values = {k: v for k, v in rule.items() if getattr(config, k) is None}
+        values |= _layer_types(config, values, sliding_rule=family == "dense")
+        values |= _default_taps_that_fit(config, values, target)
+    return dataclasses.replace(config, **values)
+
+
+def _default_taps_that_fit(config: TrainConfig, values: dict, target: dict) -> dict:
+    """The rule's tap count, lowered to what the target's depth spreads (a flag the user passed
+    is checked as given, with an error naming it: :func:`dflash.target.taps.check_taps`)."""
+    layers = (target.get("text_config") or target).get("num_hidden_layers")
+    if "num_target_layers" not in values or config.target_layer_ids is not None or not isinstance(layers, int):
+        return {}
+    fits = max_captured_layers(layers)
+    if values["num_target_layers"] <= fits:
+        return {}
+    logger.info(
+        "tapping %d target layers, the most the default spread fits in a %d-layer target (the rule's %d need %d)",
+        fits,
+        layers,
+        values["num_target_layers"],
+        values["num_target_layers"] + 3,
+    )
+    return {"num_target_layers": fits}
+
+
+def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> dict:
+    """``draft_layer_types`` / ``draft_sliding_window`` (and the layer count from the types)."""
+    layers = values.get("num_draft_layers", config.num_draft_layers)
+    if config.draft_layer_types is not None:
+        types = parse_layer_types(config.draft_layer_types)
+        if config.num_draft_layers is not None and len(types) != config.num_draft_layers:
+            raise ValueError(
+                f"--draft-layer-types names {len(types)} layers, --num-draft-layers is {config.num_draft_layers}; "
+                "give one type per drafter layer (or drop --num-draft-layers)"
+            )
+    elif sliding_rule:
+        types = [SLIDING_ATTENTION] * (layers - 1) + [FULL_ATTENTION]
+    else:
+        types = [FULL_ATTENTION] * (config.num_draft_layers or layers)
+    out = {"num_draft_layers": len(types)}
+    if SLIDING_ATTENTION not in types:
+        if config.draft_sliding_window is not None:
+            raise ValueError(
+                f"--draft-sliding-window {config.draft_sliding_window}: no drafter layer is sliding; pass "
+                "--draft-layer-types with sliding layers (e.g. sliding,sliding,sliding,sliding,full)"
+            )
+        if config.draft_layer_types is None:
+            return out  # all full attention: the field stays empty, as in runs saved before it existed
+    else:
+        out["draft_sliding_window"] = config.draft_sliding_window or DEFAULT_SLIDING_WINDOW
+    return out | {"draft_layer_types": ",".join(types)}
+
+
+def _drafter_directory(init_from: str) -> str:
+    """``--init-from`` as the drafter directory it names: itself, or the latest checkpoint of a
+    run directory (``--out`` of ``dflash train``, as ``dflash eval`` and ``dflash export`` take)."""
+    path = Path(init_from)
+    if (path / CONFIG_NAME).is_file() or not path.is_dir():
+        return init_from  # a drafter directory, or a missing one that read_drafter_config names
+    try:
+        step_dir = find_checkpoint(path, verify=False, files=DRAFTER_FILES)
+    except CheckpointError:
+        return init_from
+    logger.info("--init-from %s: a training run; starting from its checkpoint %s", init_from, step_dir)
+    return str(step_dir)
+
+
+def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
+    """The shape fields of the ``--init-from`` drafter, refused where they contradict a flag or
+    do not fit the target, or where its weights cannot load (read from the file's header)."""
+    drafter = read_drafter_config(config.init_from)
+    values = {field: getattr(drafter, key) for field, key in _FROM_DRAFTER.items()}
+    values |= {
+        "draft_layer_types": ",".join(drafter.layer_types),
+        "draft_sliding_window": drafter.window_of(SLIDING_ATTENTION)
+        if SLIDING_ATTENTION in drafter.layer_types
+        else None,
+        "target_layer_ids": drafter.target_layer_ids,
+        "num_target_layers": len(drafter.target_layer_ids),
+        "mask_token_id": drafter.mask_token_id,
+    }
+    for field, value in values.items():
+        given = getattr(config, field)
+        if field == "draft_layer_types" and given is not None:
+            given = ",".join(parse_layer_types(given))
+        if given is not None and given != value:
+            raise ValueError(
+                f"--{field.replace('_', '-')} {getattr(config, field)} disagrees with the --init-from drafter "
+                f"{config.init_from} ({value}); drop the flag: the drafter's own shape is kept"
+            )
+    text = target.get("text_config") or target
+    fits = {"hidden_size": drafter.hidden_size, "vocab_size": drafter.vocab_size}
+    fits["num_hidden_layers"] = drafter.num_target_layers
+    for key, value in fits.items():
+        if text.get(key) != value:
+            name = "num_target_layers" if key == "num_hidden_layers" else key
+            raise ValueError(
+                f"--init-from {config.init_from}: {name} {value} does not fit the target {target_dir} ({key} "
+                f"{text.get(key)}); this drafter was trained for another target: pass its target, or train a "
+                "new drafter without --init-from"
+            )
+    check_tensors(config.init_from, drafter)  # from the file's header: weights that cannot load, before the target
+    return values

@@ -1,0 +1,115 @@
+"""A run directory (``dflash train --out``): the names of what a run writes there, and which
+directories may be one.
+
+A run writes ``train_config.json``, ``checkpoints/``, ``tensorboard/``, ``metrics.jsonl``, its
+lock, the regenerated replies with their key and journals, the token cache, and the held-out
+acceptance measured for it (``acceptance.json``). ``--out`` must
+name a directory that is not inside another run (``<run>/checkpoints`` would nest a run among
+another's checkpoints, and ``dflash eval --drafter <run>`` would pick the nested one), and that
+holds nothing else unless ``--allow-nonempty-out`` says so (``--out ~`` would spread a run's
+files among the user's). An empty ``--out`` is refused when the config is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from dflash.config import SAVED_CONFIG_NAME
+from dflash.run.acceptance_log import LOG_NAME as ACCEPTANCE_NAME
+from dflash.run.lock import LOCK_NAME
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+#: One JSON object per logged step (rank 0), beside the tensorboard logs.
+METRICS_NAME = "metrics.jsonl"
+#: The target-regenerated corpus; its key (``.key.json``) and journals (``.partial``) start with this name.
+REGENERATED_NAME = "regenerated_train.jsonl"
+#: The token cache (:mod:`dflash.data.token_cache`).
+TOKENS_DIR = "tokenized"
+_RUN_FILES = {SAVED_CONFIG_NAME, CHECKPOINTS_DIR, TENSORBOARD_DIR, METRICS_NAME, LOCK_NAME, TOKENS_DIR, ACCEPTANCE_NAME}
+
+
+def is_run_file(name: str) -> bool:
+    """Whether a name in ``--out`` is one a run writes (hidden names, such as atomic writes' temp
+    files, count as a run's)."""
+    return name in _RUN_FILES or name.startswith((REGENERATED_NAME, "."))
+
+
+def holds_run(path: Path) -> bool:
+    """Whether ``path`` is a run's directory: its flags, or a checkpoint, are there."""
+    return (path / SAVED_CONFIG_NAME).is_file() or any((path / CHECKPOINTS_DIR).glob("step_*"))
+
+
+def check_out_location(out: Path, *, allow_nonempty: bool) -> None:
+    """``out`` is not inside another run, and holds only a run's files unless ``allow_nonempty``.
+
+    Raises:
+        ValueError: the run ``out`` is inside, or the first other files ``out`` holds; each with the fix.
+    """
+    resolved = out.expanduser().resolve()
+    enclosing = next((parent for parent in resolved.parents if holds_run(parent)), None)
+    if enclosing is not None:
+        raise ValueError(
+            f"--out {out} is inside the run {enclosing}: a run there would nest among its files (and dflash eval "
+            f"--drafter {enclosing} would pick it); choose a directory outside it, e.g. --out "
+            f"{enclosing.parent / (enclosing.name + '-2')}"
+        )
+    others = sorted(p.name for p in resolved.iterdir() if not is_run_file(p.name)) if resolved.is_dir() else []
+    if others and not allow_nonempty:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ValueError(
+            f"--out {out} already holds files that are not a run's ({shown}); choose an empty or new directory, "
+            "or pass --allow-nonempty-out to add the run's files beside them"
+        )
+
+
+#: What a checkpoint holds besides the tensors: config.json, manifest.json, modeling_dflash.py, the
+#: RNG and data-order state and the tensor headers (77 KB on a tiny run, 2026-12-04).
+CHECKPOINT_OVERHEAD = 128 * 1024
+
+
+def checkpoint_bytes(parameters: int, *, export_itemsize: int) -> int:
+    """About the size of one checkpoint of a drafter of ``parameters`` trainable parameters
+    (:mod:`dflash.run.checkpoint`): the exported weights, AdamW's two float32 moments, the float32 master
+    weights when the export is narrower, and :data:`CHECKPOINT_OVERHEAD`."""
+    master = 4 if export_itemsize < 4 else 0
+    return parameters * (export_itemsize + 8 + master) + CHECKPOINT_OVERHEAD
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def check_free_space(out: Path, *, checkpoint_size: int, keep_last: int) -> None:
+    """The disk of ``out`` holds the next checkpoint (written before the oldest is pruned); a
+    warning says when it will not hold ``keep_last`` of them plus the one being written.
+
+    Raises:
+        ValueError: not even the next checkpoint fits; names the sizes and the fixes.
+    """
+    existing = len([p for p in (out / CHECKPOINTS_DIR).glob("step_*") if p.is_dir() and "." not in p.name])
+    free = shutil.disk_usage(next(p for p in (out, *out.resolve().parents) if p.exists())).free
+    fixes = "free space, choose another --out, save narrower weights (--save-dtype bfloat16) or train with --no-save"
+    if free < checkpoint_size:
+        raise ValueError(
+            f"--out {out}: {_size(free)} free, but a checkpoint of this run takes about {_size(checkpoint_size)}: the "
+            f"first save would fail and the steps before it be lost; {fixes}"
+        )
+    needed = max(1, keep_last + 1 - existing) * checkpoint_size
+    if free < needed:
+        logger.warning(
+            "--out %s: %s free, a checkpoint takes about %s and --keep-last %d keeps %d of them (plus the one being "
+            "written): the disk fills after %d more save(s); %s, or pass --keep-last %d",
+            out,
+            _size(free),
+            _size(checkpoint_size),
+            keep_last,
+            keep_last,
+            free // checkpoint_size,
+            fixes,
+            max(1, free // checkpoint_size - 1),
+        )

@@ -1,0 +1,266 @@
+"""DFlash training loss and metrics: chunked LM head, position weights, soft labels, D-PACE, tau_hat.
+
+The drafter's hidden states go through the target's frozen ``lm_head``. With N*Bs draft tokens and
+a 152k vocabulary the full logits (8,192 x 151,936 floats, ~5 GB in fp32) do not fit next to the
+rest of a training step, so :func:`dflash_loss` runs the head + loss over chunks of whole blocks,
+one chunk's logits at a time. Each chunk computes its loss *and* its gradient with respect to the
+drafter's hidden states in one pass (a fused linear cross-entropy, as Liger-Kernel and "Cut Your
+Losses" (arXiv 2411.09009) do for LM heads): backward only scales the saved gradient, so nothing
+is recomputed and no logits outlive their chunk. Against checkpointing each chunk (logits
+recomputed in backward) that saves one of three V x H matmuls per draft token.
+
+Loss (arXiv 2602.06036, Sec. 3.3): weighted cross-entropy over draft slots k >= 1 with
+``w_k = exp(-(k - 1) / gamma)`` (slot 0, the given anchor token, has weight 0). The function returns
+the weighted *sum* and its normaliser (the weight sum; the supervised-slot count for D-PACE); the
+trainer divides the sum by the normaliser gathered over the whole optimizer step (all
+micro-batches, all ranks), not per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash.config import PAPER_GAMMA
+
+POSITION_WEIGHTINGS = ("decay", "dpace")
+
+#: Confidence smoothing of D-PACE: SpecForge ``dpace_alpha`` and speculators ``--dpace-alpha`` default.
+DPACE_ALPHA = 0.5
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay constant gamma of the paper for ``block_size`` (7 for 16, 5 for 10, 4 for 8).
+
+    Raises:
+        ValueError: for a block size the paper gives no gamma for; pass gamma explicitly then.
+    """
+    if block_size not in PAPER_GAMMA:
+        raise ValueError(
+            f"no published gamma for block_size={block_size} (known: {sorted(PAPER_GAMMA)}); pass gamma explicitly"
+        )
+    return PAPER_GAMMA[block_size]
+
+
+def position_weights(
+    block_size: int, gamma: float | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
+    """Per-slot loss weights ``w_0 = 0``, ``w_k = exp(-(k - 1) / gamma)`` for k >= 1.
+
+    Args:
+        block_size (int): Bs.
+        gamma (float, optional): decay constant (> 0); None uses :func:`default_gamma`.
+        device: where to create the tensor.
+
+    Returns:
+        Tensor: float32 ``[Bs]``.
+
+    Raises:
+        ValueError: ``gamma <= 0`` or ``block_size < 2``.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+@dataclass
+class LossOutput:
+    """Sums over one micro-batch; reduce across micro-batches/ranks first, divide last.
+
+    Attributes:
+        loss_sum (Tensor): scalar, sum over supervised slots of ``weight * token_loss``
+            (differentiable w.r.t. the drafter hidden states).
+        weight_sum (Tensor): scalar float32, what the loss sum is divided by (no grad): the sum of
+            the position weights for "decay", the number of supervised slots for "dpace".
+        correct (Tensor): int64 ``[Bs]``, per slot, supervised slots whose argmax equals the label.
+        total (Tensor): int64 ``[Bs]``, per slot, supervised slots.
+    """
+
+    loss_sum: Tensor
+    weight_sum: Tensor
+    correct: Tensor
+    total: Tensor
+
+
+def dflash_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    weights: Tensor,
+    *,
+    chunk_blocks: int = 16,
+    position_weighting: str = "decay",
+    dpace_alpha: float = DPACE_ALPHA,
+    soft_label_weight: float = 0.0,
+    teacher_hidden: Tensor | None = None,
+    anchors: Tensor | None = None,
+) -> LossOutput:
+    """Chunked LM head + weighted loss over draft blocks.
+
+    Per supervised slot (``label_mask``) the token loss is
+    ``(1 - a) * CE(drafter, label) + a * KL(target || drafter)`` with ``a = soft_label_weight``;
+    it is multiplied by the slot's weight and summed. Logits are computed in the dtype of
+    ``hidden`` and upcast to float32 for softmax/CE.
+
+    Position weighting:
+
+    - ``"decay"``: ``weights[k]`` (use :func:`position_weights`).
+    - ``"dpace"``: D-PACE (arXiv 2605.18810), as SpecForge (``OnlineDFlashModel._dpace_weight``)
+      and speculators (``losses.dpace_loss_decay``) define it alike. With ``q_i`` the drafter's
+      probability of the label at slot i (detached), each supervised slot's confidence is
+      smoothed, ``c_i = (1 - alpha) * q_i + alpha``, and an unsupervised slot passes through
+      (``c_i = 1``); slot k of a block gets ``w_k = sum_{j >= k, j supervised} prod_{i <= j} c_i``
+      (0 where unsupervised): the expected accepted length's sensitivity to slot k, so training
+      focuses on the slots that currently limit acceptance. ``weights`` is ignored except for its
+      length. The returned weight sum is the number of supervised slots (speculators divides by
+      it; SpecForge by the batch size), so the loss is a mean over supervised slots.
+
+    Memory and work: each chunk of ``chunk_blocks`` blocks computes its logits, loss and the
+    gradient of the loss with respect to its hidden states at once (:class:`_FusedChunkLoss`);
+    only that gradient (``[C, Bs, H]``) is kept for backward, never logits (peak
+    ``chunk_blocks * Bs * V`` floats, x3-4 for softmax and gradient). The LM head is frozen, so no
+    weight gradient is formed. The gradient flows to ``hidden`` only.
+
+    Args:
+        hidden (Tensor): ``[B, N*Bs, H]`` drafter output (after its final norm).
+        lm_head_weight (Tensor): ``[V, H]`` frozen target LM head weight.
+        labels (Tensor): int64 ``[B, N, Bs]`` (:func:`dflash.masks.build_labels`).
+        label_mask (Tensor): bool ``[B, N, Bs]``.
+        weights (Tensor): float ``[Bs]`` per-slot weights (:func:`position_weights`).
+        chunk_blocks (int): blocks per chunk (>= 1); a chunk holds ``chunk_blocks * Bs`` rows.
+        position_weighting (str): ``"decay"`` or ``"dpace"``.
+        dpace_alpha (float): D-PACE confidence smoothing in [0, 1] (:data:`DPACE_ALPHA`).
+        soft_label_weight (float): a in [0, 1]; > 0 needs ``teacher_hidden`` and ``anchors``.
+        teacher_hidden (Tensor, optional): ``[B, S, H]`` the verifier's last hidden state (the
+            input of its ``lm_head``, after the final norm). Slot k of the block anchored at a is
+            matched to the target's next-token distribution at position ``a + k - 1``, the
+            distribution the target verifies ``x[a + k]`` with.
+        anchors (Tensor, optional): int64 ``[B, N]``, needed with ``teacher_hidden``.
+
+    Returns:
+        LossOutput
+
+    Raises:
+        ValueError: on inconsistent shapes or options.
+    """
+    batch, q_len, hidden_size = hidden.shape
+    block_size = weights.shape[0]
+    num_blocks = q_len // block_size
+    if labels.shape != (batch, num_blocks, block_size) or label_mask.shape != labels.shape:
+        raise ValueError(
+            f"labels/label_mask must be [B, N, Bs] = {(batch, num_blocks, block_size)}, got "
+            f"{tuple(labels.shape)} and {tuple(label_mask.shape)}"
+        )
+    if q_len != num_blocks * block_size:
+        raise ValueError(f"hidden has {q_len} rows, not a multiple of block size {block_size}")
+    if position_weighting not in POSITION_WEIGHTINGS:
+        raise ValueError(f"position_weighting must be one of {POSITION_WEIGHTINGS}, got {position_weighting!r}")
+    if chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    if not 0.0 <= dpace_alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in [0, 1], got {dpace_alpha}")
+    if not 0.0 <= soft_label_weight <= 1.0:
+        raise ValueError(f"soft_label_weight must be in [0, 1], got {soft_label_weight}")
+    soft = soft_label_weight > 0.0
+    if soft and (teacher_hidden is None or anchors is None):
+        raise ValueError("soft_label_weight > 0 needs teacher_hidden [B, S, H] and anchors [B, N]")
+
+    rows = hidden.reshape(batch * num_blocks, block_size, hidden_size)
+    labels = labels.reshape(batch * num_blocks, block_size)
+    label_mask = label_mask.reshape(batch * num_blocks, block_size)
+    weights = weights.to(device=hidden.device, dtype=torch.float32)
+    teacher_rows = _teacher_rows(teacher_hidden, anchors, block_size) if soft else None
+
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
+    for start in range(0, rows.shape[0], chunk_blocks):
+        part = slice(start, start + chunk_blocks)
+        teacher = teacher_rows[part] if soft else None
+        chunk_loss, chunk_weight, chunk_correct = _FusedChunkLoss.apply(
+            rows[part],
+            lm_head_weight,
+            labels[part],
+            label_mask[part],
+            weights,
+            teacher,
+            soft_label_weight,
+            position_weighting,
+            dpace_alpha,
+        )
+        loss_sum = loss_sum + chunk_loss
+        weight_sum = weight_sum + chunk_weight
+        correct = correct + chunk_correct
+    total = label_mask.sum(0)
+    return LossOutput(loss_sum, weight_sum, correct, total)
+
+
+def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """Teacher states per draft slot: slot k of anchor a <- position ``a + k - 1`` -> ``[B*N, Bs, H]``."""
+    batch, seq_len, hidden_size = teacher_hidden.shape
+    offsets = torch.arange(block_size, device=anchors.device) - 1
+    positions = (anchors[:, :, None] + offsets).clamp(0, seq_len - 1)  # slot 0 is unsupervised
+    index = positions.reshape(batch, -1, 1).expand(-1, -1, hidden_size)
+    return torch.gather(teacher_hidden.detach(), 1, index).reshape(-1, block_size, hidden_size)
+
+
+class _FusedChunkLoss(torch.autograd.Function):
+    """One chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs]), the
+    gradient with respect to ``hidden`` computed in forward and saved; backward scales it.
+
+    With ``p`` the drafter's softmax, ``t`` the teacher's, ``a`` the soft-label weight and ``w`` the
+    (detached) slot weight, the loss of a slot is ``w * ((1 - a) * CE + a * KL(t || p))``, whose
+    gradient with respect to the logits is ``w * (p - (1 - a) * onehot(label) - a * t)``; through
+    the frozen head, ``dL/dhidden = (dL/dlogits) @ W``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, label_mask, weights, teacher, soft_label_weight, weighting, alpha):
+        logits = (hidden @ lm_head_weight.t()).float()  # [C, Bs, V]
+        log_probs = F.log_softmax(logits, dim=-1)
+        label_log_prob = log_probs.gather(-1, labels[..., None]).squeeze(-1)  # [C, Bs]
+        token_loss = -label_log_prob
+        grad_logits = log_probs.exp()  # p; becomes dL/dlogits below
+        label_share = 1.0
+        if teacher is not None:
+            teacher_log_probs = F.log_softmax((teacher @ lm_head_weight.t()).float(), dim=-1)
+            teacher_probs = teacher_log_probs.exp()
+            kl = (teacher_probs * (teacher_log_probs - log_probs)).sum(-1)
+            token_loss = (1.0 - soft_label_weight) * token_loss + soft_label_weight * kl
+            grad_logits.sub_(soft_label_weight * teacher_probs)
+            label_share = 1.0 - soft_label_weight
+        if weighting == "dpace":
+            slot_weights = _dpace_weights(label_log_prob, label_mask, alpha)
+            normaliser = label_mask.sum().float()
+        else:
+            slot_weights = torch.where(label_mask, weights.expand_as(token_loss), 0.0)
+            normaliser = slot_weights.sum()
+        correct = ((logits.argmax(-1) == labels) & label_mask).sum(0)
+        del logits, log_probs
+        grad_logits.scatter_add_(-1, labels[..., None], torch.full_like(label_log_prob, -label_share)[..., None])
+        grad_logits.mul_(slot_weights[..., None])
+        ctx.save_for_backward((grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype))
+        ctx.mark_non_differentiable(normaliser, correct)
+        return (slot_weights * token_loss).sum(), normaliser, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_normaliser, grad_correct):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_loss * grad_hidden, None, None, None, None, None, None, None, None
+
+
+def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor, alpha: float) -> Tensor:
+    """D-PACE weights ``[C, Bs]`` of blocks (see :func:`dflash_loss`); 0 on unsupervised slots."""
+    smoothed = torch.where(label_mask, (1.0 - alpha) * label_log_prob.exp() + alpha, 1.0)
+    reach = torch.cumprod(smoothed, dim=-1) * label_mask
+    return reach.flip(-1).cumsum(-1).flip(-1) * label_mask

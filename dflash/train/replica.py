@@ -1,0 +1,155 @@
+"""Drafter replicas and the optimizer step they take together.
+
+A replica is one device's copy of the drafter with its frozen heads (the target's embedding and
+LM head on that device), its optimizer, its compiled step function and a flat gradient buffer
+whose tail holds the step statistics (:class:`dflash.train.step.StatsLayout`). Every replica of
+every process takes the same step from the same summed gradients (:func:`optimizer_step`), so
+replicas stay bit-identical without broadcasting weights, as DDP does. The local engine has one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from dflash.compile_watch import CountingBackend, DynamoWarnings, StepWatch, fresh_function
+from dflash.distributed import FlatGradients, sum_replicas
+from dflash.train.step import LossSettings, StatsLayout, drafter_forward_loss
+
+ADAM_BETAS = (0.9, 0.95)
+
+
+@dataclass
+class Heads:
+    """The target's frozen embedding and LM head on a replica's device."""
+
+    embed_tokens: torch.nn.Module
+    lm_head: torch.nn.Module
+
+
+@dataclass
+class DrafterReplica:
+    """One device's drafter, frozen heads, optimizer, compiled step, gradient + statistics buffer.
+
+    Args:
+        name (str): the replica's name in logs (``drafter0 (cuda:1)``).
+        device (torch.device)
+        model (DFlashDraftModel): fp32 master weights; bf16 compute comes from autocast.
+        heads (Heads)
+        optimizer (torch.optim.Optimizer): AdamW (:func:`build_optimizer`).
+        flat (FlatGradients): ``.grad`` views, then the :class:`StatsLayout` slots.
+        position_weight (Tensor): float32 ``[Bs]`` on ``device``.
+        step_fn: :func:`drafter_forward_loss` or its compiled copy.
+        watch (StepWatch): compile accounting of ``step_fn`` in this replica's thread.
+    """
+
+    name: str
+    device: torch.device
+    model: torch.nn.Module
+    heads: Heads
+    optimizer: torch.optim.Optimizer
+    flat: FlatGradients
+    position_weight: torch.Tensor
+    step_fn: object
+    watch: StepWatch
+
+
+def build_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
+    """Fused AdamW over the trainable parameters (one kernel per step, CPU and CUDA; it also takes
+    the step's gradient scale, see :func:`optimizer_step`); the learning rate is set every step by
+    the trainer's schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=config.lr, betas=ADAM_BETAS, weight_decay=config.weight_decay, fused=True)
+
+
+def _heads_on(device: torch.device, targets) -> Heads:
+    """The frozen heads of a target on ``device`` if one is there, else a copy of the first's."""
+    local = next((t for t in targets if t.device == device), None)
+    if local is not None:
+        return Heads(local.embed_tokens, local.lm_head)
+    source = targets[0]
+    return Heads(copy.deepcopy(source.embed_tokens).to(device), copy.deepcopy(source.lm_head).to(device))
+
+
+def build_replicas(
+    drafter: torch.nn.Module,
+    slots,
+    targets,
+    config,
+    settings: LossSettings,
+    *,
+    compiled: bool,
+    warnings: DynamoWarnings,
+    backend: str = "inductor",
+) -> list[DrafterReplica]:
+    """One :class:`DrafterReplica` per drafter slot, each a copy of ``drafter``'s initial weights.
+
+    Compiled replicas get their own copy of :func:`drafter_forward_loss` (its own code object, so
+    its own dynamo cache and recompile limit) compiled with ``dynamic=False`` through a
+    :class:`CountingBackend` wrapping ``backend``.
+    """
+    layout = StatsLayout(settings.block_size)
+    replicas = []
+    for index, slot in enumerate(slots):
+        model = (drafter if index == 0 else copy.deepcopy(drafter)).to(slot.device)
+        backend_ = CountingBackend(backend) if compiled else None
+        step_fn = (
+            torch.compile(fresh_function(drafter_forward_loss, index), backend=backend_, dynamic=False)
+            if compiled
+            else drafter_forward_loss
+        )
+        name = f"drafter{index} ({slot.name})"
+        replicas.append(
+            DrafterReplica(
+                name=name,
+                device=slot.device,
+                model=model,
+                heads=_heads_on(slot.device, targets),
+                optimizer=build_optimizer(model, config),
+                flat=FlatGradients(model, extra=layout.size),
+                position_weight=settings.position_weight(slot.device),
+                step_fn=step_fn,
+                watch=StepWatch(name, backend_, warnings),
+            )
+        )
+    return replicas
+
+
+def optimizer_step(replicas: list[DrafterReplica], *, lr: float, grad_clip: float) -> torch.Tensor:
+    """Sum gradients and statistics over all replicas and processes, then step every replica at
+    ``lr`` on the gradients divided by the step's total position weight W and clipped to a global
+    norm of ``grad_clip`` (0 = off).
+
+    Division and clipping are one scale, ``min(1 / W, grad_clip / ||g||)`` for the summed
+    gradient g, which the fused AdamW kernel applies as it reads the gradients
+    (``optimizer.grad_scale`` divides by its inverse): one pass over the gradients for their norm
+    and the optimizer's own, instead of three more (divide, norm, clip).
+
+    Returns:
+        Tensor: 0-d float32 norm of the divided gradients before clipping, on replica 0's device;
+        no host sync.
+    """
+    sum_replicas([r.flat.buffer for r in replicas])
+    grad_norm = None
+    for r in replicas:
+        r.flat.check_views()
+        weight = r.flat.stats[StatsLayout.WEIGHT].clamp(min=1e-8)
+        norm = torch.linalg.vector_norm(r.flat.grad_buffer) / weight
+        inverse_scale = torch.maximum(weight, norm * weight / grad_clip) if grad_clip else weight
+        r.optimizer.grad_scale = inverse_scale.float()
+        for group in r.optimizer.param_groups:
+            group["lr"] = lr
+        r.optimizer.step()
+        grad_norm = norm if grad_norm is None else grad_norm
+    return grad_norm
+
+
+def load_replica_state(replicas: list[DrafterReplica], weights: dict, optimizer_state: dict) -> None:
+    """Load the same weights and optimizer state into every replica."""
+    for r in replicas:
+        r.model.load_state_dict(weights)
+        # A copy each: load_state_dict keeps same-device state tensors as they are, so replicas
+        # would share (and triple-update) one set of Adam moments.
+        r.optimizer.load_state_dict(copy.deepcopy(optimizer_state))

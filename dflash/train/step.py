@@ -1,0 +1,243 @@
+"""One micro-batch of DFlash drafter training (arXiv 2602.06036, Sec. 3): the frozen target's
+hidden states in, the drafter's forward + loss + backward out.
+
+Two stages, so a step engine can run them on different devices and threads:
+
+- :func:`produce_target_states`: :class:`~dflash.data.batches.Batch` -> :class:`TargetBatch` (target
+  forward, no grad);
+- :func:`drafter_step`: :class:`TargetBatch` + anchors -> gradients accumulated into the drafter's
+  ``.grad`` and the micro-batch's statistics as one device vector (:class:`StatsLayout`), so a
+  step's statistics reach the host in one transfer.
+
+:func:`drafter_forward_loss` is what ``torch.compile`` wraps on GPU: tensors in, tensors out, the
+BlockMask built outside. The loss is a weighted *sum*; the step engine divides gradients by the
+weight sum of the whole optimizer step (all micro-batches, threads and processes), so grad
+accumulation equals one big batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.data.batches import Batch
+from dflash.masks import build_labels, draft_input_ids
+from dflash.target.model import Target, TargetStates
+from dflash.train.loss import dflash_loss, position_weights
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """How the drafter loss is computed; built once from the training config
+    (:meth:`from_config`) and shared by every engine and thread.
+
+    Args:
+        mask_token_id (int): the draft mask slot's token id (an existing target embedding row).
+        block_size (int): Bs.
+        gamma (float | None): decay of the position weights (None: the paper's value for Bs).
+        soft_label_weight (float): weight of the KL to the target's distribution, in [0, 1].
+        position_weighting (str): ``decay`` or ``dpace``.
+        dpace_alpha (float): D-PACE confidence smoothing (used with ``dpace``).
+        chunk_blocks (int): draft blocks per chunk of the LM head + loss.
+    """
+
+    mask_token_id: int
+    block_size: int
+    gamma: float | None
+    soft_label_weight: float
+    position_weighting: str
+    dpace_alpha: float
+    chunk_blocks: int
+
+    @classmethod
+    def from_config(cls, config, mask_token_id: int) -> LossSettings:
+        return cls(
+            mask_token_id=mask_token_id,
+            block_size=config.block_size,
+            gamma=config.gamma,
+            soft_label_weight=config.soft_label_weight,
+            position_weighting="dpace" if config.dpace else "decay",
+            dpace_alpha=config.dpace_alpha,
+            chunk_blocks=config.loss_chunk_blocks,
+        )
+
+    @property
+    def needs_last_hidden(self) -> bool:
+        """Soft labels read the target's last hidden state; otherwise it is never moved."""
+        return self.soft_label_weight > 0
+
+    def position_weight(self, device: torch.device) -> torch.Tensor:
+        """float32 ``[Bs]`` slot weights on ``device`` (:func:`dflash.train.loss.position_weights`)."""
+        return position_weights(self.block_size, self.gamma, device=device)
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments of :func:`drafter_forward_loss`."""
+        return dict(
+            mask_token_id=self.mask_token_id,
+            soft_label_weight=self.soft_label_weight,
+            position_weighting=self.position_weighting,
+            dpace_alpha=self.dpace_alpha,
+            chunk_blocks=self.chunk_blocks,
+        )
+
+
+class StatsLayout:
+    """The step statistics as one float32 device vector of ``5 + 2 * Bs`` entries:
+    ``[loss_sum, weight_sum, valid_blocks, attention_pairs, stop, correct[Bs], total[Bs]]``.
+
+    Sums over micro-batches, threads and processes are elementwise, so the vector travels with
+    the gradients in one collective (:class:`dflash.distributed.FlatGradients` ``extra`` slots).
+    ``stop`` is set by a process that received SIGTERM/SIGINT, so every process sees the request
+    in the same step. Counts are exact in float32 up to 2**24 per step.
+    """
+
+    LOSS, WEIGHT, BLOCKS, PAIRS, STOP = range(5)
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.size = 5 + 2 * block_size
+        self.correct = slice(5, 5 + block_size)
+        self.total = slice(5 + block_size, 5 + 2 * block_size)
+
+
+@dataclass
+class TargetBatch:
+    """Everything the drafter needs for one micro-batch, on the drafter's device.
+
+    Args:
+        input_ids (Tensor): int64 ``[B, S]``.
+        loss_mask (Tensor): bool ``[B, S]``.
+        position_ids (Tensor): int64 ``[B, S]``, positions within each document (packed rows).
+        document_ids (Tensor): int64 ``[B, S]``, document of each token, -1 on padding.
+        states (TargetStates): context ``[B, S, K*H]`` and, for soft labels, last hidden
+            ``[B, S, H]`` (no grad).
+        num_tokens (int): real (non-padding) tokens, counted on the host.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+    states: TargetStates
+    num_tokens: int
+
+    def to(self, device: torch.device) -> TargetBatch:
+        """A copy on ``device`` (asynchronous from pinned or peer memory; no host sync)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        states = TargetStates(move(self.states.context), move(self.states.last_hidden))
+        ids, mask, positions, documents = map(
+            move, (self.input_ids, self.loss_mask, self.position_ids, self.document_ids)
+        )
+        return TargetBatch(ids, mask, positions, documents, states, self.num_tokens)
+
+
+def produce_target_states(target: Target, batch: Batch, *, last_hidden: bool) -> TargetBatch:
+    """Run the frozen target on a host batch and keep what the drafter needs (stage 1).
+
+    Each conversation's states are those of the conversation run alone (:meth:`Target.capture`
+    with the batch's documents, taken from the host copy: no sync). Without ``last_hidden``
+    (:attr:`LossSettings.needs_last_hidden`) the target stops at its deepest tapped layer.
+    """
+    num_tokens, host_documents = batch.num_tokens, batch.document_ids
+    batch = batch.to(target.device)
+    states = target.capture(batch.input_ids, batch.position_ids, host_documents, last_hidden=last_hidden)
+    return TargetBatch(batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, states, num_tokens)
+
+
+def drafter_forward_loss(
+    drafter,
+    embed_weight,
+    lm_head_weight,
+    position_weight,
+    input_ids,
+    loss_mask,
+    position_ids,
+    document_ids,
+    context,
+    last_hidden,
+    anchors,
+    valid,
+    attention_mask,
+    *,
+    mask_token_id: int,
+    soft_label_weight: float,
+    position_weighting: str,
+    dpace_alpha: float,
+    chunk_blocks: int,
+):
+    """Draft blocks -> drafter -> chunked LM head + weighted loss (:func:`dflash.train.loss.dflash_loss`).
+
+    Tensors in, a :class:`dflash.train.loss.LossOutput` out; the attention mask (BlockMask or dense) is
+    built by the caller, outside any compiled region.
+    """
+    block_size = drafter.config.block_size
+    ids = draft_input_ids(input_ids, anchors, valid, block_size, mask_token_id)
+    embeds = F.embedding(ids, embed_weight)  # the target's frozen embedding, [B, N*Bs, H]
+    hidden = drafter(embeds, context, anchors, valid, attention_mask, position_ids=position_ids)
+    labels, label_mask = build_labels(input_ids, loss_mask, anchors, valid, block_size, document_ids)
+    return dflash_loss(
+        hidden,
+        lm_head_weight,
+        labels,
+        label_mask,
+        position_weight,
+        chunk_blocks=chunk_blocks,
+        position_weighting=position_weighting,
+        dpace_alpha=dpace_alpha,
+        soft_label_weight=soft_label_weight,
+        teacher_hidden=last_hidden if soft_label_weight > 0 else None,
+        anchors=anchors,
+    )
+
+
+def drafter_step(
+    step_fn,
+    drafter,
+    heads,
+    batch: TargetBatch,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    settings: LossSettings,
+    position_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Forward + backward of the drafter on one micro-batch (stage 2).
+
+    Gradients accumulate into the drafter's ``.grad`` from the unnormalised loss *sum*; the engine
+    divides by the step's total weight. Runs under bf16 autocast on CUDA.
+
+    Args:
+        step_fn: :func:`drafter_forward_loss` or a compiled copy of it.
+        drafter (DFlashDraftModel): the replica being trained.
+        heads: the target's frozen ``embed_tokens`` and ``lm_head`` on the drafter's device.
+        batch (TargetBatch): on the drafter's device.
+        anchors (Tensor): int64 ``[B, N]``; valid (Tensor): bool ``[B, N]`` (drafter's device).
+
+    Returns:
+        Tensor: float32 ``[StatsLayout(Bs).size]`` on the drafter's device (``stop`` = 0); no host sync.
+    """
+    attention_mask = drafter.build_attention_mask(anchors, valid, batch.input_ids.shape[1], batch.document_ids)
+    device_type = batch.input_ids.device.type
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+        out = step_fn(
+            drafter,
+            heads.embed_tokens.weight,
+            heads.lm_head.weight,
+            position_weight,
+            batch.input_ids,
+            batch.loss_mask,
+            batch.position_ids,
+            batch.document_ids,
+            batch.states.context,
+            batch.states.last_hidden,
+            anchors,
+            valid,
+            attention_mask,
+            **settings.loss_kwargs(),
+        )
+    out.loss_sum.backward()
+    pairs = drafter.attention_pairs(anchors, valid, batch.document_ids)
+    scalars = [out.loss_sum.detach(), out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs)]
+    return torch.cat([torch.stack([s.float() for s in scalars]), out.correct.float(), out.total.float()])

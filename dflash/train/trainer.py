@@ -1,0 +1,644 @@
+"""DFlash drafter training (arXiv 2602.06036): the loop around a step engine.
+
+:class:`Trainer` builds the inputs once from a settled config (:func:`dflash.run.settle.settle`:
+targets, tokenizer, data, the initial drafter, the loss settings), hands them to a step engine
+(:mod:`dflash.train.engine`: one device, or target and drafter threads) and owns everything around a
+step: the loop, the learning-rate schedule, checkpoints and exact resume, and a clean stop on
+SIGTERM/SIGINT. What each step's figures are and where they are written is :mod:`dflash.train.metrics`'s.
+
+Shape of the loop (torchtitan's): ``train()`` is a short while-loop; each step asks the engine
+for one optimizer step at the schedule's learning rate and gets back host-side statistics
+(:class:`dflash.train.engine.StepStats`, one device-to-host transfer per step).
+
+Stopping: the first SIGTERM (what SLURM and Kubernetes send before killing a job) or SIGINT
+finishes the step in flight, saves a checkpoint (with torchrun, every process stops after the
+same step: the request travels with the step's gradients) and raises :class:`dflash.signals.Stopped`;
+a second signal ends the process at once (the checkpoints on disk stay intact: writes are atomic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from dflash import watchdog
+from dflash.assets import default_data_dir, default_target_dir
+from dflash.compile_watch import DynamoWarnings
+from dflash.config import SAVED_CONFIG_NAME, TrainConfig
+from dflash.data.batches import build_loader
+from dflash.data.chats import read_conversations
+from dflash.data.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
+from dflash.data.token_cache import TokenCache, cache_key, usable_workers
+from dflash.data.tokenize import Example, Tokenized, check_token_ids, padding_id, usable_examples
+from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
+from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
+from dflash.drafter.files import CONFIG_NAME, CheckpointError
+from dflash.drafter.mask_token import resolve_mask_token_id
+from dflash.drafter.model import DFlashDraftModel, drafter_config, load_drafter_dir
+from dflash.evaluate import evaluate, load_prompts, stop_token_ids
+from dflash.files import sha256_file
+from dflash.patching.importhook import active_finder
+from dflash.progress_logging import log_above_progress_bars
+from dflash.run import acceptance_log, checkpoint
+from dflash.run.layout import REGENERATED_NAME, TOKENS_DIR, check_free_space, checkpoint_bytes
+from dflash.run.preflight import check_drafter_config
+from dflash.run.resume import check_process_count, check_resume_config
+from dflash.run.step_dirs import find_checkpoint, step_dir_name
+from dflash.signals import Stopped, StopRequest
+from dflash.target.files import context_length, load_tokenizer
+from dflash.target.model import load_target
+from dflash.train.engine import StepEngine
+from dflash.train.flops import detect_peak_tflops
+from dflash.train.jobs import JobSource, seq_len_schedule
+from dflash.train.local import LocalEngine
+from dflash.train.metrics import MetricsLog, Throughput, progress_postfix
+from dflash.train.replica import build_replicas
+from dflash.train.step import LossSettings
+from dflash.train.threaded import ThreadedEngine
+
+logger = logging.getLogger(__name__)
+
+
+def learning_rate(step: int, config: TrainConfig, total_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (1-based): linear warm-up over
+    ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``."""
+    k = step - 1
+    if k < config.warmup_steps:
+        return config.lr * (k + 1) / config.warmup_steps
+    progress = min(1.0, (k - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _warn_if_warmup_is_the_run(config: TrainConfig, total_steps: int) -> None:
+    """A warm-up as long as the run never reaches --lr: say so, with the peak it reaches."""
+    if config.warmup_steps >= total_steps:
+        logger.warning(
+            "--warmup-steps %d is not shorter than the run's %d steps: the learning rate rises for the whole run and "
+            "peaks at %.0f%% of --lr %g; pass %s",
+            config.warmup_steps,
+            total_steps,
+            100 * learning_rate(total_steps, config, total_steps) / config.lr,
+            config.lr,
+            f"--warmup-steps {total_steps // 10} (about a tenth of the steps) or more --steps"
+            if total_steps >= 10
+            else "--warmup-steps 0 or more --steps",
+        )
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def resolve_layout(config: TrainConfig, process: ProcessInfo) -> tuple[DeviceLayout, bool]:
+    """The device layout and whether it is threaded (``--target-devices``/``--drafter-devices``).
+
+    Raises:
+        ValueError: a bad device name or spec; several torchrun processes without the threaded
+            layout.
+    """
+    if config.drafter_devices is not None:
+        return parse_layout(config.target_devices, config.drafter_devices).shifted(process.local_rank), True
+    if process.world_size > 1:
+        raise ValueError(
+            "torchrun with several processes needs the threaded layout: pass --target-devices and --drafter-devices"
+        )
+    device = resolve_device(config.device)
+    slot = Slot(str(device), device)
+    return DeviceLayout((slot,), (slot,)), False
+
+
+class Trainer:
+    """Builds targets, data, drafter and a step engine from a settled :class:`TrainConfig`
+    (:func:`dflash.run.settle.settle`: the drafter's shape resolved, every input checked), and trains.
+
+    Raises:
+        ValueError (incl. DatasetError, TargetLoadError, CheckpointError, DeviceSpecError): bad
+            inputs, with the file/flag and the fix in the message.
+        dflash.train.threaded.PipelineError: a thread of the threaded engine failed.
+    """
+
+    def __init__(self, config: TrainConfig):
+
+        if config.block_size is None or config.num_draft_layers is None:  # settle() fills both
+            raise ValueError("Trainer takes a settled config: pass it through dflash.run.settle.settle first")
+        self.config = config
+        logger.debug("config: %s", json.dumps(config.to_dict(), sort_keys=True))
+        self.out = Path(config.out)
+        check_drafter_config(config)  # the drafter's config from the target's config.json, before the target loads
+        self.process = ProcessInfo.from_env()
+        self.layout, self.threaded = resolve_layout(config, self.process)
+        init_process_group(self.process, self.layout.drafters[0].device)
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
+        if not config.progress:  # transformers draws its own bars (loading weights)
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
+        _seed_everything(config.seed)
+        device = self.layout.targets[0].device
+        self.compiled = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+        target_dir = Path(config.target) if config.target else default_target_dir()
+        self.tokenizer, self.tokenizer_dir = load_tokenizer(target_dir), target_dir
+        data = Path(config.data) if config.data else default_data_dir() / "train.jsonl"
+        # Saved with every checkpoint: a resume on edited data is not the run it continues.
+        self.data_sha256 = sha256_file(data)
+        # Data tokenized before (a resume) is not read again: its lines were checked then.
+        tokens = None if self._regenerates else self._token_cache(self.data_sha256).complete()
+        # Every line checked, and the examples (or, to regenerate, the prompts) found, before the target loads.
+        conversations = read_conversations(data, progress=config.progress and self.is_main) if tokens is None else None
+        source = data if config.data else "the embedded chat corpus"
+        if self._regenerates:
+            require_a_prompt(self.tokenizer, conversations, source=str(source), **self._regeneration_lengths)
+        else:
+            examples = self._examples(conversations, tokens, source=source, data_sha256=self.data_sha256)
+        self.heldout = self._heldout_prompts(target_dir) if config.measures_acceptance and self.is_main else None
+        self.acceptance: dict[str, float] = {}  # held-out tau per prompt by when it was measured
+        targets = [
+            load_target(
+                target_dir,
+                layer_ids=config.target_layer_ids,
+                num_capture_layers=config.num_target_layers,
+                device=device,
+                random_missing=config.random_target_weights,
+            )
+        ]
+        targets += [
+            load_target(
+                target_dir, layer_ids=targets[0].layer_ids, device=s.device, random_missing=config.random_target_weights
+            )
+            for s in self.layout.targets[1:]
+        ]
+        if self._regenerates:
+            source = self.out / REGENERATED_NAME
+            conversations = self._regenerated(targets, conversations)
+            examples = self._examples(conversations, None, source=source, data_sha256=sha256_file(source))
+        check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
+        self.loader = build_loader(
+            examples,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            pack=config.pack,
+            pad_token_id=padding_id(self.tokenizer),
+            rank=self.process.rank,
+            world_size=self.process.world_size,
+        )
+        drafter = self._build_drafter(targets[0])
+        if config.save and self.is_main:  # before the steps a failed first save would lose
+            check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
+        self.eval_target = targets[0]
+        self.settings = LossSettings.from_config(config, drafter.config.mask_token_id)
+        self.dynamo_warnings = DynamoWarnings()
+        self.total_steps = self._total_steps()
+        _warn_if_warmup_is_the_run(config, self.total_steps)
+        self.engine: StepEngine = self._build_engine(targets, drafter)
+        self.step = 0
+        self.peak_flops = 1e12 * (config.peak_tflops or detect_peak_tflops(self.layout.drafters[0].device) or 0.0)
+        if config.resume:
+            self.load_checkpoint()
+        if self.threaded:
+            _warn_if_unpatched(self.compiled, len(self.layout.drafters))
+        if not config.save:
+            logger.warning("--no-save: no checkpoint will be written, this run cannot be resumed or evaluated")
+        logger.info(
+            "drafter: %d layers, %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d replica(s) "
+            "x %d micro-batch(es) x %d rows x %d tokens (%s); target threads %s, drafter threads %s (process %d/%d)",
+            drafter.config.num_hidden_layers,
+            sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
+            config.block_size,
+            drafter.config._attn_implementation,
+            " (torch.compile)" if self.compiled else " (eager)",
+            self.total_steps,
+            len(self.layout.drafters),
+            config.grad_accum,
+            config.batch_size,
+            config.seq_len,
+            "packed" if config.pack else "one conversation per row",
+            [s.name for s in self.layout.targets],
+            [s.name for s in self.layout.drafters],
+            self.process.rank,
+            self.process.world_size,
+        )
+
+    # ---- construction -----------------------------------------------------------------------
+
+    @property
+    def _regenerates(self) -> bool:
+        """Whether the run trains on replies regenerated by the target (``--responses``)."""
+        cfg = self.config
+        return cfg.responses == "target" or (cfg.responses == "auto" and not cfg.target and not cfg.data)
+
+    def _token_cache(self, data_sha256: str) -> TokenCache:
+        key = cache_key(
+            data_sha256=data_sha256,
+            tokenizer_dir=self.tokenizer_dir,
+            seq_len=self.config.seq_len,
+            overflow=self.config.overflow,
+        )
+        return TokenCache(self.out / TOKENS_DIR, key)
+
+    def _examples(self, conversations, tokens: Tokenized | None, *, source, data_sha256: str) -> list[Example]:
+        """The run's examples: ``tokens`` (read from the cache), else the cached tokens of
+        ``conversations`` (from ``source``, whose contents hash to ``data_sha256``), else their
+        tokenizing (:mod:`dflash.data.token_cache`).
+
+        Raises:
+            DatasetError: no usable conversation (names ``source``).
+        """
+        cfg = self.config
+        self._log_replies(source)
+        cache = self._token_cache(data_sha256)
+        tokens = tokens or cache.complete()
+        if tokens is not None:
+            logger.info("%s: tokens read from %s (tokenized before with the same data and settings)", source, cache.dir)
+        else:
+            tokens = cache.tokenize(
+                self.tokenizer,
+                conversations,
+                seq_len=cfg.seq_len,
+                overflow=cfg.overflow,
+                source=str(source),
+                progress=cfg.progress and self.is_main,
+                write=self.is_main,
+                workers=usable_workers(),
+            )
+        return usable_examples(tokens, seq_len=cfg.seq_len, overflow=cfg.overflow, source=str(source))
+
+    def _log_replies(self, source) -> None:
+        """Where the assistant replies trained on come from; a warning when they are not the target's
+        own on a target of the user's (``--responses data``)."""
+        cfg = self.config
+        if self._regenerates:
+            logger.info("replies: regenerated by the target (--responses %s), in %s", cfg.responses, source)
+        elif cfg.target and self.is_main:
+            logger.warning(
+                "replies: as written in %s (--responses %s), not the target's own: a drafter learns to predict the "
+                "replies it trains on, and one trained on other writers' replies accepts fewer of the target's "
+                "tokens; pass --responses target to train on replies the target regenerates (cached in --out)",
+                source,
+                cfg.responses,
+            )
+        else:
+            logger.info("replies: as written in %s (--responses %s)", source, cfg.responses)
+
+    def _regenerated(self, targets, conversations):
+        """Target-regenerated conversations (:func:`dflash.data.regenerate.regenerated_corpus`), cached
+        in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
+        cfg = self.config
+        key = regeneration_key(
+            Path(cfg.target) if cfg.target else default_target_dir(),
+            dtype=targets[0].model.dtype,
+            data_sha256=self.data_sha256,
+            **self._regeneration_lengths,
+        )
+        return regenerated_corpus(
+            targets,
+            self.tokenizer,
+            conversations,
+            self.out / REGENERATED_NAME,
+            key=key,
+            resume=cfg.resume,
+            rank=self.process.rank,
+            world_size=self.process.world_size,
+            progress=cfg.progress and self.process.is_main,
+            **self._regeneration_lengths,
+        )
+
+    @property
+    def _regeneration_lengths(self) -> dict[str, int]:
+        return {"seq_len": self.config.seq_len, "max_new_tokens": self.config.regenerate_max_new_tokens}
+
+    def _resumed_drafter_config(self) -> dict:
+        """``config.json`` of the checkpoint ``--resume`` continues; {} for a new run."""
+        if not self.config.resume:
+            return {}
+        step_dir = find_checkpoint(self.out, verify=False)
+        return json.loads((step_dir / CONFIG_NAME).read_text())
+
+    def _mask_token_id(self, target, resumed: dict) -> int:
+        """``--mask-token-id``, else the ``resumed`` drafter's, else the target tokenizer's choice
+        (:func:`dflash.drafter.mask_token.resolve_mask_token_id`; logged with its source)."""
+        mask_id, _ = resolve_mask_token_id(
+            explicit=self.config.mask_token_id,
+            drafter_config=resumed.get("dflash_config"),
+            tokenizer=self.tokenizer,
+            vocab_size=target.embed_tokens.num_embeddings,
+        )
+        return mask_id
+
+    def _build_drafter(self, target):
+        cfg = self.config
+        attention = "flex_attention" if self.layout.device_type == "cuda" else "sdpa"
+        if cfg.init_from:
+            logger.info("drafter: starting from %s (its shape, RoPE and weights)", cfg.init_from)
+            return load_drafter_dir(cfg.init_from, dtype=torch.float32, attn_implementation=attention).train()
+        resumed = self._resumed_drafter_config()
+        # A resumed run keeps the causality it was trained with (runs saved before the engines' rule
+        # was followed say is_causal false); a new one takes the rule (dflash.drafter.modeling_dflash).
+        config = drafter_config(
+            cfg,
+            target.config,
+            target_layer_ids=target.layer_ids,
+            mask_token_id=self._mask_token_id(target, resumed),
+            is_causal=resumed.get("is_causal"),
+        )
+        # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
+        return DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+
+    def _heldout_prompts(self, target_dir: Path):
+        """The held-out prompts of --eval-data (or the embedded held-out set), read before the target loads."""
+        cfg = self.config
+        path = Path(cfg.eval_data) if cfg.eval_data else default_data_dir() / "heldout.jsonl"
+        return load_prompts(
+            self.tokenizer,
+            path,
+            num_prompts=cfg.eval_prompts,
+            context=context_length(target_dir),
+            max_new_tokens=cfg.eval_max_new_tokens,
+        )
+
+    def _measure_acceptance(self, *, when: str, log: MetricsLog, started: float, saved: bool) -> None:
+        """Held-out acceptance of the drafter now (:func:`dflash.evaluate.evaluate`, on a copy in the
+        target's dtype and on its device), logged with its cost, kept in ``self.acceptance``
+        (``dflash train`` prints it), in TensorBoard and ``metrics.jsonl`` (``heldout/*`` at this
+        step; step 0 before step 1) and in ``acceptance.json`` of ``--out`` (for this step's
+        checkpoint when ``saved``). Training waits while it runs. Rank 0 only; the other processes
+        wait at their next collective."""
+        began = time.perf_counter()
+        target, drafter = self.eval_target, self.drafter
+        with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
+            copy = DFlashDraftModel._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
+        copy.load_state_dict(drafter.state_dict())
+        report = evaluate(
+            target,
+            copy.to(target.device).eval(),
+            self.heldout.prompts,
+            max_new_tokens=self.heldout.max_new_tokens,
+            eos_ids=stop_token_ids(self.tokenizer, target.config),
+        )
+        seconds = time.perf_counter() - began
+        logger.info(
+            "held-out acceptance %s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
+            "(%.1f s, %.0f%% of the run's time so far)",
+            when,
+            report.tau_per_prompt,
+            report.tau_per_step,
+            report.num_prompts,
+            self.heldout.source,
+            seconds,
+            100 * seconds / max(time.perf_counter() - started, 1e-9),
+        )
+        self.acceptance[when] = report.tau_per_prompt
+        figures = {
+            "heldout/tau_per_prompt": report.tau_per_prompt,
+            "heldout/tau_per_step": report.tau_per_step,
+            "heldout/mismatches": report.mismatches,
+            "heldout/seconds": seconds,
+        }
+        log.record(self.step, figures)
+        origin = f" --init-from {self.config.init_from}" if self.config.init_from else ""
+        acceptance_log.record(
+            self.out,
+            acceptance_log.entry(
+                report,
+                self.heldout,
+                checkpoint=step_dir_name(self.step) if saved else None,
+                source=f"dflash train{origin} ({when})",
+            ),
+        )
+
+    def _build_engine(self, targets, drafter) -> StepEngine:
+        cfg = self.config
+        replicas = build_replicas(
+            drafter,
+            self.layout.drafters,
+            targets,
+            cfg,
+            self.settings,
+            compiled=self.compiled,
+            warnings=self.dynamo_warnings,
+        )
+        seq_lens = seq_len_schedule(cfg.seq_len, cfg.vary_seq_len)
+        # Anchors are drawn on the host in job order, one stream per process.
+        source = JobSource(
+            self.loader,
+            torch.Generator().manual_seed(cfg.seed + self.process.rank),
+            num_drafters=len(replicas),
+            grad_accum=cfg.grad_accum,
+            max_anchors=cfg.max_anchors,
+            seq_lens=seq_lens,
+            pin=self.layout.device_type == "cuda",
+        )
+        common = dict(grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip, last_step=self.total_steps)
+        if not self.threaded:
+            return LocalEngine(targets[0], replicas[0], source, self.settings, **common)
+        return ThreadedEngine(
+            targets,
+            replicas,
+            source,
+            self.settings,
+            process=self.process,
+            prefetch_depth=cfg.prefetch_depth,
+            recompile_limit=len(seq_lens) + 8,
+            **common,
+        )
+
+    def _total_steps(self) -> int:
+        if self.config.steps is not None:
+            return self.config.steps
+        per_epoch = self.loader.sampler.batches_per_epoch / (self.config.grad_accum * len(self.layout.drafters))
+        return max(1, math.ceil(self.config.epochs * per_epoch))
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes logs and checkpoints (rank 0)."""
+        return self.process.is_main
+
+    @property
+    def drafter(self) -> torch.nn.Module:
+        """Replica 0 of the drafter (what checkpoints save)."""
+        return self.engine.drafter
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, float]:
+        """Train to ``total_steps``; returns the last step's metrics ({} if there was nothing to do).
+
+        Raises:
+            Stopped: a SIGTERM/SIGINT stopped training after a checkpoint was saved (``step`` set).
+        """
+        from tqdm import tqdm
+
+        cfg = self.config
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / SAVED_CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        log = MetricsLog(
+            self.out,
+            layout=self.layout,
+            total_steps=self.total_steps,
+            peak_flops=self.peak_flops,
+            start_step=self.step,
+            main=self.is_main,
+        )
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc="train")
+        metrics: dict[str, float] = {}
+        throughput = Throughput()
+        first_step = self.step + 1
+        saving = "saving a checkpoint" if cfg.save else "saving nothing (--no-save)"
+        stop = StopRequest(f"finishing this step, {saving}, then exiting")
+        started = time.perf_counter()
+        if self.heldout is not None and self.step == 0:
+            self._measure_acceptance(when="before step 1", log=log, started=started, saved=False)
+        try:
+            with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
+                while self.step < self.total_steps:
+                    self.step += 1
+                    with self._stall_watch():
+                        stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
+                    if self.step > first_step:
+                        throughput.add(stats)
+                    metrics = log.metrics(stats, lr=self._lr())
+                    bar.update(1)
+                    bar.set_postfix(progress_postfix(metrics), refresh=False)
+                    if self._log_due():
+                        log.log_step(self.step, metrics, self.engine.interval_report())
+                    # Several processes stop together at the step whose gradients carried the
+                    # request; one process stops right after the step in flight.
+                    if stats.stop or (stop.requested and self.process.world_size == 1):
+                        self.save_checkpoint()
+                        raise Stopped(stop.signum or signal.SIGTERM, step=self.step)
+                    if cfg.save_every and self.step % cfg.save_every == 0:
+                        self.save_checkpoint()
+                    if self._eval_due():
+                        saved = bool(cfg.save and cfg.save_every and self.step % cfg.save_every == 0)
+                        self._measure_acceptance(when=f"at step {self.step}", log=log, started=started, saved=saved)
+                if not cfg.save_every or self.step % cfg.save_every:
+                    self.save_checkpoint()
+            if self.heldout is not None and metrics:
+                self._measure_acceptance(when="after the last step", log=log, started=started, saved=cfg.save)
+        finally:
+            bar.close()
+            self.engine.close()
+            log.close()
+            log.log_compile_summary(self.engine.compile_summary())  # also after a failure or a stop: a soak ends so
+        log.log_throughput(throughput)
+        return metrics
+
+    def _stall_watch(self):
+        """A watchdog over one step (:mod:`dflash.watchdog`): a step that makes no progress for
+        ``--stall-minutes`` writes every thread's stack to stderr, every as many minutes until it
+        moves (a hung compile, collective or queue: the stacks say where)."""
+        minutes = self.config.stall_minutes
+        return watchdog.watching(60 * minutes, exit=False, repeat=True) if minutes else contextlib.nullcontext()
+
+    def _eval_due(self) -> bool:
+        """Whether held-out acceptance is measured after this step (``--eval-every``; the last step's
+        measurement follows the loop)."""
+        every = self.config.eval_every
+        return self.heldout is not None and bool(every) and self.step % every == 0 and self.step < self.total_steps
+
+    def _lr(self) -> float:
+        return learning_rate(self.step, self.config, self.total_steps)
+
+    def _log_due(self) -> bool:
+        return self.step % self.config.log_every == 0 or self.step in (1, self.total_steps)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path | None:
+        """Save the drafter and the exact training state (a collective: every process calls it;
+        rank 0 writes). Returns the step directory on rank 0; None elsewhere and with --no-save."""
+        if not self.config.save:
+            return None
+        state = {
+            "step": self.step,
+            "engine": self.engine.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "config": self.config.to_dict(),
+            "data_sha256": self.data_sha256,
+        }
+        if not self.is_main:
+            return None
+        return checkpoint.save_checkpoint(
+            self.out,
+            self.step,
+            weights=self.drafter.state_dict(),
+            drafter_config=self.drafter.config.to_diff_dict(),
+            training_state=state,
+            keep_last=self.config.keep_last,
+            dtype=checkpoint.resolve_save_dtype(self.config.save_dtype, self._compute_dtype),
+        )
+
+    def _checkpoint_size(self, drafter) -> int:
+        export = checkpoint.resolve_save_dtype(self.config.save_dtype, self._compute_dtype)
+        parameters = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        return checkpoint_bytes(parameters, export_itemsize=export.itemsize)
+
+    @property
+    def _compute_dtype(self) -> torch.dtype:
+        """What the drafter computes in: bf16 under CUDA autocast, float32 on CPU."""
+        return torch.bfloat16 if self.layout.device_type == "cuda" else torch.float32
+
+    def load_checkpoint(self) -> None:
+        """Restore the latest checkpoint in ``out`` for an exact continuation.
+
+        Raises:
+            CheckpointError: no/corrupt checkpoint, a different config, a different number of
+                processes, or a training state from an older dflash.
+        """
+        step_dir = find_checkpoint(self.out)
+        state = checkpoint.load_training_state(step_dir)
+        check_resume_config(state["config"], self.config, step_dir)
+        if state.get("data_sha256", self.data_sha256) != self.data_sha256:
+            logger.warning(
+                "%s: the data file changed since %s was saved (sha256 %.12s -> %.12s): the resumed run draws its "
+                "batches from the new contents, so it is not the run it continues",
+                self.config.data or "the embedded chat corpus",
+                step_dir,
+                state["data_sha256"],
+                self.data_sha256,
+            )
+        engine_state = state.get("engine")
+        if engine_state is None:
+            raise CheckpointError(
+                f"{step_dir} holds a training state of an older dflash version; evaluate it with dflash eval, "
+                "or train into a new --out"
+            )
+        check_process_count(len(engine_state["anchor_rng"]), self.process.world_size, step_dir)
+        self.engine.load_state_dict(engine_state, checkpoint.resume_weights(step_dir, state))
+        checkpoint.set_rng_state(state["rng"])
+        self.step = state["step"]
+        logger.info("resumed from %s at step %d (epoch %d)", step_dir, self.step, self.loader.epoch)
+
+    def close(self) -> None:
+        """Leave the torchrun process group (call once, after a successful :meth:`train`)."""
+        barrier()
+        destroy_process_group()
+
+
+def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
+    """Compiling from several threads of one process is what plain torch gets wrong (bug classes A-H)."""
+    if compiled and drafter_threads > 1 and active_finder() is None:
+        logger.warning(
+            "the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported before the "
+            "hook): %d drafter threads compiling in this process can crash or fall back to eager; "
+            "`dflash patches status` says why",
+            drafter_threads,
+        )

@@ -1,0 +1,130 @@
+"""The tokenized-data cache in ``--out``: a resume (or a new run on the same data and settings) reads
+the tokens instead of reading and tokenizing the chats again; the key changes with the data, the
+tokenizer and chat template, ``--seq-len`` and ``--overflow``; worker processes give the tokens one
+process gives; a signal while tokenizing keeps the finished parts, says so, and the next start
+tokenizes only the rest."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+
+import pytest
+from tiny import CONVERSATIONS, inputs_config, training_inputs, write_jsonl
+
+import dflash.data.token_cache
+import dflash.train.trainer
+from dflash.data.chats import read_conversations
+from dflash.data.token_cache import TokenCache, cache_key
+from dflash.data.tokenize import build_examples, tokenize_conversations
+from dflash.run.layout import TOKENS_DIR
+from dflash.run.settle import settle
+from dflash.signals import Stopped
+from dflash.target.files import load_tokenizer
+from dflash.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return training_inputs(tmp_path_factory.mktemp("token-cache"))
+
+
+_config = inputs_config
+
+
+def _examples(trainer):
+    return [(e.input_ids, e.loss_mask) for e in trainer.loader.examples]
+
+
+def test_a_resume_reads_the_tokens_instead_of_the_chats(assets, tmp_path, monkeypatch, caplog):
+    first = Trainer(settle(_config(assets, tmp_path, steps=2, save_every=2)))
+    first.train()
+    (cache,) = (tmp_path / TOKENS_DIR).iterdir()
+    assert json.loads((cache / "key.json").read_text())["seq_len"] == 48
+
+    def fail(*args, **kwargs):
+        raise AssertionError("read or tokenized again")
+
+    monkeypatch.setattr(dflash.train.trainer, "read_conversations", fail)
+    monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", fail)
+    with caplog.at_level(logging.INFO):
+        resumed = Trainer(settle(_config(assets, tmp_path, steps=3, save_every=2, resume=True)))
+    assert _examples(resumed) == _examples(first)
+    assert f"tokens read from {cache} (tokenized before with the same data and settings)" in caplog.text
+    assert "16 conversations, 8 longer than seq_len=48 (truncated)" in caplog.text  # as on the first start
+
+
+def test_the_key_follows_the_data_tokenizer_and_settings(assets, tmp_path):
+    target = shutil.copytree(assets["target"], tmp_path / "target")
+    base = dict(data_sha256="a" * 64, tokenizer_dir=target, seq_len=48, overflow="truncate")
+    key = cache_key(**base)
+    assert cache_key(**base) == key
+    changed = [
+        cache_key(**{**base, "data_sha256": "b" * 64}),
+        cache_key(**{**base, "seq_len": 64}),
+        cache_key(**{**base, "overflow": "drop"}),
+    ]
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ messages }}"}))
+    changed.append(cache_key(**base))
+    dirs = {TokenCache(tmp_path / "tokenized", k).dir for k in [key, *changed]}
+    assert len(dirs) == 5
+
+
+def test_worker_processes_give_the_tokens_of_one_process(assets, tmp_path, monkeypatch):
+    monkeypatch.setattr(dflash.data.token_cache, "PART_SIZE", 3)  # 16 conversations: 6 parts
+    tokenizer = load_tokenizer(assets["target"])
+    conversations = read_conversations(assets["data"])
+    alone = build_examples(tokenizer, conversations, seq_len=48, source="chats", progress=False)
+    cache = TokenCache(tmp_path / "tokenized", {"k": 1})
+    settings = dict(seq_len=48, overflow="truncate", source="chats", progress=False, write=True)
+    tokens = cache.tokenize(tokenizer, conversations, workers=2, **settings)
+    assert tokens.examples == alone and tokens.conversations == 16
+    assert cache.complete().examples == alone
+    assert sorted(p.name for p in cache.dir.glob("part_*")) == [f"part_{i:05d}.safetensors" for i in range(6)]
+
+
+def test_a_signal_while_tokenizing_keeps_the_finished_parts_and_says_so(assets, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(dflash.data.token_cache, "PART_SIZE", 4)
+    tokenizer = load_tokenizer(assets["target"])
+    conversations = read_conversations(assets["data"])
+    calls, killed = [], []
+
+    def tokenize_then_sigterm(*args, **kwargs):
+        calls.append(kwargs["first"])
+        if len(calls) == 2 and not killed:
+            killed.append(os.kill(os.getpid(), signal.SIGTERM))  # arrives while the second part is tokenized
+        return tokenize_conversations(*args, **kwargs)
+
+    monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", tokenize_then_sigterm)
+    cache = TokenCache(tmp_path / "tokenized", {"k": 1})
+    settings = dict(seq_len=48, overflow="truncate", source="chats.jsonl", progress=False, write=True, workers=1)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped) as stopped:
+        cache.tokenize(tokenizer, conversations, **settings)
+    assert stopped.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == handler
+    assert (
+        f"chats.jsonl: stopped by SIGTERM while tokenizing: the tokens of 8 of 16 conversations are kept in "
+        f"{cache.dir}; start the same run again to tokenize the rest"
+    ) in caplog.text
+    assert cache.complete() is None
+    calls.clear()
+    tokens = cache.tokenize(tokenizer, conversations, **settings)
+    assert calls == [9, 13]  # only the parts not kept
+    assert tokens.examples == build_examples(tokenizer, conversations, seq_len=48, source="c", progress=False)
+
+
+def test_dflash_train_stopped_while_tokenizing_exits_with_the_signal(assets, tmp_path, monkeypatch, caplog):
+    from dflash.cli import main
+
+    def stop(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return tokenize_conversations(*args, **kwargs)
+
+    monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", stop)
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CONVERSATIONS * 4])
+    argv = ["train", "--target", str(assets["target"]), "--data", str(data), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--num-target-layers", "2", "--device", "cpu", "--no-progress"]) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM while tokenizing: the tokens of 16 of 16 conversations are kept" in caplog.text
+    assert "nothing to --resume" not in caplog.text  # it said what it kept

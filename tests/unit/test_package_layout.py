@@ -1,0 +1,82 @@
+"""The package's import structure: no import circle, and every room imports only the floors below it
+(leaves -> target, patchtools -> data, drafter -> run -> evaluate, export -> train -> commands), read
+from the sources (function-level imports count too)."""
+
+import ast
+from pathlib import Path
+
+import dflash
+
+PACKAGE = Path(dflash.__file__).parent
+#: Bottom up; a module outside these rooms and not named here is a leaf (config, masks, files, ...).
+FLOORS = (("target", "patchtools"), ("data", "drafter"), ("run",), ("evaluate", "export"), ("train",), ("commands",))
+#: The startup hook arms the watchdog, which reads the hook's variable name: one unit.
+HOOK = ("patching", "watchdog")
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("dflash", *path.relative_to(PACKAGE).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the dflash modules it imports."""
+    found = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # `from package import submodule` imports the submodule; any other name is the module's own.
+                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+                candidates = [m if m in modules else node.module for m in submodules]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            targets |= {c for c in candidates if c in modules and c != name}
+        found[name] = targets
+    return found
+
+
+def _room(module: str) -> str:
+    part = module.split(".")[1] if "." in module else module
+    return "hook" if part in HOOK else part
+
+
+def _floor(room: str) -> int:
+    return next((i + 1 for i, rooms in enumerate(FLOORS) if room in rooms), 0)
+
+
+def test_no_room_imports_its_floor_or_one_above_it_except_itself():
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in _imports(_modules()).items()
+        for target in targets
+        if _room(module) != _room(target)
+        and _floor(_room(target)) >= _floor(_room(module)) > 0
+        or (_floor(_room(module)) == 0 and _floor(_room(target)) > 0)
+    )
+    assert not upward
+
+
+def test_no_import_circle():
+    imports = _imports(_modules())
+    imports = {m: {t for t in ts if _room(t) != "hook" or _room(m) != "hook"} for m, ts in imports.items()}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module) :] + [module]))
+        if module in done:
+            return
+        path.append(module)
+        for target in imports[module]:
+            visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in imports:
+        visit(module)

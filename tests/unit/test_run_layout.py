@@ -1,0 +1,87 @@
+"""``--out``: an empty one, one inside another run (``<run>/checkpoints``) and a non-empty directory
+that is not a run are refused before anything loads (the last unless ``--allow-nonempty-out``); a
+disk that cannot hold the next checkpoint is refused at start with the sizes, not found at the
+first save, and one that cannot hold ``--keep-last`` of them is warned about."""
+
+import logging
+from collections import namedtuple
+
+import pytest
+from tiny import inputs_config, training_inputs
+
+import dflash.run.layout
+from dflash.config import TrainConfig
+from dflash.run.layout import CHECKPOINT_OVERHEAD, checkpoint_bytes
+from dflash.run.preflight import validate_inputs
+from dflash.run.settle import settle
+from dflash.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return training_inputs(tmp_path_factory.mktemp("run-dir"))
+
+
+_config = inputs_config
+
+
+def test_an_empty_out_is_refused():
+    from dflash.cli import main
+
+    with pytest.raises(ValueError, match="out must name a directory, got an empty one"):
+        TrainConfig(out="")
+    assert main(["train", "--out", "", "--steps", "1"]) == 2
+
+
+def test_an_out_inside_another_run_is_refused(assets, tmp_path):
+    Trainer(settle(_config(assets, tmp_path / "run", steps=1))).train()
+    for inside in (tmp_path / "run" / "checkpoints", tmp_path / "run" / "deeper" / "out"):
+        with pytest.raises(ValueError, match=f"--out {inside} is inside the run {tmp_path / 'run'}: .*--out "):
+            validate_inputs(_config(assets, inside))
+
+
+def test_a_directory_with_other_files_is_refused_unless_asked_for(assets, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("notes.txt", "photos", "thesis.tex", "a.py"):
+        (home / name).write_text("mine")
+    with pytest.raises(
+        ValueError, match=r"already holds files that are not a run's \(a\.py, notes\.txt, photos and 1 "
+    ):
+        validate_inputs(_config(assets, home))
+    validate_inputs(_config(assets, home, allow_nonempty_out=True))
+    # A run's own files (one stopped before its first checkpoint) are not other files.
+    stopped = tmp_path / "stopped"
+    for name in ("tokenized", "regenerated_train.jsonl.shard-0-of-1.partial", "metrics.jsonl", ".tmp-x"):
+        (stopped / name).parent.mkdir(parents=True, exist_ok=True)
+        (stopped / name).write_text("")
+    validate_inputs(_config(assets, stopped))
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_a_disk_that_cannot_hold_the_next_checkpoint_is_refused_at_start(assets, tmp_path, monkeypatch):
+    trainer = Trainer(settle(_config(assets, tmp_path / "measured", steps=1, save_every=1)))
+    trainer.train()
+    step_dir = tmp_path / "measured" / "checkpoints" / "step_00000001"
+    written = sum(p.stat().st_size for p in step_dir.iterdir())
+    estimate = trainer._checkpoint_size(trainer.drafter)
+    assert written <= estimate <= written + CHECKPOINT_OVERHEAD  # the tensors to the byte, the rest bounded
+
+    monkeypatch.setattr(dflash.run.layout.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, estimate - 1))
+    with pytest.raises(ValueError, match=r"MB free, but a checkpoint of this run takes about .* MB: the first save"):
+        Trainer(settle(_config(assets, tmp_path / "full", steps=2)))  # refused while it is built: before any step
+    Trainer(settle(_config(assets, tmp_path / "nosave", steps=2, save=False)))  # nothing to save: no check
+
+
+def test_a_disk_that_holds_fewer_than_keep_last_checkpoints_is_warned_about(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(dflash.run.layout.shutil, "disk_usage", lambda path: Usage(10**12, 10**12, 25 * 10**8))
+    with caplog.at_level(logging.WARNING, logger="dflash.run.layout"):
+        dflash.run.layout.check_free_space(tmp_path, checkpoint_size=10**9, keep_last=3)
+    assert (
+        "2.5 GB free, a checkpoint takes about 1.0 GB and --keep-last 3 keeps 3 of them (plus the one being "
+        "written): the disk fills after 2 more save(s)"
+    ) in caplog.text
+    assert "or pass --keep-last 1" in caplog.text
+    assert checkpoint_bytes(10**9, export_itemsize=2) == 14 * 10**9 + CHECKPOINT_OVERHEAD  # bf16: fp32 master kept

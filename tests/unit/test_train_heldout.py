@@ -1,0 +1,59 @@
+"""Held-out acceptance during a run trained from scratch (`--eval-data`, `--eval-every`): measured
+before step 1, every N steps and after the last, as dflash eval measures it, into the log,
+metrics.jsonl, TensorBoard and acceptance.json, without changing what the run trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny import make_target, record_losses, train_config, write_chat_data
+
+from dflash.run import acceptance_log
+from dflash.run.settle import settle
+from dflash.run.step_dirs import step_dir_name
+from dflash.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heldout")
+    return {
+        "target": make_target(root / "target", num_layers=5),
+        "data": write_chat_data(root / "train.jsonl"),
+        "heldout": write_chat_data(root / "heldout.jsonl", repeat=1),
+    }
+
+
+def _train(inputs, out, **values):
+    trainer = record_losses(
+        Trainer(settle(train_config(target=inputs["target"], data=inputs["data"], out=out, **values)))
+    )
+    trainer.train()
+    return trainer
+
+
+def test_a_scratch_run_measures_acceptance_every_n_steps_without_changing_its_training(inputs, tmp_path, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    heldout = dict(eval_data=str(inputs["heldout"]), eval_prompts=2, eval_max_new_tokens=8, eval_every=2)
+    with caplog.at_level("INFO", logger="dflash.train"):
+        measured = _train(inputs, tmp_path / "measured", **heldout)
+    plain = _train(inputs, tmp_path / "plain")
+    assert measured.losses == plain.losses  # training waited, nothing it draws moved
+
+    rows = [json.loads(line) for line in (tmp_path / "measured" / "metrics.jsonl").read_text().splitlines()]
+    measurements = [row for row in rows if "heldout/tau_per_prompt" in row]
+    assert [row["step"] for row in measurements] == [0, 2, 4, 6]  # before step 1, --eval-every 2, after the last
+    assert all(row["heldout/tau_per_prompt"] >= 1 and row["heldout/mismatches"] == 0 for row in measurements)
+    assert list(measured.acceptance) == ["before step 1", "at step 2", "at step 4", "after the last step"]
+    assert caplog.text.count("held-out acceptance") == 4 and "% of the run's time so far" in caplog.text
+
+    events = EventAccumulator(str(tmp_path / "measured" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("heldout/tau_per_prompt")] == [0, 2, 4, 6]
+
+    log = acceptance_log.read(tmp_path / "measured")
+    # --save-every 3: step 6's checkpoint is the last one; steps 2 and 4 have none.
+    assert [m["checkpoint"] for m in log] == [None, None, None, step_dir_name(6)]
+    assert {m["data"] for m in log} == {str(inputs["heldout"])}

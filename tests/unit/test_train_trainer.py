@@ -1,0 +1,557 @@
+"""dflash.train.trainer and `dflash train`: exact resume, step-level loss normalisation, z-lab
+checkpoints that transformers loads, Llama targets, compile monitoring, config errors."""
+
+import json
+import logging
+import math
+import os
+
+import pytest
+import torch
+from tiny import make_target, record_losses, train_config, write_chat_data, write_jsonl
+
+from dflash.cli import main
+from dflash.config import TrainConfig
+from dflash.data.chats import DatasetError
+from dflash.drafter.files import CheckpointError
+from dflash.run.settle import settle
+from dflash.run.step_dirs import find_checkpoint
+from dflash.signals import Stopped
+from dflash.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    return {
+        "qwen3": make_target(root / "qwen3", num_layers=5),
+        "llama": make_target(root / "llama", arch="llama", num_layers=5),
+        "data": write_chat_data(root / "train.jsonl", repeat=4),
+    }
+
+
+def _config(assets, out, **overrides):
+    return train_config(**{"target": assets["qwen3"], "data": assets["data"], "out": out, **overrides})
+
+
+def test_resume_continues_exactly(assets, tmp_path):
+    reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full"))))
+    reference.train()
+    assert len(reference.losses) == 6
+
+    first = record_losses(Trainer(settle(_config(assets, tmp_path / "split"))), crash_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    assert find_checkpoint(tmp_path / "split").name == "step_00000003"
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True))))
+    assert resumed.step == 3
+    resumed.train()
+    assert first.losses + resumed.losses == reference.losses  # bitwise, not approximately
+    final = dict(reference.drafter.named_parameters())
+    for name, param in resumed.drafter.named_parameters():
+        assert torch.equal(param, final[name]), name
+
+
+def test_a_run_saved_with_every_layer_bidirectional_resumes_so_exactly(assets, tmp_path, monkeypatch):
+    """Runs saved before the engines' causality rule was followed say is_causal false (every
+    layer bidirectional, as they trained); a resume keeps that, not today's default rule."""
+    import dflash.train.trainer as trainer_module
+
+    sliding = dict(draft_layer_types="sliding,full", draft_sliding_window=8)
+    rule = trainer_module.drafter_config
+    with monkeypatch.context() as legacy:
+        legacy.setattr(trainer_module, "drafter_config", lambda *a, **k: rule(*a, **{**k, "is_causal": False}))
+        reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full", **sliding))))
+        reference.train()
+        first = record_losses(Trainer(settle(_config(assets, tmp_path / "split", **sliding))), crash_after=3)
+        with pytest.raises(KeyboardInterrupt):
+            first.train()
+    assert json.loads((find_checkpoint(tmp_path / "split") / "config.json").read_text())["is_causal"] is False
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True, **sliding))))
+    assert resumed.drafter.config.is_causal is False
+    resumed.train()
+    assert first.losses + resumed.losses == reference.losses
+    # A new run of the same flags takes the default rule: its sliding layer is causal.
+    assert Trainer(settle(_config(assets, tmp_path / "new", **sliding))).drafter.config.layer_is_causal(
+        "sliding_attention"
+    )
+
+
+def test_resume_with_a_different_config_is_refused(assets, tmp_path):
+    Trainer(settle(_config(assets, tmp_path / "run", steps=1))).train()
+    with pytest.raises(CheckpointError, match=r"different config \(lr: 0\.01 -> 0\.02\).*same flags"):
+        Trainer(settle(_config(assets, tmp_path / "run", steps=2, lr=2e-2, resume=True)))
+    with pytest.raises(CheckpointError, match="empty: does not exist"):
+        Trainer(settle(_config(assets, tmp_path / "empty", resume=True)))
+
+
+def test_grad_accumulation_normalises_over_the_whole_optimizer_step(assets, tmp_path):
+    # Two micro-batches of 2 must give the same update as one batch of 4 (same examples, same
+    # anchors): the loss is divided by the weight sum of the step, not averaged per micro-batch.
+    one = Trainer(settle(_config(assets, tmp_path / "a", batch_size=4, grad_accum=1, grad_clip=0.0, steps=1)))
+    two = Trainer(settle(_config(assets, tmp_path / "b", batch_size=2, grad_accum=2, grad_clip=0.0, steps=1)))
+    loss_one, loss_two = one.engine.run(1, lr=1e-2).loss, two.engine.run(1, lr=1e-2).loss
+    assert loss_one == pytest.approx(loss_two, rel=1e-5)
+    for (name, p1), p2 in zip(one.drafter.named_parameters(), two.drafter.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path):
+    from transformers import AutoConfig
+
+    from dflash.drafter.model import DFlashDraftModel
+
+    trainer = Trainer(settle(_config(assets, tmp_path, steps=2, save_every=0)))
+    trainer.train()
+    step_dir = find_checkpoint(tmp_path)
+    raw = json.loads((step_dir / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4
+    assert raw["num_target_layers"] == 5
+    assert raw["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 2]}
+    config = AutoConfig.from_pretrained(step_dir)
+    assert config.model_type == "qwen3" and config.dflash_config["target_layer_ids"] == [1, 2]
+    loaded = DFlashDraftModel.from_pretrained(step_dir)
+    from safetensors import safe_open
+
+    with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
+    for name, param in trainer.drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], param), name
+
+
+def test_llama_target_trains_through_the_same_path(assets, tmp_path):
+    trainer = record_losses(
+        Trainer(settle(_config(assets, tmp_path, target=str(assets["llama"]), steps=8, save_every=0)))
+    )
+    trainer.train()
+    assert type(trainer.engine.target.model).__name__ == "LlamaForCausalLM"
+    assert trainer.engine.target.layer_ids == [1, 2]
+    assert all(map(math.isfinite, trainer.losses)) and trainer.losses[-1] < trainer.losses[0]
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="gamma: the paper gives no decay for block_size=6"):
+        TrainConfig(block_size=6)
+    with pytest.raises(ValueError, match="compile must be"):
+        TrainConfig(compile="maybe")
+    with pytest.raises(ValueError, match="steps/epochs: give --steps or --epochs"):
+        TrainConfig(steps=None)
+    # It was refused later with a fix that does not work ("pass --max-anchors 0 or less").
+    with pytest.raises(ValueError, match=r"seq_len must be >= 2 \(an anchor and the token after it\), got 1"):
+        TrainConfig(seq_len=1)
+
+
+def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
+    argv = [
+        "train",
+        "--target",
+        str(assets["qwen3"]),
+        "--data",
+        str(assets["data"]),
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "2",
+        "--block-size",
+        "4",
+        "--gamma",
+        "2",
+        "--num-target-layers",
+        "2",
+        "--seq-len",
+        "48",
+        "--batch-size",
+        "2",
+        "--max-anchors",
+        "4",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    assert "trained 2 steps" in capsys.readouterr().out
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
+    assert main(argv[:4] + [str(bad)] + argv[5:] + ["--out", str(tmp_path / "b")]) == 2
+    assert "bad.jsonl:1: message 0 has unknown role 'robot'" in caplog.text
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda:7"
+    assert main(["train", "--device", missing, "--out", str(tmp_path / "c")]) == 2
+    assert "--device cuda" in caplog.text
+
+
+def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, tmp_path):
+    from tiny import CONVERSATIONS
+    from transformers import AutoTokenizer
+
+    from dflash.data.chats import read_conversations
+    from dflash.data.regenerate import prompt_that_fits
+    from dflash.evaluate import greedy_generate
+
+    trainer = Trainer(
+        settle(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
+    )
+    regenerated = read_conversations(tmp_path / "regenerated_train.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(assets["qwen3"])
+    # One per conversation: its prompt (messages before the first assistant turn) + the target's reply.
+    assert sum(prompt_that_fits(tokenizer, c, max_prompt_tokens=90) is not None for c in CONVERSATIONS) == 4
+    assert len(regenerated) == 16 and [c[:-1] for c in regenerated[:4]] == [
+        c[: 1 + (c[0]["role"] == "system")] for c in CONVERSATIONS
+    ]
+    history, reply = regenerated[0][:-1], regenerated[0][-1]
+    prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    greedy = greedy_generate(
+        trainer.engine.target,
+        torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),
+        max_new_tokens=6,
+        eos_ids={tokenizer.eos_token_id},
+    )
+    assert reply == {"role": "assistant", "content": tokenizer.decode(greedy.tokens, skip_special_tokens=True)}
+
+
+def test_mfu_flop_estimate_matches_a_flop_counter(assets, tmp_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflash.train.flops import drafter_step_flops
+    from dflash.train.step import drafter_step, produce_target_states
+
+    trainer = Trainer(settle(_config(assets, tmp_path, max_anchors=2)))
+    engine = trainer.engine
+    engine.source.restart(first_step=1, last_step=1)
+    job = engine.source.take()
+    batch = produce_target_states(engine.target, job.batch, last_hidden=engine.settings.needs_last_hidden)
+    r = engine.replica
+    with FlopCounterMode(display=False) as counter:
+        stats = drafter_step(
+            r.step_fn,
+            r.model,
+            r.heads,
+            batch,
+            job.anchors,
+            job.valid,
+            settings=engine.settings,
+            position_weight=r.position_weight,
+        )
+    blocks, pairs = float(stats[2]), float(stats[3])
+    assert blocks == 4  # every block real, so no padding work is uncounted
+    cfg = trainer.drafter.config
+    draft_tokens = 4 * cfg.block_size
+    estimate = drafter_step_flops(
+        trainer.drafter, draft_tokens=draft_tokens, context_tokens=2 * 48, visible_pairs=pairs
+    )
+    # The counter has no formula for CPU SDPA, so compare the matmul part (attention term excluded).
+    # The LM head's input gradient is formed in forward (fused loss), so nothing is recomputed.
+    matmuls = estimate - drafter_step_flops(trainer.drafter, draft_tokens=0, context_tokens=0, visible_pairs=pairs)
+    assert counter.get_total_flops() == pytest.approx(matmuls, rel=0.02)
+
+
+def test_a_new_run_never_overwrites_an_existing_one(tmp_path):
+    from dflash.run.preflight import refuse_existing_run
+
+    refuse_existing_run(tmp_path, resume=False)  # empty --out: fine
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds a training run .*step_00000004.*--resume"):
+        refuse_existing_run(tmp_path, resume=False)
+    refuse_existing_run(tmp_path, resume=True)
+
+
+def test_cli_resume_takes_unrepeated_flags_from_the_saved_run(assets, tmp_path, capsys):
+    import shlex
+
+    flags = ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48"]
+    flags += ["--batch-size", "2", "--max-anchors", "4", "--lr", "0.02", "--seed", "3", "--no-progress"]
+    inputs = ["--target", str(assets["qwen3"]), "--data", str(assets["data"])]
+    out = tmp_path / "my run"  # a space: the printed commands must survive a copy into a shell
+    assert main(["train", *inputs, *flags, "--out", str(out), "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert shlex.split(printed.split("evaluate with: ")[1].rstrip(")\n")) == ["dflash", "eval", "--drafter", str(out)]
+    # Only --out, --resume and a longer --steps: every other flag (block size, lr, seed, inputs)
+    # must come from train_config.json, or the resume would be refused as a different config.
+    assert main(["train", "--resume", "--out", str(out), "--steps", "3", "--no-progress"]) == 0
+    assert "trained 3 steps" in capsys.readouterr().out
+    saved = json.loads((out / "train_config.json").read_text())
+    assert (saved["block_size"], saved["lr"], saved["seed"], saved["steps"]) == (4, 0.02, 3, 3)
+    assert find_checkpoint(out).name == "step_00000003"
+
+
+def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypatch):
+    import dflash.train.trainer as trainer_module
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the inputs were checked")
+
+    monkeypatch.setattr(trainer_module, "load_target", no_target)
+    with pytest.raises(CheckpointError, match="nothing: does not exist"):
+        Trainer(settle(_config(assets, tmp_path / "nothing", resume=True)))
+    with pytest.raises(ValueError, match="a directory, not a file; pass --data"):
+        Trainer(settle(_config(assets, tmp_path / "run", data=str(tmp_path))))
+    assert not (tmp_path / "nothing").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("responses", "named"),
+    [("data", "no conversation left to train on"), ("target", "none of its 2 conversations has a prompt")],
+)
+def test_data_without_a_usable_conversation_fails_before_the_target_loads(
+    assets, tmp_path, monkeypatch, responses, named
+):
+    import dflash.train.trainer as trainer_module
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was found unusable")
+
+    monkeypatch.setattr(trainer_module, "load_target", no_target)
+    unusable = [
+        {"messages": [{"role": "system", "content": "be brief"}]},
+        {"messages": [{"role": "user", "content": "hi"}]},
+    ]
+    data = write_jsonl(tmp_path / "unusable.jsonl", unusable)
+    with pytest.raises(DatasetError, match=named):
+        Trainer(settle(_config(assets, tmp_path / "run", data=data, responses=responses)))
+
+
+def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets, tmp_path, monkeypatch):
+    monkeypatch.chdir(assets["data"].parent)
+    config = _config(assets, tmp_path / "run", steps=1, data=assets["data"].name)
+    assert config.data == str(assets["data"])
+    Trainer(settle(config)).train()
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert saved["data"] == str(assets["data"]) and saved["target"] == str(assets["qwen3"])
+    monkeypatch.chdir(tmp_path)
+    assert Trainer(settle(TrainConfig.from_dict({**saved, "steps": 2, "resume": True}))).step == 1
+
+
+def test_resume_compares_inputs_as_files_not_strings(assets, tmp_path, monkeypatch, caplog):
+    from dflash.run.resume import check_resume_config
+
+    # A run saved with a relative --data (before paths were saved absolute) resumes from its own directory...
+    monkeypatch.chdir(assets["data"].parent)
+    saved = {**_config(assets, tmp_path).to_dict(), "data": assets["data"].name}
+    check_resume_config(saved, _config(assets, tmp_path), tmp_path)
+    # ... and from elsewhere, where the saved path names nothing (as on another host), with a warning.
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        check_resume_config(saved, _config(assets, tmp_path), tmp_path)
+    assert "which does not exist here" in caplog.text
+    # Two existing, different files are a different config.
+    other = tmp_path / "other.jsonl"
+    other.write_text(assets["data"].read_text())
+    with pytest.raises(CheckpointError, match="different config \\(data:"):
+        check_resume_config(_config(assets, tmp_path).to_dict(), _config(assets, tmp_path, data=str(other)), tmp_path)
+
+
+def test_resuming_with_another_length_warns_that_the_schedule_changes(assets, tmp_path, caplog):
+    from dflash.run.resume import check_resume_config
+
+    saved = _config(assets, tmp_path, steps=6).to_dict()
+    with caplog.at_level(logging.WARNING):
+        check_resume_config(saved, _config(assets, tmp_path, steps=6), tmp_path)
+        assert "schedule" not in caplog.text
+        check_resume_config(saved, _config(assets, tmp_path, steps=8), tmp_path)
+    assert "steps 6 -> 8" in caplog.text and "learning-rate schedule is recomputed" in caplog.text
+
+
+def test_cli_names_the_type_of_a_bad_number_and_says_how_to_resume_after_ctrl_c(
+    assets, tmp_path, capsys, caplog, monkeypatch
+):
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "abc"])
+    assert "invalid int value: 'abc'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--target-layer-ids", "a,b"])
+    assert "invalid comma-separated integer list value: 'a,b'" in capsys.readouterr().err  # not a function's name
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train", interrupted)
+    args = [
+        "train",
+        "--target",
+        str(assets["qwen3"]),
+        "--data",
+        str(assets["data"]),
+        "--out",
+        str(tmp_path),
+        "--block-size",
+        "4",
+        "--gamma",
+        "2",
+        "--num-target-layers",
+        "2",
+        "--seq-len",
+        "48",
+        "--no-progress",
+    ]
+    assert main(args) == 130
+    assert "interrupted before the first checkpoint: nothing to --resume" in caplog.text
+
+
+def test_ctrl_c_after_a_checkpoint_says_how_to_resume_once_per_job(tmp_path, caplog, monkeypatch):
+    from dflash.commands.train import _resume_hint
+
+    out = tmp_path / "my run"
+    (out / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000003" / "config.json").write_text("{}")
+    monkeypatch.setenv("RANK", "1")
+    _resume_hint(str(out), "interrupted")
+    assert not caplog.text
+    monkeypatch.setenv("RANK", "0")
+    _resume_hint(str(out), "interrupted")
+    assert f"continue with `dflash train --resume --out '{out}'`" in caplog.text
+
+
+def test_packing_is_the_default_and_fills_rows(assets, tmp_path, monkeypatch):
+    import dflash.train.local as local_module
+
+    documents = []
+    real = local_module.produce_target_states
+
+    def spy(target, batch, **kwargs):
+        documents.append(int(batch.document_ids.max()) + 1)  # documents in the fullest row
+        return real(target, batch, **kwargs)
+
+    monkeypatch.setattr(local_module, "produce_target_states", spy)
+    packed = Trainer(settle(_config(assets, tmp_path / "packed", seq_len=96)))
+    unpacked = Trainer(settle(_config(assets, tmp_path / "unpacked", seq_len=96, pack=False)))
+    assert packed.config.pack and not unpacked.config.pack
+    fills = {}
+    for name, trainer in (("packed", packed), ("unpacked", unpacked)):
+        documents.clear()
+        stats = [trainer.engine.run(step, lr=1e-2) for step in (1, 2)]
+        fills[name] = sum(s.tokens for s in stats) / sum(s.row_tokens for s in stats)
+        assert all(map(math.isfinite, (s.loss for s in stats)))
+        assert (max(documents) > 1) == (name == "packed")
+    assert fills["packed"] > 1.5 * fills["unpacked"], fills
+
+
+def test_no_save_trains_without_writing_a_checkpoint(assets, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(settle(_config(assets, tmp_path, steps=2, save_every=1, save=False)))
+    assert "no checkpoint will be written" in caplog.text
+    assert trainer.train()["loss"] > 0
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets, tmp_path, caplog):
+    from dflash.run.lock import run_lock
+
+    argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path)]
+    argv += ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--no-progress"]
+    with run_lock(tmp_path):  # another training holds --out
+        assert main(argv) == 2
+    assert "train.lock" in caplog.text and str(os.getpid()) in caplog.text
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "train_config.json").exists()
+
+
+def test_metrics_log_of_a_resumed_run_continues_from_its_checkpoint(assets, tmp_path):
+    crashed = record_losses(Trainer(settle(_config(assets, tmp_path / "run", save_every=2))), crash_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()  # steps 1-3 logged, the checkpoint holds step 2
+    Trainer(settle(_config(assets, tmp_path / "run", save_every=2, resume=True))).train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    # A new run into a directory left without a checkpoint starts a new log.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step"')
+    Trainer(settle(_config(assets, tmp_path / "other", steps=1))).train()
+    assert [json.loads(line)["step"] for line in (tmp_path / "other" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_resume_warns_when_the_data_file_changed(assets, tmp_path, caplog):
+    data = tmp_path / "train.jsonl"
+    data.write_text(assets["data"].read_text())
+    Trainer(settle(_config(assets, tmp_path / "run", data=str(data), steps=2))).train()
+    with caplog.at_level(logging.WARNING):
+        Trainer(settle(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True)))
+        assert "data file changed" not in caplog.text
+        data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
+        Trainer(settle(_config(assets, tmp_path / "run", data=str(data), steps=3, resume=True)))
+    assert "the data file changed since" in caplog.text
+
+
+def test_no_save_says_nothing_was_saved(assets, tmp_path, capsys):
+    argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path)]
+    argv += ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--steps", "1"]
+    assert main([*argv, "--no-progress", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing saved (--no-save)" in out and "drafter saved" not in out
+
+
+class _Stops:
+    """A stand-in Trainer whose construction or training raises ``error``."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __call__(self, config):
+        if isinstance(self.error, Stopped) and self.error.step is None:
+            raise self.error  # during construction: regeneration runs there
+        return self
+
+    def train(self):
+        raise self.error
+
+
+def test_a_stopped_regeneration_exits_with_its_signal_and_no_resume_advice(tmp_path, caplog, monkeypatch):
+    import signal
+
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(Stopped(signal.SIGTERM, "regeneration")))
+    assert main(["train", "--out", str(tmp_path / "run"), "--no-progress"]) == 128 + signal.SIGTERM
+    assert "nothing to --resume" not in caplog.text  # the regeneration said what it kept
+
+
+def test_a_stop_under_no_save_says_nothing_was_saved(tmp_path, caplog, monkeypatch):
+    import signal
+
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(Stopped(signal.SIGTERM, step=5)))
+    assert main(["train", "--out", str(tmp_path / "run"), "--no-save", "--no-progress"]) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM after step 5; nothing was saved (--no-save)" in caplog.text
+    assert "checkpoint" not in caplog.text
+
+
+def test_resume_of_a_run_stopped_while_regenerating_says_to_start_it_again(tmp_path, caplog):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "regenerated_train.jsonl.shard0-of-1.partial").write_text('{"key": {}}\n')
+    assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 2
+    assert "no checkpoint yet, only the replies regenerated before the run stopped" in caplog.text
+    assert "start the same run again without --resume" in caplog.text
+
+
+def test_resume_with_flags_that_change_the_math_is_refused_before_the_target_loads(
+    assets, tmp_path, caplog, monkeypatch
+):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    (run / "train_config.json").write_text(json.dumps(_config(assets, run, lr=3e-3).to_dict()))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
+    assert main(["train", "--resume", "--out", str(run), "--lr", "1e-3", "--no-progress"]) == 2
+    assert "different config (lr: 0.003 -> 0.001)" in caplog.text
+
+
+def test_config_errors_name_flags_not_fields(tmp_path, caplog):
+    assert main(["train", "--keep-last", "0", "--out", str(tmp_path / "a")]) == 2
+    assert "--keep-last must be >= 1, got 0" in caplog.text
+    assert main(["train", "--drafter-devices", "cpu", "--out", str(tmp_path / "b")]) == 2
+    assert "--target-devices/--drafter-devices: give both" in caplog.text
+
+
+def test_resuming_a_finished_run_says_so_before_anything_loads(assets, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000003" / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000003\n")
+    (run / "train_config.json").write_text(json.dumps(_config(assets, run, steps=3).to_dict()))
+    monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(AssertionError("the trainer was built")))
+    assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 0
+    assert f"nothing to train: {run} is already at step 3 of 3" in capsys.readouterr().out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000003"]  # nothing written
