@@ -23,6 +23,7 @@ import itertools
 import json
 import sys
 import threading
+import traceback
 import warnings
 
 import torch
@@ -68,7 +69,14 @@ def _describe(exc: BaseException) -> str:
     line = _ends(f"{type(exc).__name__}: {exc}")
     if root is not exc:
         line += f" <- {_ends(f'{type(root).__name__}: {root}')}"
-    return line[:600]
+    return line[:600] + _where(root)
+
+
+def _where(exc: BaseException) -> str:
+    """Where ``exc`` was raised: the innermost frame of its traceback, and the one below it (a race is
+    rare, so the failure line must say where it struck without a rerun)."""
+    frames = traceback.extract_tb(exc.__traceback__)[-2:]
+    return "".join(f" [at {frame.filename}:{frame.lineno} in {frame.name}]" for frame in reversed(frames))
 
 
 def _ends(message: str) -> str:
