@@ -227,6 +227,43 @@ print(json.dumps(seen))
 )
 
 
+# Another thread's compile installs dynamo's globals (__compiled_fn_*, __builtins_dict___*) in the
+# module dict a trace scans for autowrapped functions. A garbage collection inside the scan's
+# snapshot can run finalizers and so switch threads; here a finalizer stands in for that thread and
+# installs a global at every collection, and every allocation of a collectable object collects.
+AUTOWRAP_SCAN_WHILE_GLOBALS_ARE_INSTALLED = """
+import gc, json
+import torch.fx._symbolic_trace as st
+
+scope = {f"global_{i}": i for i in range(10_000)}  # more entries than tuple free lists hold: a copy allocates
+armed = [True]
+
+
+class InstallsAGlobal:
+    def __init__(self):
+        self.cycle = self  # only the cyclic collector frees it
+
+    def __del__(self):
+        if armed[0]:
+            scope[f"__compiled_fn_{id(self)}"] = None
+            InstallsAGlobal()  # garbage for the next collection
+
+
+InstallsAGlobal()
+gc.set_threshold(1)
+try:
+    with st._Patcher() as patcher:
+        st._autowrap_check(patcher, scope, set())
+    outcome = "scanned"
+except RuntimeError as error:
+    outcome = str(error)
+finally:
+    armed[0] = False
+    gc.set_threshold(700, 10, 10)
+print(json.dumps({"outcome": outcome, "thread_scoped": hasattr(st, "_thread_scoped_patches")}))
+"""
+
+
 def test_module_methods_and_globals_are_the_originals_once_traces_end():
     plain = script_result(ORIGINALS_AFTER_TRACES, patched=False)
     assert all(plain.values()), plain
@@ -259,3 +296,8 @@ def test_a_compile_that_inlined_a_patched_global_builds_its_guards_when_the_trac
 def test_a_compile_that_inlined_a_dispatcher_runs_the_global_a_later_trace_patches():
     patched = script_result(REBOUND_WRAPPED_GLOBAL, patched=True)
     assert all(compiled == eager for compiled, eager in patched.values()), patched
+
+
+def test_the_autowrap_scan_survives_globals_installed_while_it_snapshots_them():
+    patched = script_result(AUTOWRAP_SCAN_WHILE_GLOBALS_ARE_INSTALLED, patched=True)
+    assert patched == {"outcome": "scanned", "thread_scoped": True}, patched
