@@ -228,28 +228,43 @@ print(json.dumps(seen))
 
 
 # Another thread's compile installs dynamo's globals (__compiled_fn_*, __builtins_dict___*) in the
-# module dict a trace scans for autowrapped functions. A garbage collection inside the scan's
-# snapshot can run finalizers and so switch threads; here a finalizer stands in for that thread and
-# installs a global at every collection, and every allocation of a collectable object collects.
-AUTOWRAP_SCAN_WHILE_GLOBALS_ARE_INSTALLED = """
-import gc, json
+# module dict a trace scans for autowrapped functions. On Python 3.11 an allocation can collect
+# garbage, and the finalizers it runs can let that thread in: inside a snapshot that allocates while it
+# copies (list(items()); dict.copy() between cloning the entries and reading their count), the copy
+# is torn. Here a finalizer stands in for the other thread, adding (or removing) a global at every
+# collection, and the threshold makes one collect every few allocations. Plain torch's scan iterates
+# the dict itself and allocates nothing the collector tracks between entries, so it passes this and
+# is exposed only to a thread switch at a bytecode boundary (the soak's race). From 3.12 a collection
+# waits for the eval loop, so there every snapshot passes.
+AUTOWRAP_SCAN_WHILE_GLOBALS_CHANGE = """
+import gc, itertools, json, os
 import torch.fx._symbolic_trace as st
 
-scope = {f"global_{i}": i for i in range(10_000)}  # more entries than tuple free lists hold: a copy allocates
-armed = [True]
+change = os.environ["GLOBALS_CHANGE"]
+scope = {f"global_{i}": i for i in range(10_000)}  # more entries than tuple free lists hold
+names = itertools.count()
+changes = [0]
+armed = [False]
 
 
-class InstallsAGlobal:
+class ChangesAGlobal:
     def __init__(self):
         self.cycle = self  # only the cyclic collector frees it
 
     def __del__(self):
         if armed[0]:
-            scope[f"__compiled_fn_{id(self)}"] = None
-            InstallsAGlobal()  # garbage for the next collection
+            if change == "add":
+                scope[f"__compiled_fn_{next(names)}"] = None
+            else:
+                scope.pop(f"global_{next(names)}")
+            changes[0] += 1
+            ChangesAGlobal()  # garbage for the next collection
 
 
-InstallsAGlobal()
+held = [{} for _ in range(200)]  # empties the dict free list: a new dict is a fresh allocation
+ChangesAGlobal()
+threshold = gc.get_threshold()
+armed[0] = True
 gc.set_threshold(1)
 try:
     with st._Patcher() as patcher:
@@ -259,8 +274,9 @@ except RuntimeError as error:
     outcome = str(error)
 finally:
     armed[0] = False
-    gc.set_threshold(700, 10, 10)
-print(json.dumps({"outcome": outcome, "thread_scoped": hasattr(st, "_thread_scoped_patches")}))
+    gc.set_threshold(*threshold)
+thread_scoped = hasattr(st, "_thread_scoped_patches")
+print(json.dumps({"outcome": outcome, "changed": changes[0] > 0, "thread_scoped": thread_scoped}))
 """
 
 
@@ -298,6 +314,8 @@ def test_a_compile_that_inlined_a_dispatcher_runs_the_global_a_later_trace_patch
     assert all(compiled == eager for compiled, eager in patched.values()), patched
 
 
-def test_the_autowrap_scan_survives_globals_installed_while_it_snapshots_them():
-    patched = script_result(AUTOWRAP_SCAN_WHILE_GLOBALS_ARE_INSTALLED, patched=True)
-    assert patched == {"outcome": "scanned", "thread_scoped": True}, patched
+@pytest.mark.parametrize("change", ["add", "remove"])
+def test_the_autowrap_scan_survives_globals_changed_while_it_snapshots_them(change, monkeypatch):
+    monkeypatch.setenv("GLOBALS_CHANGE", change)
+    patched = script_result(AUTOWRAP_SCAN_WHILE_GLOBALS_CHANGE, patched=True)
+    assert patched == {"outcome": "scanned", "changed": True, "thread_scoped": True}, patched
