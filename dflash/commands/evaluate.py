@@ -65,6 +65,13 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the --num-prompts sample (default: 0)")
     parser.add_argument(
+        "--random-target-weights",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep random the target weights its files lack, as dflash train does with this flag (a benchmark "
+        "of a model's shape: the acceptance then fits no real model) (default: off)",
+    )
+    parser.add_argument(
         "--max-new-tokens", type=positive(int), default=64, help="tokens to generate per prompt (default: 64)"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
@@ -215,7 +222,13 @@ def _evaluate(args: argparse.Namespace):
     )
     _warn_of_training_prompts(prompts, run)
     drafter = load_drafter(args.drafter, device=device, dtype=dtype)
-    target = load_target(target_dir, layer_ids=drafter.config.target_layer_ids, device=device, dtype=dtype)
+    target = load_target(
+        target_dir,
+        layer_ids=drafter.config.target_layer_ids,
+        device=device,
+        dtype=dtype,
+        random_missing=args.random_target_weights,
+    )
     report = evaluate(
         target,
         drafter,

@@ -322,5 +322,6 @@ def _refuse_missing_weights(path: Path, loading: dict) -> None:
     raise TargetLoadError(
         f"target {path}: its weight files lack {len(missing)} of the model's weights ({_names(missing)}){found}, "
         "which would be initialised at random; restore the missing shards or weight names from the model's "
-        "source (dflash train --random-target-weights keeps them random, for a benchmark of the model's shape)"
+        "source (--random-target-weights of dflash train and dflash eval keeps them random, for a benchmark of the "
+        "model's shape)"
     )

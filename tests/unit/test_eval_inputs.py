@@ -5,6 +5,7 @@ and bad counts are usage errors. The CLI tests decode a few tokens on a tiny tar
 import json
 import logging
 import time
+from pathlib import Path
 
 import pytest
 from tiny import CONVERSATIONS, RecordingTokenizer, make_target, make_tokenizer, save_random_drafter, write_jsonl
@@ -143,3 +144,25 @@ def test_eval_reports_skipped_prompts_and_fewer_than_asked(run, tmp_path, capsys
     }
     assert main([*argv[:-1], "600"]) == 2  # --max-new-tokens 600 in a 512-token context
     assert "leaves no room for a prompt in the target's context of 512 tokens" in caplog.text
+
+
+def test_eval_of_a_random_weight_target_needs_the_flag_and_says_which_weights_are_random(run, tmp_path, caplog):
+    """A benchmark run trained with --random-target-weights can be evaluated the same way; without the
+    flag such a target is refused, naming the flag."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash.cli import main
+
+    target = Path(shutil.copytree(run.parent / "target", tmp_path / "target"))
+    weights = load_file(target / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, target / "model.safetensors")
+    argv = ["eval", "--drafter", str(run), "--target", str(target), *EVAL, "--num-prompts", "1"]
+    argv += ["--max-new-tokens", "2"]
+    assert main(argv) == 2
+    assert "lack 1 of the model's weights (lm_head.weight)" in caplog.text
+    assert "--random-target-weights of dflash train and dflash eval keeps them random" in caplog.text
+    caplog.clear()
+    assert main([*argv, "--random-target-weights"]) == 0
+    assert "1 of its weights are not in its files and stay random (--random-target-weights)" in caplog.text
