@@ -90,16 +90,17 @@ def parse_summary(log: str) -> dict:
     return fields
 
 
-def write_target(directory: Path, shape: str, *, layers: int | None = None) -> Path:
+def write_target(directory: Path, shape: str, *, layers: int | None = None, sliding_window: int | None = None) -> Path:
     """A HF directory of a random-weight target of ``shape`` (module docstring), its first ``layers``
     decoder layers (None: all): its config, the embedded tokenizer and a weight file holding only
-    the final norm."""
+    the final norm. ``sliding_window`` (dense shapes) turns on a window of that many tokens for the
+    second half of the layers (Qwen3's ``use_sliding_window`` and ``max_window_layers``)."""
     import torch
     from safetensors.torch import save_file
 
     from dflash.assets import default_target_dir
 
-    config, norm_key = _target_config(shape, layers)
+    config, norm_key = _target_config(shape, layers, sliding_window)
     directory.mkdir(parents=True, exist_ok=True)
     source = default_target_dir()
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -111,12 +112,18 @@ def write_target(directory: Path, shape: str, *, layers: int | None = None) -> P
     return directory
 
 
-def _target_config(shape: str, layers: int | None):
-    """The transformers config of ``shape`` (cut to ``layers``) and the checkpoint key of its final norm."""
+def _target_config(shape: str, layers: int | None, sliding_window: int | None = None):
+    """The transformers config of ``shape`` (cut to ``layers``, :func:`write_target`'s ``sliding_window``)
+    and the checkpoint key of its final norm."""
     fields = dict(SHAPES[shape])
     fields["num_hidden_layers"] = layers or fields["num_hidden_layers"]
     arch = fields.pop("arch")
     tokens = dict(pad_token_id=0, eos_token_id=2)  # the embedded tokenizer's
+    if sliding_window is not None:
+        if arch != "qwen3":
+            raise ValueError(f"--sliding-window needs a dense (qwen3) shape, not {shape}")
+        half = fields["num_hidden_layers"] // 2
+        fields.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=half)
     if arch == "qwen3":
         from transformers import Qwen3Config
 

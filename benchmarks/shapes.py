@@ -88,12 +88,13 @@ QWEN36_VISION = dict(
 )
 
 
-def dense_text_config(shape: str, layers: int):
-    """A transformers ``Qwen3Config`` of a dense ``shape``, its first ``layers`` layers, untied."""
+def dense_text_config(shape: str, layers: int, **overrides):
+    """A transformers ``Qwen3Config`` of a dense ``shape``, its first ``layers`` layers, untied, with
+    ``overrides`` of its fields."""
     from transformers import Qwen3Config
 
     fields = {k: v for k, v in SHAPES[shape].items() if k != "arch"}
-    fields.update(num_hidden_layers=layers, tie_word_embeddings=False)
+    fields.update(num_hidden_layers=layers, tie_word_embeddings=False, **overrides)
     return Qwen3Config(**fields)
 
 

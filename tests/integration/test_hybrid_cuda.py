@@ -1,8 +1,10 @@
-"""Hybrid (Qwen3.6) targets on CUDA with flash-linear-attention: its varlen kernels equal the exact
-reference on segments, and a packed row's later conversations differ from each run alone no more
-than packing already differs on a dense Qwen3 target of the same width (bf16 rounding of the two
-attention kernels). Needs a GPU and flash-linear-attention; skipped otherwise (run on the device
-host: ``pytest tests/integration/test_hybrid_cuda.py -s`` prints the measured differences)."""
+"""Packed targets at public widths on CUDA. Hybrid (Qwen3.6) targets with flash-linear-attention:
+its varlen kernels equal the exact reference on segments, and a packed row's later conversations
+differ from each run alone no more than packing already differs on a dense Qwen3 target of the
+same width (bf16 rounding of the two attention kernels). Sliding-window layers: the same bar
+against the same dense target with its window off. Needs a GPU (and flash-linear-attention for the
+hybrid tests); skipped otherwise (run on the device host: ``pytest
+tests/integration/test_hybrid_cuda.py -s`` prints the measured differences)."""
 
 import pytest
 import torch
@@ -10,10 +12,8 @@ import torch
 from dflash.target import documents
 from dflash.target.files import fla_available
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or not fla_available(),
-    reason="needs CUDA and flash-linear-attention",
-)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_fla = pytest.mark.skipif(not fla_available(), reason="needs flash-linear-attention")
 
 VOCAB = 151936  # token ids valid in both targets' vocabularies
 LAYERS = 4  # one round of Qwen3.6's 3 Gated DeltaNet + 1 gated attention layers
@@ -21,6 +21,7 @@ LAYERS = 4  # one round of Qwen3.6's 3 Gated DeltaNet + 1 gated attention layers
 SIZES = [700, 300, 513, 64, 400, 70]
 
 
+@needs_fla
 def test_fla_delta_rule_equals_the_reference_on_segments():
     torch.manual_seed(0)
     ids = torch.cat([torch.full((n,), d) for d, n in enumerate([100, 37, 1, 200, 62])])[None]
@@ -38,6 +39,7 @@ def test_fla_delta_rule_equals_the_reference_on_segments():
     torch.testing.assert_close(out[0], out[1], rtol=3e-2, atol=3e-2)
 
 
+@needs_fla
 def test_a_changing_segment_count_compiles_no_new_kernels():
     """Packed batches differ in their number of documents every step; the varlen kernels must not
     compile (or autotune) again for each count."""
@@ -75,8 +77,15 @@ def test_a_changing_segment_count_compiles_no_new_kernels():
     assert counts[0] > 0 and len(set(counts[1:])) == 1 and counts[1] == counts[0]
 
 
-def _target(hybrid: bool):
-    """The first 4 layers of Qwen3.6-27B (one round of its layout) or of Qwen3-32B (dense, same width)."""
+#: Qwen3-8B's window for its second half of layers in the sliding test (Qwen3's max_window_layers
+#: rule): shorter than 4 of the 6 documents, so a packed row that ignored it would differ.
+WINDOW = 256
+
+
+def _target(kind: str):
+    """The first 4 layers of Qwen3.6-27B (``"hybrid"``: one round of its layout), of Qwen3-32B
+    (``"dense"``, the same width), or of Qwen3-8B with (``"sliding"``) or without (``"qwen3-8b"``)
+    a window of :data:`WINDOW` tokens on layers 2 and 3."""
     import sys
     from pathlib import Path
 
@@ -87,10 +96,14 @@ def _target(hybrid: bool):
     from dflash.target.model import Target
 
     torch.manual_seed(0)
-    if hybrid:
+    if kind == "hybrid":
         config, make = hybrid_text_config("qwen3.6-27b", LAYERS), Qwen3_5ForCausalLM
-    else:
+    elif kind == "dense":
         config, make = dense_text_config("qwen3-32b", LAYERS), Qwen3ForCausalLM
+    else:
+        window = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=LAYERS // 2)
+        config = dense_text_config("qwen3-8b", LAYERS, **(window if kind == "sliding" else {}))
+        make = Qwen3ForCausalLM
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
@@ -129,14 +142,31 @@ def _worst_later_difference(target, *, mask_only: bool = False) -> float:
     return worst
 
 
+@needs_fla
 def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference():
-    target = _target(hybrid=True)
+    target = _target("hybrid")
     hybrid, leaky = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
     del target
     torch.cuda.empty_cache()
-    dense = _worst_later_difference(_target(hybrid=False))
+    dense = _worst_later_difference(_target("dense"))
     print(
         f"packed vs alone, later documents, every layer, bf16: hybrid {hybrid:.4f} (document mask alone: "
         f"{leaky:.4f}), dense Qwen3 {dense:.4f}"
     )
     assert hybrid <= dense < leaky
+
+
+def test_packed_sliding_window_rows_stay_within_dense_packings_bf16_difference():
+    """Each sliding layer gets its own document mask limited to the window; the full document mask
+    alone (``mask_only``) lets its positions see past the window, which a document run alone does not."""
+    target = _target("sliding")
+    assert target.model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    sliding, unwindowed = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
+    del target
+    torch.cuda.empty_cache()
+    dense = _worst_later_difference(_target("qwen3-8b"))
+    print(
+        f"packed vs alone, later documents, every layer, bf16, Qwen3-8B width: window {WINDOW} on layers 2-3 "
+        f"{sliding:.4f} (the full document mask alone: {unwindowed:.4f}), no window {dense:.4f}"
+    )
+    assert sliding <= 2 * dense < unwindowed
