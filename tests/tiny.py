@@ -276,12 +276,14 @@ def assert_same_block_mask(ours, ref) -> None:
 def unfused_flex(monkeypatch, model) -> None:
     """Switch ``model`` to flex_attention, unfused (no torch.compile, CPU forward).
 
-    transformers wraps flex_attention in torch.compile, which on CPU costs ~30 s of C++ builds;
-    calling the eager op keeps the test fast. Eager flex evaluates the mask_mod on the full grid;
-    the BlockMask tile tables the compiled kernel uses are checked against create_block_mask in
+    transformers wraps flex_attention in torch.compile, which on CPU costs ~30 s of C++ builds,
+    and builds its own causal BlockMasks with ``create_block_mask(_compile=True)`` (~10 s); calling
+    the eager ops keeps the test fast. Eager flex evaluates the mask_mod on the full grid; the
+    BlockMask tile tables the compiled kernel uses are checked against create_block_mask in
     test_masks.py, and the compiled path end to end by benchmarks/check_flex.py.
     """
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from transformers import masking_utils
     from transformers.integrations import flex_attention as hf_flex
 
     monkeypatch.setattr(
@@ -289,6 +291,9 @@ def unfused_flex(monkeypatch, model) -> None:
         "compile_friendly_flex_attention",
         lambda q, k, v, training=False, **kwargs: flex_attention(q, k, v, **kwargs),
     )
+    if hasattr(masking_utils, "create_block_mask"):
+        eager_block_mask = lambda *args, _compile=False, **kwargs: create_block_mask(*args, **kwargs)
+        monkeypatch.setattr(masking_utils, "create_block_mask", eager_block_mask)
     model.set_attn_implementation("flex_attention")
     assert model.config._attn_implementation == "flex_attention"
 

@@ -1,8 +1,8 @@
 """The tokenized-data cache in ``--out``: a resume (or a new run on the same data and settings) reads
 the tokens instead of reading and tokenizing the chats again; the key changes with the data, the
-tokenizer and chat template, ``--seq-len`` and ``--overflow``; worker processes give the tokens one
-process gives; a signal while tokenizing keeps the finished parts, says so, and the next start
-tokenizes only the rest."""
+tokenizer and chat template, ``--seq-len`` and ``--overflow``; a signal while tokenizing keeps the
+finished parts, says so, and the next start tokenizes only the rest (worker processes:
+tests/integration/test_token_cache_workers.py)."""
 
 import json
 import logging
@@ -70,19 +70,6 @@ def test_the_key_follows_the_data_tokenizer_and_settings(assets, tmp_path):
     changed.append(cache_key(**base))
     dirs = {TokenCache(tmp_path / "tokenized", k).dir for k in [key, *changed]}
     assert len(dirs) == 5
-
-
-def test_worker_processes_give_the_tokens_of_one_process(assets, tmp_path, monkeypatch):
-    monkeypatch.setattr(dflash.data.token_cache, "PART_SIZE", 3)  # 16 conversations: 6 parts
-    tokenizer = load_tokenizer(assets["target"])
-    conversations = read_conversations(assets["data"])
-    alone = build_examples(tokenizer, conversations, seq_len=48, source="chats", progress=False)
-    cache = TokenCache(tmp_path / "tokenized", {"k": 1})
-    settings = dict(seq_len=48, overflow="truncate", source="chats", progress=False, write=True)
-    tokens = cache.tokenize(tokenizer, conversations, workers=2, **settings)
-    assert tokens.examples == alone and tokens.conversations == 16
-    assert cache.complete().examples == alone
-    assert sorted(p.name for p in cache.dir.glob("part_*")) == [f"part_{i:05d}.safetensors" for i in range(6)]
 
 
 def test_a_signal_while_tokenizing_keeps_the_finished_parts_and_says_so(assets, tmp_path, monkeypatch, caplog):

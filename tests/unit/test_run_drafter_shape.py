@@ -186,7 +186,7 @@ def test_a_qwen3_5_moe_target_trains(tmp_path):
     target = make_target(tmp_path / "moe", arch=MOE_ARCH, num_layers=8)
     data = write_chat_data(tmp_path / "chats.jsonl")
     flags = ["--target", str(target), "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu"]
-    flags += ["--steps", "1", "--seq-len", "48", "--batch-size", "2", "--num-target-layers", "2"]
+    flags += ["--steps", "1", "--seq-len", "48", "--batch-size", "2", "--num-target-layers", "2", "--max-anchors", "4"]
     assert main(["train", *flags, "--cpu-threads", "1", "--no-progress"]) == 0
     raw = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "config.json").read_text())
     assert raw["num_hidden_layers"] == 8 and raw["layer_types"] == [FULL_ATTENTION] * 8 and raw["block_size"] == 16

@@ -2,13 +2,10 @@
 step's rows can be kept (``--grad-accum`` adjusted), says what changed, and refuses with the
 reason and the fix when they cannot. CPU "devices": threaded (``cpu:0-1``) -> one device and back,
 each equal bit for bit to the run that never stopped. The resume rules live in ``dflash.run.resume``,
-which ``dflash.run.preflight`` imports instead of the trainer (an import circle before)."""
+which ``dflash.run.preflight`` imports instead of the trainer (tests/integration/test_preflight_imports.py)."""
 
 import json
 import logging
-import subprocess
-import sys
-import textwrap
 
 import pytest
 from safetensors.torch import load_file
@@ -98,18 +95,3 @@ def test_another_process_count_is_refused_with_the_reason(tmp_path):
     ):
         check_process_count(2, 1, tmp_path)
     check_process_count(2, 2, tmp_path)
-
-
-def test_preflight_checks_a_resume_without_importing_the_trainer(assets, tmp_path):
-    _stop_after_3(assets, tmp_path / "run", **LOCAL)
-    code = textwrap.dedent(f"""\
-        import json, sys
-        from dflash.config import TrainConfig
-        from dflash.run.preflight import validate_inputs
-        saved = json.loads(open({str(tmp_path / "run" / "train_config.json")!r}).read())
-        validate_inputs(TrainConfig.from_dict({{**saved, "resume": True}}))
-        print("dflash.train.trainer" in sys.modules)
-        """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False"]
