@@ -28,6 +28,10 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 _SHORT_NAMES = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
 #: gamma of the position decay used by the DFlash paper per block size (Sec. 3.3); --gamma's default.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+#: Drafter architectures (``--arch``).
+ARCHS = ("dflash", "dflash2")
+#: What DFlash2's selector loss does with a slot whose true token is not a candidate (``--selector-missing-gold``).
+MISSING_GOLD = ("exclude", "insert")
 #: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
 SAVE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
@@ -93,6 +97,10 @@ class TrainConfig:
     dflash run (its latest checkpoint): its shape, layer
     types, window, block size, mask token, tapped layers and RoPE are kept and its weights loaded strictly; held-out
     acceptance is measured before step 1 and after the last step (on --eval-data, else the embedded held-out set)."""
+    arch: str = "dflash"
+    """Drafter architecture: `dflash` (arXiv 2602.06036) or `dflash2` (DFlash plus a grouped dynamic convolution
+    around each layer's attention and MLP and a top-K candidate selector, as z-lab's DFlash2 drafters; z-lab/dflash
+    model.py at 07ebd93); with --init-from, the drafter's own."""
     block_size: int | None = None
     """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel; empty = 8, 16 (the published
     drafters') for Qwen3.5/3.6 targets."""
@@ -162,6 +170,13 @@ class TrainConfig:
     dpace_alpha: float = 0.5
     """D-PACE confidence smoothing alpha in [0, 1]: slot confidence (1 - alpha) * p + alpha (SpecForge and
     speculators default 0.5)."""
+
+    selector_loss_weight: float = 1.0
+    """DFlash2: weight of the candidate selector's loss (a cross-entropy over each slot's top-K candidates, scored
+    after the true previous token) against the drafter's; 0 leaves the selector untrained."""
+    selector_missing_gold: str = "exclude"
+    """DFlash2: slots whose true token is not among the top-K candidates: `exclude` them from the selector's loss
+    (SpecForge, NeMo: what serving can select) or `insert` the true token as the K-th candidate (speculators)."""
 
     # ---- held-out acceptance ------------------------------------------------------------------
     eval_data: str | None = None
@@ -324,6 +339,12 @@ class TrainConfig:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.selector_missing_gold not in MISSING_GOLD:
+            raise ValueError(f"selector_missing_gold must be one of {MISSING_GOLD}, got {self.selector_missing_gold!r}")
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if not 0.0 <= self.soft_label_weight <= 1.0:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -217,7 +217,7 @@ def speculative_generate(
     masks = torch.full((1, block_size - 1), mask_id, dtype=torch.long, device=device)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
         block = torch.cat([last[:, None], masks], dim=1)  # [1, Bs]
-        draft = drafter.draft_block(context, target.embed_tokens(block), target.lm_head)  # [1, Bs-1]
+        draft = drafter.draft_block(context, target.embed_tokens(block), target.lm_head, last)  # [1, Bs-1]
         verified = context.shape[1]
         block = torch.cat([last[:, None], draft], dim=1)
         with rollback.verifying() if rollback else contextlib.nullcontext():

@@ -30,6 +30,7 @@ import torch
 from dflash.assets import default_target_dir
 from dflash.config import read_saved_config
 from dflash.drafter.files import DRAFTER_FILES, check_tensors, read_drafter_config
+from dflash.drafter.modeling_dflash import DFLASH2_FIELDS
 from dflash.run import acceptance_log
 from dflash.run.checkpoint import write_drafter_files
 from dflash.run.step_dirs import find_checkpoint
@@ -112,16 +113,23 @@ def serving_readme(config, *, out: Path, target: str, step_dir: Path, dtype: tor
     layers = ", ".join(f"{config.layer_types.count(k)} x {k}" for k in kinds)
     window = f"; sliding window {config.sliding_window}" if "sliding_attention" in kinds else ""
     speculative = json.dumps({"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": block - 1})
-    # vLLM serves a drafter mixing sliding and full layers only with its V2 model runner.
-    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 else ""
+    # vLLM serves a drafter mixing sliding and full layers, and DFlash2's selector (PR #52816), only
+    # with its V2 model runner.
+    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 or config.is_dflash2 else ""
     heads = f"{config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, head dim {config.head_dim}"
+    what = "A DFlash drafter (block diffusion speculative decoding, arXiv 2602.06036)"
+    extra = ""
+    if config.is_dflash2:
+        what = "A DFlash2 drafter (DFlash with grouped dynamic convolutions and a top-K candidate selector)"
+        taps, group, rank, top_k = (config.dflash2_value(name) for name in DFLASH2_FIELDS)
+        extra = f"\n- convolutions of {taps} taps, {group} channels per coefficient; selector rank {rank}, top {top_k}"
     return f"""# {out.name}
 
-A DFlash drafter (block diffusion speculative decoding, arXiv 2602.06036) for `{target}`,
+{what} for `{target}`,
 exported by `dflash export` from `{step_dir}`.
 
 - {config.num_hidden_layers} layers: {layers}{window}
-- block size {block}; {heads}
+- block size {block}; {heads}{extra}
 - taps target layers {config.target_layer_ids}; mask token {config.mask_token_id}
 - {str(dtype).removeprefix("torch.")} weights
 

@@ -232,7 +232,7 @@ class ScriptedDrafter:
         self.config, self.reference, self.prompt_len, self.correct = config, reference, prompt_len, correct
         self.rng = random.Random(seed)
 
-    def draft_block(self, target_hidden, block_embeds, lm_head):
+    def draft_block(self, target_hidden, block_embeds, lm_head, anchor_ids):
         start = target_hidden.shape[1] - self.prompt_len + 1  # index of the first drafted token
         n = self.config.block_size - 1
         truth = (self.reference + [0] * (start + n))[start : start + n]

@@ -73,6 +73,19 @@ _SHAPE_FIELDS = {
     "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
     "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
     "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+    "attention_conv.base_kernel": ("2", "dflash_config.conv_kernel_size", "hidden_size"),
+    "attention_conv.kernel_projection.weight": (
+        "2 x conv_kernel_size x hidden_size / conv_group_size (dflash_config)",
+        "hidden_size",
+    ),
+    "mlp_conv.base_kernel": ("2", "dflash_config.conv_kernel_size", "hidden_size"),
+    "mlp_conv.kernel_projection.weight": (
+        "2 x conv_kernel_size x hidden_size / conv_group_size (dflash_config)",
+        "hidden_size",
+    ),
+    "candidate_selector.hidden_projection.weight": ("dflash_config.selector_rank", "hidden_size"),
+    "candidate_selector.predecessor_codebook": ("vocab_size", "dflash_config.selector_rank"),
+    "candidate_selector.successor_codebook": ("vocab_size", "dflash_config.selector_rank"),
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -105,13 +118,15 @@ def read_raw_config(directory: str | Path) -> dict:
     )
     if not (directory / WEIGHTS_NAME).is_file():
         raise CheckpointError(f"{directory / WEIGHTS_NAME}: missing; a drafter needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-    if "DFlashDraftModel" not in (raw.get("architectures") or []):
+    if not {"DFlashDraftModel", "DFlash2DraftModel"} & set(raw.get("architectures") or []):
         raise CheckpointError(
-            f"{path}: architectures {raw.get('architectures')!r} is not a DFlash drafter (DFlashDraftModel); "
-            "pass a drafter directory"
+            f"{path}: architectures {raw.get('architectures')!r} is not a DFlash drafter (DFlashDraftModel or "
+            "DFlash2DraftModel); pass a drafter directory"
         )
     dflash = raw.get("dflash_config")
-    missing = [name for name in REQUIRED_FIELDS if raw.get(name) is None]
+    # DFlash2 configs give the block size in dflash_config only.
+    nested = {"block_size": dflash.get("block_size")} if isinstance(dflash, dict) else {}
+    missing = [name for name in REQUIRED_FIELDS if raw.get(name, nested.get(name)) is None]
     missing += [
         f"dflash_config.{name}" for name in REQUIRED_DFLASH_FIELDS if not isinstance(dflash, dict) or name not in dflash
     ]

@@ -123,7 +123,8 @@ def portable_config(config: dict, *, dtype: torch.dtype | None) -> dict:
         "rope_parameters": rope,
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
-        "architectures": ["DFlashDraftModel"],
+        # DFlash2's own name selects its convolution and selector in z-lab's loader and vLLM's.
+        "architectures": list(config.get("architectures") or ["DFlashDraftModel"]),
         "auto_map": dict(AUTO_MAP),
     }
     if causal is not None:

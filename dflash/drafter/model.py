@@ -47,6 +47,7 @@ def create_drafter_config(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     is_causal: bool | None = None,
+    arch: str = "dflash",
 ) -> DFlashDraftConfig:
     """Drafter config for a target (Qwen3, Llama, Qwen3.5/3.6 configs), in the target's geometry
     unless told otherwise.
@@ -73,7 +74,9 @@ def create_drafter_config(
         sliding_window (int, optional): window of the sliding layers in tokens (>= block_size).
         is_causal (bool, optional): causality within the draft block (:class:`DFlashDraftConfig`);
             None = the engines' rule for a config without it: sliding layers causal, full
-            layers bidirectional.
+            layers bidirectional; for DFlash2 False, as its published configs say.
+        arch (str): ``"dflash"`` or ``"dflash2"`` (the conv and selector fields of
+            :data:`dflash.drafter.modeling_dflash.DFLASH2_DEFAULTS`).
 
     Returns:
         DFlashDraftConfig
@@ -108,6 +111,10 @@ def create_drafter_config(
     sliding = modeling_dflash.SLIDING_ATTENTION in layer_types
     if sliding_window is not None and not sliding:
         raise ValueError(f"sliding_window {sliding_window}: no drafter layer is sliding_attention {layer_types}")
+    dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+    if arch == "dflash2":
+        dflash_config |= modeling_dflash.DFLASH2_DEFAULTS
+        is_causal = False if is_causal is None else is_causal
     return DFlashDraftConfig(
         hidden_size=text.hidden_size,
         num_attention_heads=num_attention_heads or target_heads,
@@ -126,7 +133,7 @@ def create_drafter_config(
         num_hidden_layers=num_draft_layers,
         block_size=block_size,
         num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        dflash_config=dflash_config,
         is_causal=is_causal,
         tie_word_embeddings=False,
         use_cache=False,
@@ -168,6 +175,7 @@ def drafter_config(
         layer_types=parse_layer_types(config.draft_layer_types) if config.draft_layer_types else None,
         sliding_window=config.draft_sliding_window,
         is_causal=is_causal,
+        arch=config.arch,
     )
 
 
@@ -285,21 +293,29 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
         return self._run(draft_embeds, target_hidden, positions, attention_mask, query_valid, position_ids)
 
     @torch.no_grad()
-    def draft_block(self, target_hidden: Tensor, block_embeds: Tensor, lm_head: nn.Module) -> Tensor:
+    def draft_block(
+        self, target_hidden: Tensor, block_embeds: Tensor, lm_head: nn.Module, anchor_ids: Tensor
+    ) -> Tensor:
         """Greedy draft of one block for speculative decoding (``dflash eval``).
 
         See :meth:`block_hidden` for what the inputs mean; this applies ``lm_head`` to slots
-        1..Bs-1 and takes the argmax.
+        1..Bs-1 and takes the argmax (DFlash), or walks the candidate selector's path from the
+        anchor over each slot's top-K tokens (DFlash2, :meth:`CandidateSelector.walk`).
 
         Args:
             target_hidden (Tensor): ``[B, S, K*H]`` tapped target states of positions 0..S-1.
             block_embeds (Tensor): ``[B, Bs, H]``, ``embed_tokens([last_token, MASK x (Bs-1)])``.
             lm_head (nn.Module): the target's frozen LM head, ``[.., H] -> [.., V]``.
+            anchor_ids (Tensor): int64 ``[B]``, ``last_token`` (what the DFlash2 path starts from).
 
         Returns:
-            Tensor: int64 ``[B, Bs-1]``, argmax tokens for positions S+1..S+Bs-1.
+            Tensor: int64 ``[B, Bs-1]``, the drafted tokens for positions S+1..S+Bs-1.
         """
-        return lm_head(self.block_hidden(target_hidden, block_embeds)[:, 1:]).argmax(dim=-1)
+        hidden = self.block_hidden(target_hidden, block_embeds)[:, 1:]
+        logits = lm_head(hidden)
+        if self.config.is_dflash2:
+            return self.candidate_selector.walk(hidden, logits, anchor_ids)
+        return logits.argmax(dim=-1)
 
     def block_hidden(self, target_hidden: Tensor, block_embeds: Tensor) -> Tensor:
         """Drafter hidden states of one block drafted after the whole context (inference form).

@@ -39,7 +39,25 @@ plus ``architectures=["DFlashDraftModel"]``, top-level ``block_size`` and ``num_
 ``dflash_config={"mask_token_id", "target_layer_ids"}``; weights ``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight`` and ``layers.{i}.…`` with no ``model.`` prefix.
 
-Shape legend: B batch, S context length, Q draft tokens, K tapped layers, H hidden size.
+DFlash2 ("DFlash 2: Keep Drafting Parallel", z-lab / Inco AI; the inference contract is z-lab/dflash
+``dflash/model.py`` at commit 07ebd93, which vLLM PR #52816 and SGLang PR #35371 serve) is the same
+drafter plus two things, switched on by four ``dflash_config`` fields and
+``architectures=["DFlash2DraftModel"]``:
+
+- around each layer's attention and MLP, a grouped dynamic causal convolution over the draft block
+  (:class:`GroupedDynamicConv`: ``conv_kernel_size`` taps, one dynamic coefficient per
+  ``conv_group_size`` channels), on the sublayer's input and again on its output; the context is
+  never convolved and a block never reads another block;
+- a candidate selector (:class:`CandidateSelector`, rank ``selector_rank``): each slot's
+  ``selector_top_k`` most likely tokens by the LM head, re-scored with a low-rank predecessor ->
+  candidate transition, and a path walked from the anchor, one slot after the other.
+
+Its weights add ``layers.{i}.attention_conv.{base_kernel,kernel_projection.weight}``, the same for
+``mlp_conv``, and ``candidate_selector.{hidden_projection.weight,predecessor_codebook,
+successor_codebook}`` (the codebooks as bare tensors, as the published checkpoints store them).
+
+Shape legend: B batch, S context length, Q draft tokens, K tapped layers, H hidden size, V
+vocabulary, k conv taps, G = H / conv_group_size coefficient groups, r selector rank.
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -62,6 +81,12 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 #: Mask token of Qwen3 tokenizers (the first embedding row past the tokenizer); the config default.
 QWEN3_MASK_TOKEN_ID = 151669
+
+#: ``config.json`` architectures of the two drafters.
+DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
+#: The ``dflash_config`` fields of DFlash2 and the published drafters' values (z-lab/Qwen3.8-27B-DFlash2).
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DFLASH2_FIELDS = tuple(DFLASH2_DEFAULTS)
 
 # transformers 4.x configs take the RoPE base as ``rope_theta`` (+ ``rope_scaling``) and ignore a
 # ``rope_parameters`` argument; 5.x takes ``rope_parameters`` and converts the 4.x keywords.
@@ -152,7 +177,7 @@ class DFlashDraftConfig(Qwen3Config):
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_target_layers: int = 36,
         dflash_config: dict | None = None,
         is_causal: bool | None = None,
@@ -160,6 +185,7 @@ class DFlashDraftConfig(Qwen3Config):
     ):
         if SLIDING_ATTENTION in (kwargs.get("layer_types") or ()):
             kwargs.setdefault("use_sliding_window", True)
+        block_size = _block_size(block_size, (dflash_config or {}).get("block_size"))
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {block_size}")
         if num_target_layers < 1:
@@ -169,7 +195,8 @@ class DFlashDraftConfig(Qwen3Config):
             kwargs.setdefault("rope_theta", theta)
             kwargs.setdefault("rope_scaling", scaling)
         if kwargs.get("architectures") is None:
-            kwargs["architectures"] = ["DFlashDraftModel"]
+            dflash2 = any(name in (dflash_config or {}) for name in DFLASH2_FIELDS)
+            kwargs["architectures"] = [DFLASH2 if dflash2 else DFLASH]
         if dflash_config is None:
             captured = min(5, max_captured_layers(num_target_layers))
             dflash_config = {
@@ -179,12 +206,45 @@ class DFlashDraftConfig(Qwen3Config):
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.is_causal = _causality(is_causal, dflash_config.get("causal"))
-        self.dflash_config = {k: v for k, v in dflash_config.items() if k != "causal"}
+        self.dflash_config = {k: v for k, v in dflash_config.items() if k not in ("causal", "block_size")}
         if self.is_causal is not None:
             self.dflash_config["causal"] = self.is_causal
         super().__init__(**kwargs)
         self._validate_dflash_config()
         self._validate_attention()
+        if self.is_dflash2:
+            # The published DFlash2 configs carry the block size only here (vLLM and SGLang read it here first).
+            self.dflash_config["block_size"] = block_size
+            self._validate_dflash2()
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Whether this is a DFlash2 drafter (module docstring): its architecture says so."""
+        return DFLASH2 in (self.architectures or ())
+
+    def _validate_dflash2(self) -> None:
+        missing = [name for name in DFLASH2_FIELDS if not isinstance(self.dflash_config.get(name), int)]
+        if missing:
+            raise ValueError(
+                f"a DFlash2 drafter needs the ints dflash_config.{', dflash_config.'.join(missing)} "
+                f"({', '.join(DFLASH2_FIELDS)}; the published drafters: 2, 16, 256, 16)"
+            )
+        taps, group, rank, top_k = (self.dflash_config[name] for name in DFLASH2_FIELDS)
+        problems = []
+        if not 1 <= taps <= self.block_size:
+            problems.append(f"conv_kernel_size {taps} must be in [1, block_size={self.block_size}]")
+        if group < 1 or self.hidden_size % group:
+            problems.append(f"conv_group_size {group} must divide hidden_size {self.hidden_size}")
+        if rank < 1:
+            problems.append(f"selector_rank {rank} must be >= 1")
+        if not 1 <= top_k <= self.vocab_size:
+            problems.append(f"selector_top_k {top_k} must be in [1, vocab_size={self.vocab_size}]")
+        if problems:
+            raise ValueError("dflash_config: " + "; ".join(problems))
+
+    def dflash2_value(self, name: str) -> int:
+        """One of :data:`DFLASH2_FIELDS` of a DFlash2 config."""
+        return self.dflash_config[name]
 
     def _validate_attention(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -250,6 +310,15 @@ class DFlashDraftConfig(Qwen3Config):
         """Whether layers of ``layer_type`` see their draft block causally (slot k sees slots
         ``0..k``): ``is_causal`` when set, else sliding layers only (module docstring)."""
         return layer_type == SLIDING_ATTENTION if self.is_causal is None else self.is_causal
+
+
+def _block_size(top_level: int | None, nested: int | None) -> int:
+    """The one block size of a config that may give it at the top level (DFlash configs) and in
+    ``dflash_config`` (DFlash2 configs); 16, the DFlash default, when neither does."""
+    if top_level is not None and nested is not None and top_level != nested:
+        raise ValueError(f"block_size {top_level} and dflash_config.block_size {nested} disagree; make them equal")
+    found = top_level if top_level is not None else nested
+    return 16 if found is None else found
 
 
 def _causality(is_causal, dflash_causal) -> bool | None:
@@ -322,8 +391,117 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.reshape(batch, q_len, -1))
 
 
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution around one sublayer (z-lab/dflash 07ebd93
+    ``GroupedDynamicCausalConv``).
+
+    With ``x`` the sublayer's (normed) input, both sides' coefficients come from it:
+    ``dyn = kernel_projection(x)`` viewed ``[.., 2, k, G]``. Side s convolves a sequence ``z`` as
+    ``y[t, c] = sum_j (base_kernel[s, j, c] + dyn[t, s, j, c // g]) * z[t - j, c]`` for taps
+    ``j < k``, with ``z`` zero before the start of ``t``'s draft block: side 0 convolves the
+    sublayer's input, side 1 its output. No bias, no activation.
+
+    Args:
+        hidden_size (int): H; conv_kernel_size (int): k taps; group_size (int): g channels per
+            coefficient (divides H); block_size (int): Bs, the length of the draft blocks the
+            sequence is made of.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * groups, bias=False)
+
+    def reset_parameters(self) -> None:
+        """The identity (a new drafter starts as DFlash): tap 0 of both sides 1, the rest 0."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        """``sublayer`` (a function of ``[B, Q, H]``) between the two sides; ``x`` ``[B, Q, H]`` with
+        Q a whole number of draft blocks."""
+        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, -1))
+        inner = sublayer(self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]))
+        return self._convolve(inner, dynamic[..., 1, :, :], self.base_kernel[1])
+
+    def _convolve(self, z: Tensor, dynamic: Tensor, base: Tensor) -> Tensor:
+        """One side: ``z`` [B, Q, H], ``dynamic`` [B, Q, k, G], ``base`` [k, H]."""
+        batch, q_len, hidden = z.shape
+        groups = hidden // self.group_size
+        blocks = z.view(batch, q_len // self.block_size, self.block_size, groups, self.group_size)
+        dynamic = dynamic.reshape(*blocks.shape[:3], self.kernel_size, groups, 1)
+        out = torch.zeros_like(blocks)
+        for tap in range(self.kernel_size):
+            # Tap j reads j slots back within the block (zero before the block's start).
+            shifted = blocks if tap == 0 else F.pad(blocks[:, :, :-tap], (0, 0, 0, 0, tap, 0))
+            out = out + base[tap].view(groups, self.group_size).to(z.dtype) * shifted
+            out = torch.addcmul(out, dynamic[:, :, :, tap], shifted)  # z-lab's order of the two terms
+        return out.view_as(z)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's candidate selector (z-lab/dflash 07ebd93 ``CandidateSelector``).
+
+    Slot t's score of candidate token b after predecessor token a is
+    ``U_t(b) + <A[a] * P h_t, B[b]>`` with ``U_t`` the drafter's LM-head logits of slot t, ``h_t``
+    its final hidden state, ``P`` = ``hidden_projection`` ``[r, H]``, ``A`` / ``B`` the
+    predecessor / successor codebooks ``[V, r]``; the candidates are slot t's ``top_k`` tokens by
+    ``U_t``.
+
+    Args:
+        hidden_size (int): H; vocab_size (int): V; rank (int): r; top_k (int): K candidates.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+
+    def reset_parameters(self, std: float) -> None:
+        """Predecessors ``N(0, std)``, successors 0: a new selector ranks by the logits alone
+        (SpecForge's initialisation)."""
+        with torch.no_grad():
+            self.predecessor_codebook.normal_(0.0, std)
+            self.successor_codebook.zero_()
+
+    def scores(self, hidden: Tensor, unary: Tensor, candidates: Tensor, predecessors: Tensor) -> Tensor:
+        """``[.., K]`` scores of ``candidates`` (int64 ``[.., K]``, logits ``unary`` ``[.., K]``)
+        after ``predecessors`` (int64 ``[..]``) at slots of final hidden states ``hidden`` ``[.., H]``."""
+        left = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
+        right = F.embedding(candidates, self.successor_codebook)
+        return unary + (left[..., None, :] * right).sum(-1)
+
+    @torch.no_grad()
+    def walk(self, hidden: Tensor, logits: Tensor, anchor_ids: Tensor) -> Tensor:
+        """The greedy path (temperature 0) of a block: slot by slot from the anchor, the best-scored
+        candidate after the token chosen before it.
+
+        Args:
+            hidden (Tensor): ``[B, T, H]`` final hidden states of the block's slots 1..T.
+            logits (Tensor): ``[B, T, V]`` their LM-head logits.
+            anchor_ids (Tensor): int64 ``[B]``, the block's slot-0 token.
+
+        Returns:
+            Tensor: int64 ``[B, T]``, the drafted tokens.
+        """
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        predecessor, path = anchor_ids, []
+        for slot in range(hidden.shape[1]):
+            scores = self.scores(hidden[:, slot], unary[:, slot], candidates[:, slot], predecessor)
+            predecessor = candidates[:, slot].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            path.append(predecessor)
+        return torch.stack(path, dim=1)
+
+
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 block whose attention also reads the shared context features."""
+    """Pre-norm Qwen3 block whose attention also reads the shared context features; a DFlash2
+    layer wraps its attention and its MLP in a :class:`GroupedDynamicConv` each."""
 
     def __init__(self, config: DFlashDraftConfig, layer_idx: int):
         super().__init__()
@@ -331,15 +509,28 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.is_dflash2:
+            conv = (
+                config.hidden_size,
+                config.dflash2_value("conv_kernel_size"),
+                config.dflash2_value("conv_group_size"),
+                config.block_size,
+            )
+            self.attention_conv, self.mlp_conv = GroupedDynamicConv(*conv), GroupedDynamicConv(*conv)
 
     def forward(self, hidden, context, rope_q, rope_kv, attention_mask, query_valid) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), context, rope_q, rope_kv, attention_mask)
+        def attend(normed: Tensor) -> Tensor:
+            return self.self_attn(normed, context, rope_q, rope_kv, attention_mask)
+
+        normed = self.input_layernorm(hidden)
+        attn = self.attention_conv(normed, attend) if hasattr(self, "attention_conv") else attend(normed)
         if query_valid is not None:
             # Padding blocks see no key: flex and CPU SDPA return 0 there, but some GPU SDPA
             # kernels return NaN for an all-masked row, so zero them explicitly.
             attn = torch.where(query_valid, attn, 0.0)
         hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed = self.post_attention_layernorm(hidden)
+        return hidden + (self.mlp_conv(normed, self.mlp) if hasattr(self, "mlp_conv") else self.mlp(normed))
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -369,7 +560,21 @@ class DFlashDraftModel(PreTrainedModel):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if config.is_dflash2:
+            self.candidate_selector = CandidateSelector(
+                config.hidden_size,
+                config.vocab_size,
+                config.dflash2_value("selector_rank"),
+                config.dflash2_value("selector_top_k"),
+            )
         self.post_init()
+
+    def _init_weights(self, module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, GroupedDynamicConv):
+            module.reset_parameters()
+        elif isinstance(module, CandidateSelector):
+            module.reset_parameters(self.config.initializer_range)
 
     @property
     def block_size(self) -> int:

@@ -64,6 +64,11 @@ PUBLISHED_QWEN3_5_MOE = {
     "draft_head_dim": 128,
     "draft_intermediate_size": 6144,
 }
+#: The published Qwen3.5/3.6-family DFlash2 drafters' shape (z-lab/Qwen3.8-27B-DFlash2, whose target has the
+#: Qwen3.6-27B shape: block 8, 5 layers all sliding of 2048, 32 / 8 heads of 128, the target's MLP width).
+PUBLISHED_QWEN3_5_DFLASH2 = {**PUBLISHED_QWEN3_5, "block_size": 8}
+#: Its tapped layers for a 64-layer target, not the default spread ([1, 16, 31, 46, 61]).
+PUBLISHED_DFLASH2_TAPS = {64: [5, 19, 33, 47, 61]}
 #: The TrainConfig fields :func:`resolve_drafter_shape` fills.
 SHAPE_FIELDS = (
     "block_size",
@@ -117,10 +122,13 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         values = _from_drafter(config, target, target_dir)
     else:
         family = qwen3_5_family(target)
-        rule = {"dense": PUBLISHED_QWEN3_5, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
+        dense = PUBLISHED_QWEN3_5_DFLASH2 if config.arch == "dflash2" else PUBLISHED_QWEN3_5
+        rule = {"dense": dense, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
         values = {k: v for k, v in rule.items() if getattr(config, k) is None}
-        values |= _layer_types(config, values, sliding_rule=family == "dense")
+        sliding = "all" if family == "dense" and config.arch == "dflash2" else family == "dense"
+        values |= _layer_types(config, values, sliding_rule=sliding)
         values |= _default_taps_that_fit(config, values, target)
+        values |= _published_dflash2_taps(config, values, target, family)
     return dataclasses.replace(config, **values)
 
 
@@ -143,8 +151,21 @@ def _default_taps_that_fit(config: TrainConfig, values: dict, target: dict) -> d
     return {"num_target_layers": fits}
 
 
-def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> dict:
-    """``draft_layer_types`` / ``draft_sliding_window`` (and the layer count from the types)."""
+def _published_dflash2_taps(config: TrainConfig, values: dict, target: dict, family: str | None) -> dict:
+    """The published DFlash2 taps (:data:`PUBLISHED_DFLASH2_TAPS`) for a dense Qwen3.5/3.6 target of
+    that depth, where no tap flag was given."""
+    layers = (target.get("text_config") or target).get("num_hidden_layers")
+    taps = PUBLISHED_DFLASH2_TAPS.get(layers)
+    if config.arch != "dflash2" or family != "dense" or taps is None or config.target_layer_ids is not None:
+        return {}
+    if values.get("num_target_layers", config.num_target_layers) != len(taps):
+        return {}
+    return {"target_layer_ids": taps}
+
+
+def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool | str) -> dict:
+    """``draft_layer_types`` / ``draft_sliding_window`` (and the layer count from the types):
+    ``sliding_rule`` True for all sliding but the last, ``"all"`` for all sliding."""
     layers = values.get("num_draft_layers", config.num_draft_layers)
     if config.draft_layer_types is not None:
         types = parse_layer_types(config.draft_layer_types)
@@ -153,6 +174,8 @@ def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool) -> di
                 f"--draft-layer-types names {len(types)} layers, --num-draft-layers is {config.num_draft_layers}; "
                 "give one type per drafter layer (or drop --num-draft-layers)"
             )
+    elif sliding_rule == "all":
+        types = [SLIDING_ATTENTION] * layers
     elif sliding_rule:
         types = [SLIDING_ATTENTION] * (layers - 1) + [FULL_ATTENTION]
     else:
@@ -220,4 +243,4 @@ def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
                 "new drafter without --init-from"
             )
     check_tensors(config.init_from, drafter)  # from the file's header: weights that cannot load, before the target
-    return values
+    return values | {"arch": "dflash2" if drafter.is_dflash2 else "dflash"}

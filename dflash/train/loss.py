@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.config import PAPER_GAMMA
+from dflash.train.selector_loss import selector_loss
 
 POSITION_WEIGHTINGS = ("decay", "dpace")
 
@@ -104,6 +105,10 @@ def dflash_loss(
     soft_label_weight: float = 0.0,
     teacher_hidden: Tensor | None = None,
     anchors: Tensor | None = None,
+    selector=None,
+    predecessors: Tensor | None = None,
+    selector_weight: float = 1.0,
+    missing_gold: str = "exclude",
 ) -> LossOutput:
     """Chunked LM head + weighted loss over draft blocks.
 
@@ -146,6 +151,13 @@ def dflash_loss(
             matched to the target's next-token distribution at position ``a + k - 1``, the
             distribution the target verifies ``x[a + k]`` with.
         anchors (Tensor, optional): int64 ``[B, N]``, needed with ``teacher_hidden``.
+        selector (CandidateSelector, optional): a DFlash2 drafter's; adds ``selector_weight`` times
+            its loss (:func:`dflash.train.selector_loss.selector_loss`, with each slot's weight) to
+            the loss sum, the normaliser unchanged (SpecForge's normalisation).
+        predecessors (Tensor, optional): int64 ``[B, N, Bs]``, the true token before each slot
+            (slot k of anchor a: ``x[a + k - 1]``); needed with ``selector``.
+        selector_weight (float): >= 0.
+        missing_gold (str): ``"exclude"`` or ``"insert"`` (:func:`dflash.train.selector_loss.selector_loss`).
 
     Returns:
         LossOutput
@@ -174,12 +186,18 @@ def dflash_loss(
     soft = soft_label_weight > 0.0
     if soft and (teacher_hidden is None or anchors is None):
         raise ValueError("soft_label_weight > 0 needs teacher_hidden [B, S, H] and anchors [B, N]")
+    selecting = selector is not None and selector_weight > 0
+    if selecting and (predecessors is None or predecessors.shape != labels.shape):
+        raise ValueError(f"a selector needs predecessors [B, N, Bs] = {tuple(labels.shape)}")
 
     rows = hidden.reshape(batch * num_blocks, block_size, hidden_size)
     labels = labels.reshape(batch * num_blocks, block_size)
     label_mask = label_mask.reshape(batch * num_blocks, block_size)
     weights = weights.to(device=hidden.device, dtype=torch.float32)
     teacher_rows = _teacher_rows(teacher_hidden, anchors, block_size) if soft else None
+    top_k = selector.top_k if selecting else 0
+    if selecting:
+        predecessors = predecessors.reshape(batch * num_blocks, block_size)
 
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
     weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -187,7 +205,7 @@ def dflash_loss(
     for start in range(0, rows.shape[0], chunk_blocks):
         part = slice(start, start + chunk_blocks)
         teacher = teacher_rows[part] if soft else None
-        chunk_loss, chunk_weight, chunk_correct = _FusedChunkLoss.apply(
+        chunk_loss, chunk_weight, chunk_correct, candidates, slot_weights = _FusedChunkLoss.apply(
             rows[part],
             lm_head_weight,
             labels[part],
@@ -197,7 +215,19 @@ def dflash_loss(
             soft_label_weight,
             position_weighting,
             dpace_alpha,
+            top_k,
         )
+        if selecting:
+            chunk_loss = chunk_loss + selector_weight * selector_loss(
+                selector,
+                rows[part],
+                lm_head_weight,
+                candidates,
+                labels[part],
+                predecessors[part],
+                slot_weights,
+                missing_gold=missing_gold,
+            )
         loss_sum = loss_sum + chunk_loss
         weight_sum = weight_sum + chunk_weight
         correct = correct + chunk_correct
@@ -215,7 +245,8 @@ def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> T
 
 
 class _FusedChunkLoss(torch.autograd.Function):
-    """One chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs]), the
+    """One chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs], the
+    ``top_k`` highest-logit tokens of each slot [C, Bs, top_k], the slot weights [C, Bs]), the
     gradient with respect to ``hidden`` computed in forward and saved; backward scales it.
 
     With ``p`` the drafter's softmax, ``t`` the teacher's, ``a`` the soft-label weight and ``w`` the
@@ -225,8 +256,11 @@ class _FusedChunkLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, label_mask, weights, teacher, soft_label_weight, weighting, alpha):
+    def forward(
+        ctx, hidden, lm_head_weight, labels, label_mask, weights, teacher, soft_label_weight, weighting, alpha, top_k
+    ):
         logits = (hidden @ lm_head_weight.t()).float()  # [C, Bs, V]
+        candidates = logits.topk(top_k, dim=-1).indices if top_k else labels.new_zeros(0)
         log_probs = F.log_softmax(logits, dim=-1)
         label_log_prob = log_probs.gather(-1, labels[..., None]).squeeze(-1)  # [C, Bs]
         token_loss = -label_log_prob
@@ -250,13 +284,13 @@ class _FusedChunkLoss(torch.autograd.Function):
         grad_logits.scatter_add_(-1, labels[..., None], torch.full_like(label_log_prob, -label_share)[..., None])
         grad_logits.mul_(slot_weights[..., None])
         ctx.save_for_backward((grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype))
-        ctx.mark_non_differentiable(normaliser, correct)
-        return (slot_weights * token_loss).sum(), normaliser, correct
+        ctx.mark_non_differentiable(normaliser, correct, candidates, slot_weights)
+        return (slot_weights * token_loss).sum(), normaliser, correct, candidates, slot_weights
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_normaliser, grad_correct):
+    def backward(ctx, grad_loss, *_):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_loss * grad_hidden, None, None, None, None, None, None, None, None
+        return grad_loss * grad_hidden, None, None, None, None, None, None, None, None, None
 
 
 def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor, alpha: float) -> Tensor:

@@ -41,6 +41,8 @@ class LossSettings:
         position_weighting (str): ``decay`` or ``dpace``.
         dpace_alpha (float): D-PACE confidence smoothing (used with ``dpace``).
         chunk_blocks (int): draft blocks per chunk of the LM head + loss.
+        selector_weight (float): DFlash2: weight of the selector's loss (:mod:`dflash.train.selector_loss`).
+        missing_gold (str): DFlash2: ``exclude`` or ``insert``.
     """
 
     mask_token_id: int
@@ -50,6 +52,8 @@ class LossSettings:
     position_weighting: str
     dpace_alpha: float
     chunk_blocks: int
+    selector_weight: float = 1.0
+    missing_gold: str = "exclude"
 
     @classmethod
     def from_config(cls, config, mask_token_id: int) -> LossSettings:
@@ -61,6 +65,8 @@ class LossSettings:
             position_weighting="dpace" if config.dpace else "decay",
             dpace_alpha=config.dpace_alpha,
             chunk_blocks=config.loss_chunk_blocks,
+            selector_weight=config.selector_loss_weight,
+            missing_gold=config.selector_missing_gold,
         )
 
     @property
@@ -80,6 +86,8 @@ class LossSettings:
             position_weighting=self.position_weighting,
             dpace_alpha=self.dpace_alpha,
             chunk_blocks=self.chunk_blocks,
+            selector_weight=self.selector_weight,
+            missing_gold=self.missing_gold,
         )
 
 
@@ -166,6 +174,8 @@ def drafter_forward_loss(
     position_weighting: str,
     dpace_alpha: float,
     chunk_blocks: int,
+    selector_weight: float = 1.0,
+    missing_gold: str = "exclude",
 ):
     """Draft blocks -> drafter -> chunked LM head + weighted loss (:func:`dflash.train.loss.dflash_loss`).
 
@@ -177,6 +187,7 @@ def drafter_forward_loss(
     embeds = F.embedding(ids, embed_weight)  # the target's frozen embedding, [B, N*Bs, H]
     hidden = drafter(embeds, context, anchors, valid, attention_mask, position_ids=position_ids)
     labels, label_mask = build_labels(input_ids, loss_mask, anchors, valid, block_size, document_ids)
+    selector = getattr(drafter, "candidate_selector", None)
     return dflash_loss(
         hidden,
         lm_head_weight,
@@ -189,7 +200,19 @@ def drafter_forward_loss(
         soft_label_weight=soft_label_weight,
         teacher_hidden=last_hidden if soft_label_weight > 0 else None,
         anchors=anchors,
+        selector=selector,
+        predecessors=previous_tokens(input_ids, anchors, block_size) if selector is not None else None,
+        selector_weight=selector_weight,
+        missing_gold=missing_gold,
     )
+
+
+def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 ``[B, N, Bs]``: the true token before each draft slot, ``x[a + k - 1]`` for slot k of the
+    block anchored at a (slot 0's is unused: it is not predicted)."""
+    offsets = torch.arange(-1, block_size - 1, device=anchors.device)
+    positions = (anchors[:, :, None] + offsets).clamp(0, input_ids.shape[1] - 1)
+    return torch.gather(input_ids, 1, positions.flatten(1)).view_as(positions)
 
 
 def drafter_step(

@@ -20,17 +20,20 @@ HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1
 
 
-def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0) -> DFlashDraftModel:
+def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0, arch: str = "dflash") -> DFlashDraftModel:
     config = create_drafter_config(
-        tiny_target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID
+        tiny_target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID, arch=arch
     )
     torch.manual_seed(seed)
     model = DFlashDraftModel._from_config(config, attn_implementation=attn).eval()
-    # Non-trivial norms, so a bug in where a norm applies cannot hide behind all-ones weights.
+    # Non-trivial norms (and DFlash2 convolutions), so a bug in where one applies cannot hide behind
+    # an identity.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif "_conv." in name:
+                p.normal_(0.0, 0.3)
     return model
 
 
@@ -162,13 +165,15 @@ def test_flex_and_sdpa_paths_agree(monkeypatch):
     assert (wrong - sdpa).abs().max() > 1e-3
 
 
-def test_training_blocks_equal_inference_with_truncated_context():
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_training_blocks_equal_inference_with_truncated_context(arch):
     """Block b of the batched training forward == drafting that block after context[:a_b].
 
     Pins strict context visibility, RoPE positions (context j at j, slot k at a + k) and block
-    isolation at once, and shows that training and ``draft_block`` compute the same function.
+    isolation at once (for DFlash2, its convolutions' too), and shows that training and
+    ``draft_block`` compute the same function.
     """
-    model = _drafter("sdpa", layers=2)
+    model = _drafter("sdpa", layers=2, arch=arch)
     draft_embeds, target_hidden, anchors, valid = _batch(model, batch=2, seq_len=23, num_anchors=6)
     valid[0, -1] = False  # make sure one padding block is present
     with torch.no_grad():
@@ -183,8 +188,9 @@ def test_training_blocks_equal_inference_with_truncated_context():
                 torch.testing.assert_close(batched[b : b + 1, rows], single, rtol=1e-5, atol=1e-5)
 
 
-def test_block_output_ignores_future_context_and_other_blocks():
-    model = _drafter("sdpa")
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_block_output_ignores_future_context_and_other_blocks(arch):
+    model = _drafter("sdpa", arch=arch)
     draft_embeds, target_hidden, anchors, valid = _batch(model, batch=1, seq_len=19, num_anchors=3)
     valid[:] = True
     anchors[0] = torch.tensor([4, 9, 15])
@@ -204,7 +210,7 @@ def test_draft_block_returns_argmax_tokens():
     target_hidden = torch.randn(1, 7, 3 * HIDDEN)
     block = torch.randn(1, BLOCK, HIDDEN)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-    tokens = model.draft_block(target_hidden, block, head)
+    tokens = model.draft_block(target_hidden, block, head, torch.tensor([5]))
     assert tokens.shape == (1, BLOCK - 1) and tokens.dtype == torch.long
     with torch.no_grad():
         assert torch.equal(tokens, head(model.block_hidden(target_hidden, block)[:, 1:]).argmax(-1))

@@ -133,6 +133,63 @@ def test_a_qwen3_6_27b_target_gets_the_published_drafter_config(tmp_path, capsys
     assert 1.65e9 < params < 1.8e9  # about 1.7B, as published
 
 
+#: z-lab/Qwen3.8-27B-DFlash2's config.json (Qwen3.8-27B has Qwen3.6-27B's shape), the fields a loader reads.
+PUBLISHED_QWEN3_8_27B_DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"],
+    "model_type": "qwen3",
+    "is_causal": False,
+    "dflash_config": {
+        "block_size": 8,
+        "conv_group_size": 16,
+        "conv_kernel_size": 2,
+        "mask_token_id": 248070,
+        "selector_rank": 256,
+        "selector_top_k": 16,
+        "target_layer_ids": [5, 19, 33, 47, 61],
+    },
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "layer_types": ["sliding_attention"] * 5,
+    "max_position_embeddings": 262144,
+    "max_window_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 5,
+    "num_target_layers": 64,
+    "rms_norm_eps": 1e-06,
+    "sliding_window": 2048,
+    "tie_word_embeddings": False,
+    "use_sliding_window": True,
+    "vocab_size": 248320,
+}
+
+
+@needs_qwen3_5
+def test_a_dflash2_drafter_of_a_qwen3_6_27b_target_gets_the_published_dflash2_config(tmp_path, capsys):
+    target_dir = tmp_path / "Qwen3.8-27B"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text(json.dumps(_qwen3_6_27b_config()))
+    written = _config_json_of(TrainConfig(target=str(target_dir), arch="dflash2"), target_dir, 248070)
+    theirs = PUBLISHED_QWEN3_8_27B_DFLASH2
+    diff = {
+        k: (v, written.get(k, "<absent>")) for k, v in theirs.items() if k != "dflash_config" and written.get(k) != v
+    }
+    nested = {k: (v, written["dflash_config"].get(k)) for k, v in theirs["dflash_config"].items()}
+    diff |= {f"dflash_config.{k}": pair for k, pair in nested.items() if pair[0] != pair[1]}
+    with capsys.disabled():
+        print(f"\npublished DFlash2 field: (published, ours) differing: {diff or 'none'}")
+    assert not diff
+    assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7} and written["block_size"] == 8
+    from dflash.drafter.modeling_dflash import DFlashDraftConfig, DFlashDraftModel
+
+    with torch.device("meta"):
+        model = DFlashDraftModel(DFlashDraftConfig.from_dict(written))
+    assert len(model.state_dict()) == 81
+    assert 1.9e9 < sum(p.numel() for p in model.parameters()) < 1.95e9  # about 1.92B
+
+
 def _qwen3_5_35b_a3b_config() -> dict:
     """Qwen3.5-35B-A3B's config.json (multimodal, mixture of experts): config only, the fields
     the drafter reads from its public values (hidden 2048, 40 layers, 256 experts of width 512)."""

@@ -34,16 +34,20 @@ def _config(assets, out, **overrides):
     return train_config(**{"target": assets["qwen3"], "data": assets["data"], "out": out, **overrides})
 
 
-def test_resume_continues_exactly(assets, tmp_path):
-    reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full"))))
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_resume_continues_exactly(assets, tmp_path, arch):
+    """Bit for bit, DFlash2's convolutions and selector (and their optimizer state) included."""
+    reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full", arch=arch))))
     reference.train()
     assert len(reference.losses) == 6
+    if arch == "dflash2":  # trained: the selector has left its initialisation (successors 0)
+        assert reference.drafter.candidate_selector.successor_codebook.abs().max() > 0
 
-    first = record_losses(Trainer(settle(_config(assets, tmp_path / "split"))), crash_after=3)
+    first = record_losses(Trainer(settle(_config(assets, tmp_path / "split", arch=arch))), crash_after=3)
     with pytest.raises(KeyboardInterrupt):
         first.train()
     assert find_checkpoint(tmp_path / "split").name == "step_00000003"
-    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True))))
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True, arch=arch))))
     assert resumed.step == 3
     resumed.train()
     assert first.losses + resumed.losses == reference.losses  # bitwise, not approximately

@@ -1,0 +1,112 @@
+"""Our DFlash2 drafter against z-lab's reference (``dflash/model.py`` at commit 07ebd93, the inference
+contract vLLM PR #52816 and SGLang PR #35371 cite), run side by side on the CPU in float32: the
+directory our checkpoint writer produces loads in z-lab's ``DFlash2DraftModel.from_pretrained``
+with no weight missing or left over, and on the same block the two give the same drafter hidden
+states and logits, the same selector scores at every slot and the same drafted path.
+
+z-lab's file is not part of this repository: point ``DFLASH_ZLAB_MODEL`` at it (e.g. ``git show
+07ebd93:dflash/model.py`` of a z-lab/dflash clone, or a fork holding that commit); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.modeling_dflash import DFlashDraftConfig
+from dflash.run.checkpoint import write_drafter_files
+
+ZLAB = os.environ.get("DFLASH_ZLAB_MODEL")
+pytestmark = pytest.mark.skipif(not ZLAB, reason="DFLASH_ZLAB_MODEL: path of z-lab/dflash's model.py at 07ebd93")
+
+HIDDEN, VOCAB, BLOCK, CONTEXT = 64, 300, 8, 13
+
+
+def _zlab():
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", ZLAB)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ours(layer_types: list[str]) -> DFlashDraftModel:
+    """A random DFlash2 drafter in the published form (every weight random, the conv and the
+    selector included, so neither can hide behind its identity initialisation)."""
+    config = DFlashDraftConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_target_layers=8,
+        layer_types=layer_types,
+        sliding_window=10,
+        is_causal=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7},
+        dflash_config={
+            "block_size": BLOCK,
+            "mask_token_id": 3,
+            "target_layer_ids": [1, 4, 6],
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": 32,
+            "selector_top_k": 5,
+        },
+    )
+    torch.manual_seed(0)
+    model = DFlashDraftModel._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if name.endswith("norm.weight") else torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention"] * 2, ["sliding_attention", "full_attention"]])
+def test_our_dflash2_equals_zlabs_reference(tmp_path, layer_types, monkeypatch):
+    zlab = _zlab()
+    ours = _ours(layer_types)
+    write_drafter_files(tmp_path, weights=ours.state_dict(), drafter_config=ours.config.to_dict(), dtype=None)
+    theirs, loading = zlab.DFlash2DraftModel.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
+    )
+    assert not any(loading.values()), loading  # nothing missing, unexpected or mismatched
+    theirs.eval()
+
+    gen = torch.Generator().manual_seed(1)
+    target_hidden = torch.randn(1, CONTEXT, 3 * HIDDEN, generator=gen)
+    block_embeds = torch.randn(1, BLOCK, HIDDEN, generator=gen)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    anchor = torch.tensor([7])
+    with torch.no_grad():
+        hidden = ours.block_hidden(target_hidden, block_embeds)[:, 1:]
+        reference = theirs(
+            position_ids=torch.arange(CONTEXT + BLOCK)[None], noise_embedding=block_embeds, target_hidden=target_hidden
+        )[:, 1:]
+        torch.testing.assert_close(hidden, reference, rtol=1e-5, atol=1e-5)
+        logits = head(hidden)
+        torch.testing.assert_close(logits, theirs.compute_logits(reference, head), rtol=1e-5, atol=1e-5)
+
+        scored = []  # z-lab's selector scores, slot by slot, as its walk takes their argmax
+        argmax = torch.argmax
+        monkeypatch.setattr(zlab.torch, "argmax", lambda x, *a, **k: scored.append(x) or argmax(x, *a, **k))
+        path, candidates, _ = theirs.propose(reference, anchor, head, 0.0)
+        monkeypatch.undo()
+        assert torch.equal(ours.draft_block(target_hidden, block_embeds, head, anchor), path)
+        unary, ours_candidates = torch.topk(logits, ours.candidate_selector.top_k, dim=-1)
+        predecessors = torch.cat([anchor[:, None], path[:, :-1]], dim=1)
+        for slot, theirs_scores in enumerate(scored):
+            # Same candidates (z-lab's top-k is unsorted): compare scores candidate by candidate.
+            order = [ours_candidates[0, slot].tolist().index(t) for t in candidates[0, slot].tolist()]
+            mine = ours.candidate_selector.scores(
+                hidden[:, slot], unary[:, slot], ours_candidates[:, slot], predecessors[:, slot]
+            )
+            torch.testing.assert_close(mine[:, order], theirs_scores, rtol=1e-5, atol=1e-5)
+    assert len(scored) == BLOCK - 1
+    assert Path(tmp_path, "config.json").is_file()

@@ -1,0 +1,245 @@
+"""DFlash2 drafters (dflash/drafter/modeling_dflash.py, dflash/train/selector_loss.py): the published
+config and weight names read and written, a new drafter starting as DFlash, the selector's greedy
+walk against the score spelled out, its loss, and `dflash eval` equal to greedy decoding in float32.
+Equality with z-lab's reference: tests/integration/test_zlab_dflash2.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny import make_target, tiny_target_config, write_chat_data
+
+from dflash.drafter.files import CheckpointError, check_tensors, read_drafter_config
+from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.modeling_dflash import DFlashDraftConfig
+from dflash.train.selector_loss import selector_loss
+
+#: z-lab/Qwen3.8-27B-DFlash2's config.json, field for field, at a tiny width and vocabulary.
+PUBLISHED = {
+    "architectures": ["DFlash2DraftModel"],
+    "model_type": "qwen3",
+    "dtype": "bfloat16",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "eos_token_id": 248,
+    "is_causal": False,
+    "dflash_config": {
+        "block_size": 8,
+        "conv_group_size": 16,
+        "conv_kernel_size": 2,
+        "mask_token_id": 270,
+        "selector_rank": 16,
+        "selector_top_k": 16,
+        "target_layer_ids": [5, 19, 33, 47, 61],
+    },
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "layer_types": ["sliding_attention"] * 5,
+    "max_position_embeddings": 262144,
+    "max_window_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 5,
+    "num_target_layers": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
+    "sliding_window": 2048,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": True,
+    "vocab_size": 300,
+}
+
+
+def _published_dir(tmp_path, **changes):
+    raw = {**PUBLISHED, **changes}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = DFlashDraftConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+    save_file({k: torch.zeros(shape) for k, shape in shapes.items()}, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def test_the_published_config_and_its_81_tensors_are_read_as_they_ship(tmp_path):
+    directory = _published_dir(tmp_path)
+    config = read_drafter_config(directory)
+    assert config.is_dflash2 and config.block_size == 8 and config.is_causal is False
+    check_tensors(directory, config)  # bare codebook names, no `.weight`
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert len(keys) == 81
+    assert {"candidate_selector.predecessor_codebook", "layers.4.mlp_conv.base_kernel"} <= keys
+
+
+@pytest.mark.parametrize(
+    ("dflash_config", "named"),
+    [
+        ({"conv_group_size": 7}, "conv_group_size 7 must divide hidden_size 64"),
+        ({"conv_kernel_size": 9}, r"conv_kernel_size 9 must be in \[1, block_size=8\]"),
+        ({"selector_top_k": None}, "needs the ints dflash_config.selector_top_k"),
+    ],
+)
+def test_a_dflash2_field_out_of_range_is_named(tmp_path, dflash_config, named):
+    raw = {**PUBLISHED, "dflash_config": {**PUBLISHED["dflash_config"], **dflash_config}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=named):
+        read_drafter_config(tmp_path)
+
+
+def test_a_block_size_given_twice_must_agree():
+    fields = {k: v for k, v in PUBLISHED.items() if k != "model_type"}
+    with pytest.raises(ValueError, match="block_size 16 and dflash_config.block_size 8 disagree"):
+        DFlashDraftConfig(**fields, block_size=16)
+
+
+def _pair(seed: int = 0):
+    """A new DFlash drafter and a new DFlash2 drafter with the same backbone weights."""
+    models = []
+    for arch in ("dflash", "dflash2"):
+        config = create_drafter_config(
+            tiny_target_config(), 2, block_size=4, num_captured_layers=3, mask_token_id=63, arch=arch
+        )
+        torch.manual_seed(seed)
+        models.append(DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval())
+    dflash, dflash2 = models
+    dflash2.load_state_dict(dflash.state_dict(), strict=False)
+    return dflash, dflash2
+
+
+def test_a_new_dflash2_drafter_drafts_as_dflash():
+    """Identity convolutions and zero successors (SpecForge's initialisation): the same hidden
+    states and the argmax path, so training starts from DFlash."""
+    dflash, dflash2 = _pair()
+    assert dflash2.config.is_causal is False and dflash2.config.architectures == ["DFlash2DraftModel"]
+    dflash2.config.is_causal = dflash.config.is_causal = False
+    gen = torch.Generator().manual_seed(1)
+    context, block = torch.randn(1, 9, 3 * 32, generator=gen), torch.randn(1, 4, 32, generator=gen)
+    head = torch.nn.Linear(32, 64, bias=False)
+    with torch.no_grad():
+        torch.testing.assert_close(dflash2.block_hidden(context, block), dflash.block_hidden(context, block))
+    anchor = torch.tensor([5])
+    assert torch.equal(
+        dflash2.draft_block(context, block, head, anchor), dflash.draft_block(context, block, head, anchor)
+    )
+
+
+def test_the_walk_takes_the_best_candidate_after_the_token_it_chose_before():
+    selector = create_and_randomize_selector()
+    gen = torch.Generator().manual_seed(2)
+    hidden, logits = torch.randn(2, 5, 32, generator=gen), torch.randn(2, 5, 64, generator=gen)
+    anchors = torch.tensor([3, 9])
+    path = selector.walk(hidden, logits, anchors)
+    A, B, P = selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight
+    with torch.no_grad():
+        for row in range(2):
+            previous = int(anchors[row])
+            for slot in range(5):
+                candidates = logits[row, slot].topk(selector.top_k).indices.tolist()
+                transition = A[previous] * (P @ hidden[row, slot])
+                score = {b: float(logits[row, slot, b] + (transition * B[b]).sum()) for b in candidates}
+                previous = max(score, key=score.get)
+                assert int(path[row, slot]) == previous
+
+
+def create_and_randomize_selector():
+    from dflash.drafter.modeling_dflash import CandidateSelector
+
+    torch.manual_seed(0)
+    selector = CandidateSelector(32, 64, rank=8, top_k=6)
+    with torch.no_grad():
+        for p in selector.parameters():
+            p.normal_()
+    return selector
+
+
+def _loss_inputs(top_k: int = 6):
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 4, 32, generator=gen, requires_grad=True)
+    head = torch.randn(64, 32, generator=gen)
+    logits = hidden.detach() @ head.t()
+    candidates = logits.topk(top_k).indices
+    labels = logits.argmin(-1)  # the least likely token: outside the top 6 of 64
+    labels[0, 1] = candidates[0, 1, 2]  # one slot whose true token is a candidate
+    predecessors = torch.randint(0, 64, (2, 4), generator=gen)
+    weights = torch.ones(2, 4)
+    return hidden, head, candidates, labels, predecessors, weights
+
+
+def test_the_selector_loss_counts_only_slots_it_can_select_unless_the_true_token_is_inserted():
+    selector = create_and_randomize_selector()
+    hidden, head, candidates, labels, predecessors, weights = _loss_inputs()
+    found = (candidates == labels[..., None]).any(-1)
+    assert found.sum() == 1
+    excluded = selector_loss(selector, hidden, head, candidates, labels, predecessors, weights * found)
+    alone = selector_loss(selector, hidden, head, candidates, labels, predecessors, weights)
+    assert torch.equal(excluded, alone) and excluded > 0  # a missing true token contributes nothing
+    inserted = selector_loss(selector, hidden, head, candidates, labels, predecessors, weights, missing_gold="insert")
+    assert inserted > excluded
+    inserted.backward()
+    assert hidden.grad.abs().sum() > 0 and selector.successor_codebook.grad[labels.flatten()].abs().sum() > 0
+    with pytest.raises(ValueError, match="missing_gold must be 'exclude' or 'insert'"):
+        selector_loss(selector, hidden, head, candidates, labels, predecessors, weights, missing_gold="swap")
+
+
+def test_dflash_eval_of_a_dflash2_run_equals_greedy_decoding(tmp_path, capsys):
+    from dflash.cli import main
+
+    target, data = make_target(tmp_path / "target", num_layers=5), write_chat_data(tmp_path / "chats.jsonl")
+    run = tmp_path / "run"
+    flags = ["--target", str(target), "--data", str(data), "--out", str(run), "--arch", "dflash2", "--steps", "2"]
+    flags += ["--seq-len", "48", "--batch-size", "2", "--max-anchors", "4", "--num-target-layers", "2"]
+    assert main(["train", *flags, "--cpu-threads", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    saved = json.loads((run / "checkpoints" / "step_00000002" / "config.json").read_text())
+    assert saved["architectures"] == ["DFlash2DraftModel"] and saved["dflash_config"]["block_size"] == 8
+    argv = ["eval", "--drafter", str(run), "--data", str(data), "--device", "cpu", "--cpu-threads", "1"]
+    assert main([*argv, "--num-prompts", "3", "--max-new-tokens", "12", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mismatches"] == 0 and report["dtype"] == "float32" and report["num_prompts"] == 3
+
+
+def test_init_from_a_published_dflash2_directory_keeps_its_architecture(tmp_path):
+    """A DFlash2 drafter directory as z-lab ships one (block size only in dflash_config, no
+    auto_map) fine-tunes as DFlash2: its fields kept, every weight loaded strictly."""
+    from transformers import AutoConfig
+
+    from dflash.cli import main
+    from dflash.config import read_saved_config
+
+    target, data = make_target(tmp_path / "target", num_layers=5), write_chat_data(tmp_path / "chats.jsonl")
+    config = create_drafter_config(
+        AutoConfig.from_pretrained(target),
+        2,
+        block_size=8,
+        target_layer_ids=[1, 3],
+        mask_token_id=3,
+        intermediate_size=48,
+        arch="dflash2",
+    )
+    raw = {k: v for k, v in config.to_dict().items() if k not in ("block_size", "auto_map")}
+    published = tmp_path / "Tiny-DFlash2"
+    published.mkdir()
+    (published / "config.json").write_text(json.dumps(raw))
+    torch.manual_seed(4)
+    weights = DFlashDraftModel._from_config(config).state_dict()
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(published / "model.safetensors"))
+
+    run = tmp_path / "run"
+    flags = ["--target", str(target), "--data", str(data), "--out", str(run), "--init-from", str(published)]
+    flags += ["--steps", "1", "--seq-len", "48", "--batch-size", "2", "--max-anchors", "4", "--save-every", "1"]
+    flags += ["--eval-prompts", "1", "--eval-max-new-tokens", "4", "--cpu-threads", "1", "--no-progress"]
+    assert main(["train", *flags]) == 0
+    assert read_saved_config(run)["arch"] == "dflash2"
+    saved = json.loads((run / "checkpoints" / "step_00000001" / "config.json").read_text())
+    assert saved["architectures"] == ["DFlash2DraftModel"]
+    assert {k: saved["dflash_config"][k] for k in raw["dflash_config"]} == raw["dflash_config"]
