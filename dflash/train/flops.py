@@ -29,7 +29,11 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
     target states, needs no grad); 4 * V * H per draft token for the frozen
     LM head (forward + input grad, no weight grad); attention 12 * heads * head_dim per visible
     (query, key) pair (QK^T and PV, forward + backward). Model FLOPs: any recompute would
-    not count (the fused LM head loss recomputes nothing).
+    not count (the fused LM head loss recomputes nothing). A DFlash2 drafter's convolutions are
+    counted with its layers (their projections are matmuls; their elementwise taps, 6 per
+    ``base_kernel`` entry, are a small undercount), and its selector's loss per draft token as
+    ``6 * (r * H + K * H + K * r)``: ``hidden_projection``, the K candidates' logits from the hidden
+    state, and the K transition dot products, forward + backward.
     """
     cfg = drafter.config
     layer_params = sum(p.numel() for p in drafter.layers.parameters()) + drafter.norm.weight.numel()
@@ -40,4 +44,9 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
     context_flops = (4 * drafter.fc.weight.numel() + 6 * kv_params) * context_tokens
     head_flops = 4 * cfg.vocab_size * cfg.hidden_size * draft_tokens
     attention_flops = 12 * cfg.num_attention_heads * cfg.head_dim * visible_pairs
-    return 6 * layer_params * draft_tokens + context_flops + head_flops + attention_flops
+    selector = getattr(drafter, "candidate_selector", None)
+    selector_flops = 0.0
+    if selector is not None:
+        rank, top_k = selector.hidden_projection.out_features, selector.top_k
+        selector_flops = 6 * (rank * cfg.hidden_size + top_k * cfg.hidden_size + top_k * rank) * draft_tokens
+    return 6 * layer_params * draft_tokens + context_flops + head_flops + attention_flops + selector_flops

@@ -6,6 +6,7 @@ Equality with z-lab's reference: tests/integration/test_zlab_dflash2.py."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -206,6 +207,30 @@ def test_dflash_eval_of_a_dflash2_run_equals_greedy_decoding(tmp_path, capsys):
     assert main([*argv, "--num-prompts", "3", "--max-new-tokens", "12", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["mismatches"] == 0 and report["dtype"] == "float32" and report["num_prompts"] == 3
+    exported = tmp_path / "tiny-dflash2"
+    assert main(["export", str(run), "--out", str(exported)]) == 0
+    _check_what_serving_engines_read(json.loads((exported / "config.json").read_text()))
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve" in (exported / "README.md").read_text()
+
+
+#: What vLLM's DFlash2 loader (vllm@030da62 ``qwen3_dflash2.py``, PR #52816, over ``qwen3_dflash.py``) and
+#: SGLang's parser (sglang@00731f0 ``dflash_utils.parse_dflash_draft_config``, PR #35371) read from
+#: ``dflash_config`` as required ints (SGLang: both of a pair or neither; vLLM: all four).
+ENGINE_INTS = ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "mask_token_id")
+
+
+def _check_what_serving_engines_read(config: dict) -> None:
+    nested = config["dflash_config"]
+    assert config["architectures"] == ["DFlash2DraftModel"]  # selects the DFlash2 model in vLLM and z-lab
+    assert all(isinstance(nested[name], int) and nested[name] > 0 for name in ENGINE_INTS), nested
+    assert nested["block_size"] == config["block_size"]  # SGLang: nested first; older readers: top level
+    assert isinstance(nested["target_layer_ids"], list) and config["num_target_layers"] > max(
+        nested["target_layer_ids"]
+    )
+    # Optional transforms: absent means identity in both engines (vLLM output_multiplier 1.0, SGLang > 0 required).
+    assert not {"output_multiplier", "final_logit_softcapping", "input_embedding_scale"} & set(nested)
+    assert config["is_causal"] is False and nested.get("causal") is False  # vLLM reads is_causal, then causal
+    assert len(config["layer_types"]) == config["num_hidden_layers"]
 
 
 def test_init_from_a_published_dflash2_directory_keeps_its_architecture(tmp_path):
@@ -243,3 +268,38 @@ def test_init_from_a_published_dflash2_directory_keeps_its_architecture(tmp_path
     saved = json.loads((run / "checkpoints" / "step_00000001" / "config.json").read_text())
     assert saved["architectures"] == ["DFlash2DraftModel"]
     assert {k: saved["dflash_config"][k] for k in raw["dflash_config"]} == raw["dflash_config"]
+
+
+def test_a_dflash2_drafter_trains_threaded_on_a_hybrid_target_with_sliding_layers(tmp_path, monkeypatch):
+    """The layout of the seed (target and drafter replicas in threads), a Qwen3.6-layout target,
+    packed rows and sliding drafter layers, as for DFlash: the replicas stay equal and every DFlash2
+    weight trains."""
+    pytest.importorskip("transformers.models.qwen3_5", reason="qwen3_5 needs transformers >= 5.2")
+    from tiny import record_losses, train_config
+
+    from dflash.run.settle import settle
+    from dflash.train.trainer import Trainer
+
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 4)  # two drafter replicas on any host
+    target = make_target(tmp_path / "hybrid", arch="qwen3_5", num_layers=8)
+    config = train_config(
+        target=target,
+        data=write_chat_data(tmp_path / "chats.jsonl"),
+        out=tmp_path / "run",
+        arch="dflash2",
+        block_size=8,
+        gamma=4.0,
+        draft_layer_types="sliding,full",
+        draft_sliding_window=16,
+        target_devices="cpu",
+        drafter_devices="cpu:0-1",
+        steps=3,
+    )
+    trainer = record_losses(Trainer(settle(config)))
+    start = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    trainer.train()
+    assert all(map(math.isfinite, trainer.losses))
+    first, second = (replica.model.state_dict() for replica in trainer.engine.replicas)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    for name in ("layers.0.attention_conv.kernel_projection.weight", "candidate_selector.successor_codebook"):
+        assert not torch.equal(first[name], start[name]), name
