@@ -2,8 +2,9 @@
 directories may be one.
 
 A run writes ``train_config.json``, ``checkpoints/``, ``tensorboard/``, ``metrics.jsonl``, its
-lock, the regenerated replies with their key and journals, the token cache, and the held-out
-acceptance measured for it (``acceptance.json``). ``--out`` must
+lock, the regenerated replies with their key and journals, the token cache, the held-out
+acceptance measured for it (``acceptance.json``) and, when compiled, the compile artifacts
+(``compile_cache.bin``). ``--out`` must
 name a directory that is not inside another run (``<run>/checkpoints`` would nest a run among
 another's checkpoints, and ``dflash eval --drafter <run>`` would pick the nested one), and that
 holds nothing else unless ``--allow-nonempty-out`` says so (``--out ~`` would spread a run's
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from dflash.config import SAVED_CONFIG_NAME
 from dflash.run.acceptance_log import LOG_NAME as ACCEPTANCE_NAME
+from dflash.run.compile_cache import CACHE_NAME as COMPILE_CACHE_NAME
 from dflash.run.lock import LOCK_NAME
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,16 @@ METRICS_NAME = "metrics.jsonl"
 REGENERATED_NAME = "regenerated_train.jsonl"
 #: The token cache (:mod:`dflash.data.token_cache`).
 TOKENS_DIR = "tokenized"
-_RUN_FILES = {SAVED_CONFIG_NAME, CHECKPOINTS_DIR, TENSORBOARD_DIR, METRICS_NAME, LOCK_NAME, TOKENS_DIR, ACCEPTANCE_NAME}
+_RUN_FILES = {
+    SAVED_CONFIG_NAME,
+    CHECKPOINTS_DIR,
+    TENSORBOARD_DIR,
+    METRICS_NAME,
+    LOCK_NAME,
+    TOKENS_DIR,
+    ACCEPTANCE_NAME,
+    COMPILE_CACHE_NAME,
+}
 
 
 def is_run_file(name: str) -> bool:

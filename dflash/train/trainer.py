@@ -47,7 +47,7 @@ from dflash.evaluate import evaluate, load_prompts, stop_token_ids
 from dflash.files import sha256_file
 from dflash.patching.importhook import active_finder
 from dflash.progress_logging import log_above_progress_bars
-from dflash.run import acceptance_log, checkpoint
+from dflash.run import acceptance_log, checkpoint, compile_cache
 from dflash.run.layout import REGENERATED_NAME, TOKENS_DIR, check_free_space, checkpoint_bytes
 from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
@@ -504,6 +504,8 @@ class Trainer:
         saving = "saving a checkpoint" if cfg.save else "saving nothing (--no-save)"
         stop = StopRequest(f"finishing this step, {saving}, then exiting")
         started = time.perf_counter()
+        if self.compiled:
+            compile_cache.load(self.out)
         if self.heldout is not None and self.step == 0:
             self._measure_acceptance(when="before step 1", log=log, started=started, saved=False)
         try:
@@ -514,6 +516,8 @@ class Trainer:
                         stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
                     if self.step > first_step:
                         throughput.add(stats)
+                    elif self.compiled and self.is_main:  # the step's compiles are done: keep them for a resume
+                        compile_cache.save(self.out)
                     metrics = log.metrics(stats, lr=self._lr())
                     bar.update(1)
                     bar.set_postfix(progress_postfix(metrics), refresh=False)

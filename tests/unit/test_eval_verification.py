@@ -26,7 +26,7 @@ def run(hybrid_dir, tmp_path_factory):
 
 def _eval(run_dir, heldout, capsys) -> tuple[int, dict]:
     argv = ["eval", "--drafter", str(run_dir), "--data", str(heldout), "--device", "cpu", "--cpu-threads", "1"]
-    code = main([*argv, "--max-new-tokens", "24", "--num-prompts", "3", "--json"])
+    code = main([*argv, "--max-new-tokens", "16", "--num-prompts", "3", "--json"])
     return code, json.loads(capsys.readouterr().out)
 
 

@@ -19,10 +19,10 @@ def test_speculative_decoding_equals_greedy_decoding(hybrid_dir, strategy):
     lengths = []
     for seed in range(3):
         prompt = torch.randint(5, 200, (1, 7 + 3 * seed), generator=torch.Generator().manual_seed(seed))
-        greedy = greedy_generate(target, prompt, max_new_tokens=40, eos_ids=set())
+        greedy = greedy_generate(target, prompt, max_new_tokens=24, eos_ids=set())
         drafter = ScriptedDrafter(config, greedy.tokens, prompt.shape[1], seed=seed)
         spec = speculative_generate(
-            target, drafter, prompt, max_new_tokens=40, eos_ids=set(), rollback_strategy=strategy
+            target, drafter, prompt, max_new_tokens=24, eos_ids=set(), rollback_strategy=strategy
         )
         assert spec.tokens == greedy.tokens
         lengths += spec.accept_lengths
