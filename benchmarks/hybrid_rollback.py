@@ -47,7 +47,7 @@ class ScriptedDrafter:
         self.reference, self.prompt_len, self.p_correct = reference, prompt_len, p_correct
         self.rng = random.Random(seed)
 
-    def draft_block(self, target_hidden, block_embeds, lm_head):
+    def draft_block(self, target_hidden, block_embeds, lm_head, anchor_ids):
         start = target_hidden.shape[1] - self.prompt_len + 1
         n = self.config.block_size - 1
         truth = (self.reference + [0] * (start + n))[start : start + n]

@@ -97,10 +97,10 @@ class TrainConfig:
     dflash run (its latest checkpoint): its shape, layer
     types, window, block size, mask token, tapped layers and RoPE are kept and its weights loaded strictly; held-out
     acceptance is measured before step 1 and after the last step (on --eval-data, else the embedded held-out set)."""
-    arch: str = "dflash"
+    arch: str | None = None
     """Drafter architecture: `dflash` (arXiv 2602.06036) or `dflash2` (DFlash plus a grouped dynamic convolution
     around each layer's attention and MLP and a top-K candidate selector, as z-lab's DFlash2 drafters; z-lab/dflash
-    model.py at 07ebd93); with --init-from, the drafter's own."""
+    model.py at 07ebd93); empty = dflash, or the --init-from drafter's."""
     block_size: int | None = None
     """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel; empty = 8, 16 (the published
     drafters') for Qwen3.5/3.6 targets."""
@@ -173,7 +173,8 @@ class TrainConfig:
 
     selector_loss_weight: float = 1.0
     """DFlash2: weight of the candidate selector's loss (a cross-entropy over each slot's top-K candidates, scored
-    after the true previous token) against the drafter's; 0 leaves the selector untrained."""
+    after the true previous token) against the drafter's; 0 gives the selector no gradient (weight decay still
+    applies)."""
     selector_missing_gold: str = "exclude"
     """DFlash2: slots whose true token is not among the top-K candidates: `exclude` them from the selector's loss
     (SpecForge, NeMo: what serving can select) or `insert` the true token as the K-th candidate (speculators)."""
@@ -339,7 +340,7 @@ class TrainConfig:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if self.save_dtype not in SAVE_DTYPES:
             raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
-        if self.arch not in ARCHS:
+        if self.arch is not None and self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.selector_missing_gold not in MISSING_GOLD:
             raise ValueError(f"selector_missing_gold must be one of {MISSING_GOLD}, got {self.selector_missing_gold!r}")

@@ -111,6 +111,8 @@ def create_drafter_config(
     sliding = modeling_dflash.SLIDING_ATTENTION in layer_types
     if sliding_window is not None and not sliding:
         raise ValueError(f"sliding_window {sliding_window}: no drafter layer is sliding_attention {layer_types}")
+    if arch not in ("dflash", "dflash2"):
+        raise ValueError(f"arch must be 'dflash' or 'dflash2', got {arch!r}")
     dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
     if arch == "dflash2":
         dflash_config |= modeling_dflash.DFLASH2_DEFAULTS
@@ -175,7 +177,7 @@ def drafter_config(
         layer_types=parse_layer_types(config.draft_layer_types) if config.draft_layer_types else None,
         sliding_window=config.draft_sliding_window,
         is_causal=is_causal,
-        arch=config.arch,
+        arch=config.arch or "dflash",
     )
 
 

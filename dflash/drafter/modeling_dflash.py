@@ -194,8 +194,10 @@ class DFlashDraftConfig(Qwen3Config):
             theta, scaling = legacy_rope(kwargs.pop("rope_parameters"))
             kwargs.setdefault("rope_theta", theta)
             kwargs.setdefault("rope_scaling", scaling)
-        if kwargs.get("architectures") is None:
-            dflash2 = any(name in (dflash_config or {}) for name in DFLASH2_FIELDS)
+        dflash2 = any(name in (dflash_config or {}) for name in DFLASH2_FIELDS)
+        if kwargs.get("architectures") is None or dflash2:
+            # DFlash2's fields decide (SGLang's rule): a save_pretrained that wrote the class name
+            # "DFlashDraftModel" over a DFlash2 config must not turn it into DFlash for vLLM and z-lab.
             kwargs["architectures"] = [DFLASH2 if dflash2 else DFLASH]
         if dflash_config is None:
             captured = min(5, max_captured_layers(num_target_layers))
@@ -219,10 +221,24 @@ class DFlashDraftConfig(Qwen3Config):
 
     @property
     def is_dflash2(self) -> bool:
-        """Whether this is a DFlash2 drafter (module docstring): its architecture says so."""
-        return DFLASH2 in (self.architectures or ())
+        """Whether this is a DFlash2 drafter (module docstring): its ``dflash_config`` has DFlash2's
+        fields, or its architecture says so (then missing fields are an error)."""
+        return DFLASH2 in (self.architectures or ()) or any(name in self.dflash_config for name in DFLASH2_FIELDS)
 
     def _validate_dflash2(self) -> None:
+        # z-lab's loader applies these to the logits and the block's embeddings; this drafter does
+        # not, so a drafter that sets them would train and decode another function than it serves.
+        transforms = {
+            name: self.dflash_config[name]
+            for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
+            if self.dflash_config.get(name) not in (None, 1.0, 1)
+            and not (name == "final_logit_softcapping" and self.dflash_config[name] <= 0)
+        }
+        if transforms:
+            raise ValueError(
+                f"dflash_config {transforms}: logit and embedding transforms are not supported by this trainer "
+                "(the published Qwen drafters set none); drop them only if the drafter was trained without them"
+            )
         missing = [name for name in DFLASH2_FIELDS if not isinstance(self.dflash_config.get(name), int)]
         if missing:
             raise ValueError(
@@ -429,10 +445,17 @@ class GroupedDynamicConv(nn.Module):
         return self._convolve(inner, dynamic[..., 1, :, :], self.base_kernel[1])
 
     def _convolve(self, z: Tensor, dynamic: Tensor, base: Tensor) -> Tensor:
-        """One side: ``z`` [B, Q, H], ``dynamic`` [B, Q, k, G], ``base`` [k, H]."""
+        """One side: ``z`` [B, Q, H], ``dynamic`` [B, Q, k, G], ``base`` [k, H]. Q is whole blocks,
+        or one block shorter than ``block_size`` (a verify width near the token budget, or a
+        drafter served at a smaller width)."""
         batch, q_len, hidden = z.shape
         groups = hidden // self.group_size
-        blocks = z.view(batch, q_len // self.block_size, self.block_size, groups, self.group_size)
+        length = self.block_size if q_len % self.block_size == 0 else q_len
+        if length > self.block_size:
+            raise ValueError(
+                f"{q_len} draft tokens are neither whole blocks of {self.block_size} nor one shorter block"
+            )
+        blocks = z.view(batch, q_len // length, length, groups, self.group_size)
         dynamic = dynamic.reshape(*blocks.shape[:3], self.kernel_size, groups, 1)
         out = torch.zeros_like(blocks)
         for tap in range(self.kernel_size):
@@ -520,14 +543,16 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, hidden, context, rope_q, rope_kv, attention_mask, query_valid) -> Tensor:
         def attend(normed: Tensor) -> Tensor:
-            return self.self_attn(normed, context, rope_q, rope_kv, attention_mask)
+            attn = self.self_attn(normed, context, rope_q, rope_kv, attention_mask)
+            if query_valid is not None:
+                # Padding blocks see no key: flex and CPU SDPA return 0 there, but some GPU SDPA
+                # kernels return NaN for an all-masked row, so zero them explicitly (before
+                # DFlash2's output-side convolution, whose gradient would carry a NaN on).
+                attn = torch.where(query_valid, attn, 0.0)
+            return attn
 
         normed = self.input_layernorm(hidden)
         attn = self.attention_conv(normed, attend) if hasattr(self, "attention_conv") else attend(normed)
-        if query_valid is not None:
-            # Padding blocks see no key: flex and CPU SDPA return 0 there, but some GPU SDPA
-            # kernels return NaN for an all-masked row, so zero them explicitly.
-            attn = torch.where(query_valid, attn, 0.0)
         hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
         return hidden + (self.mlp_conv(normed, self.mlp) if hasattr(self, "mlp_conv") else self.mlp(normed))

@@ -17,6 +17,11 @@ fills them, before the target loads, by one of three rules:
   copies it), all full attention, :data:`STANDARD` block size, layers and taps (small enough for a
   CPU run).
 
+``--arch`` (empty: ``dflash``, or the ``--init-from`` drafter's) picks DFlash or DFlash2; for a
+DFlash2 drafter of a dense Qwen3.5/3.6 target the rule is :data:`PUBLISHED_QWEN3_5_DFLASH2`
+(z-lab/Qwen3.8-27B-DFlash2: block 8, every layer sliding, and for 64 target layers the taps of
+:data:`PUBLISHED_DFLASH2_TAPS`).
+
 Flags given explicitly always win over the rule (and must agree with ``--init-from``). Sliding
 layers without ``--draft-sliding-window`` get :data:`DEFAULT_SLIDING_WINDOW`.
 """
@@ -71,6 +76,7 @@ PUBLISHED_QWEN3_5_DFLASH2 = {**PUBLISHED_QWEN3_5, "block_size": 8}
 PUBLISHED_DFLASH2_TAPS = {64: [5, 19, 33, 47, 61]}
 #: The TrainConfig fields :func:`resolve_drafter_shape` fills.
 SHAPE_FIELDS = (
+    "arch",
     "block_size",
     "num_draft_layers",
     "draft_layer_types",
@@ -122,6 +128,8 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         values = _from_drafter(config, target, target_dir)
     else:
         family = qwen3_5_family(target)
+        if config.arch is None:
+            config = dataclasses.replace(config, arch="dflash")
         dense = PUBLISHED_QWEN3_5_DFLASH2 if config.arch == "dflash2" else PUBLISHED_QWEN3_5
         rule = {"dense": dense, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
         values = {k: v for k, v in rule.items() if getattr(config, k) is None}
@@ -242,5 +250,11 @@ def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
                 f"{text.get(key)}); this drafter was trained for another target: pass its target, or train a "
                 "new drafter without --init-from"
             )
+    arch = "dflash2" if drafter.is_dflash2 else "dflash"
+    if config.arch not in (None, arch):
+        raise ValueError(
+            f"--arch {config.arch} disagrees with the --init-from drafter {config.init_from} (a {arch} drafter); drop "
+            "--arch: the drafter's own architecture is kept"
+        )
     check_tensors(config.init_from, drafter)  # from the file's header: weights that cannot load, before the target
-    return values | {"arch": "dflash2" if drafter.is_dflash2 else "dflash"}
+    return values | {"arch": arch}

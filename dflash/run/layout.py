@@ -19,7 +19,6 @@ from pathlib import Path
 
 from dflash.config import SAVED_CONFIG_NAME
 from dflash.run.acceptance_log import LOG_NAME as ACCEPTANCE_NAME
-from dflash.run.compile_cache import CACHE_NAME as COMPILE_CACHE_NAME
 from dflash.run.lock import LOCK_NAME
 
 logger = logging.getLogger(__name__)
@@ -32,6 +31,8 @@ METRICS_NAME = "metrics.jsonl"
 REGENERATED_NAME = "regenerated_train.jsonl"
 #: The token cache (:mod:`dflash.data.token_cache`).
 TOKENS_DIR = "tokenized"
+#: The compile artifacts (:mod:`dflash.run.compile_cache`).
+COMPILE_CACHE_NAME = "compile_cache.bin"
 _RUN_FILES = {
     SAVED_CONFIG_NAME,
     CHECKPOINTS_DIR,

@@ -41,6 +41,8 @@ class StepStats:
         flops (float): drafter model FLOPs of the step, this process
             (:func:`dflash.train.flops.drafter_step_flops`).
         stop (bool): some process asked to stop after this step (SIGTERM/SIGINT).
+        selector_loss (float | None): DFlash2's selector cross-entropy, weighted and normalised
+            like ``loss`` (not included in it); None for DFlash.
     """
 
     loss: float
@@ -54,6 +56,7 @@ class StepStats:
     data_wait_frac: float
     flops: float
     stop: bool
+    selector_loss: float | None = None
 
     @property
     def tau_hat(self) -> float:
@@ -71,7 +74,7 @@ def read_step_stats(stats: torch.Tensor, grad_norm: torch.Tensor, layout: StatsL
     """The reduced statistics vector and grad norm on the host, in ONE device-to-host transfer.
 
     Returns:
-        dict: ``loss``, ``acc``, ``grad_norm``, ``blocks``, ``pairs``, ``stop``.
+        dict: ``loss``, ``acc``, ``grad_norm``, ``blocks``, ``pairs``, ``stop``, ``selector_loss``.
     """
     values = torch.cat([stats.float(), grad_norm.reshape(1).float().to(stats.device)]).tolist()
     correct, total = values[layout.correct], values[layout.total]
@@ -84,6 +87,7 @@ def read_step_stats(stats: torch.Tensor, grad_norm: torch.Tensor, layout: StatsL
         "blocks": values[StatsLayout.BLOCKS],
         "pairs": values[StatsLayout.PAIRS],
         "stop": values[StatsLayout.STOP] > 0,
+        "selector_loss": values[StatsLayout.SELECTOR] / weight,
     }
 
 

@@ -130,6 +130,7 @@ class LocalEngine:
             data_wait_frac=data_s / step_s,
             flops=flops,
             stop=host["stop"],
+            selector_loss=host["selector_loss"] if hasattr(r.model, "candidate_selector") else None,
         )
 
     def state_dict(self) -> dict:

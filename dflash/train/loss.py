@@ -84,12 +84,15 @@ class LossOutput:
             the position weights for "decay", the number of supervised slots for "dpace".
         correct (Tensor): int64 ``[Bs]``, per slot, supervised slots whose argmax equals the label.
         total (Tensor): int64 ``[Bs]``, per slot, supervised slots.
+        selector_sum (Tensor): float32 scalar, no grad: DFlash2's selector cross-entropy sum before
+            its weight (``loss_sum`` includes it times the weight); 0 without a selector.
     """
 
     loss_sum: Tensor
     weight_sum: Tensor
     correct: Tensor
     total: Tensor
+    selector_sum: Tensor
 
 
 def dflash_loss(
@@ -202,6 +205,7 @@ def dflash_loss(
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
     weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
+    selector_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, rows.shape[0], chunk_blocks):
         part = slice(start, start + chunk_blocks)
         teacher = teacher_rows[part] if soft else None
@@ -218,7 +222,7 @@ def dflash_loss(
             top_k,
         )
         if selecting:
-            chunk_loss = chunk_loss + selector_weight * selector_loss(
+            chunk_selector = selector_loss(
                 selector,
                 rows[part],
                 lm_head_weight,
@@ -228,11 +232,13 @@ def dflash_loss(
                 slot_weights,
                 missing_gold=missing_gold,
             )
+            chunk_loss = chunk_loss + selector_weight * chunk_selector
+            selector_sum = selector_sum + chunk_selector.detach()
         loss_sum = loss_sum + chunk_loss
         weight_sum = weight_sum + chunk_weight
         correct = correct + chunk_correct
     total = label_mask.sum(0)
-    return LossOutput(loss_sum, weight_sum, correct, total)
+    return LossOutput(loss_sum, weight_sum, correct, total, selector_sum)
 
 
 def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:

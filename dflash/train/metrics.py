@@ -88,6 +88,8 @@ class MetricsLog:
             "row_fill": stats.tokens / max(stats.row_tokens, 1),
             **{f"acc/{k + 1}": a for k, a in enumerate(stats.acc)},
         }
+        if stats.selector_loss is not None:
+            metrics["selector_loss"] = stats.selector_loss
         if self.peak_flops:
             metrics["drafter_mfu"] = stats.flops / max(stats.drafter_s, 1e-9) / self.peak_flops
         return metrics
@@ -108,12 +110,14 @@ class MetricsLog:
             return
         self.record(step, metrics)
         mfu = f" mfu {100 * metrics['drafter_mfu']:.1f}%" if "drafter_mfu" in metrics else ""
+        selector = f" selector loss {metrics['selector_loss']:.4f}" if "selector_loss" in metrics else ""
         logger.info(
-            "step %d/%d loss %.4f tau_hat %.3f acc1 %.3f lr %.2e tok/s %.0f drafter tok/s %.0f data-wait %.1f%% "
+            "step %d/%d loss %.4f%s tau_hat %.3f acc1 %.3f lr %.2e tok/s %.0f drafter tok/s %.0f data-wait %.1f%% "
             "target %.1f%% row fill %.0f%%%s",
             step,
             self.total_steps,
             metrics["loss"],
+            selector,
             metrics["tau_hat"],
             metrics.get("acc/1", 0.0),
             metrics["lr"],

@@ -58,9 +58,29 @@ def selector_loss(
         inserted[..., -1] = labels
         candidates = inserted.where(~found[..., None], candidates)
         found = torch.ones_like(found)
-    # The candidates' logits, from the hidden state (the gradient of the full logits is the drafter loss's).
-    unary = (hidden[..., None, :] * lm_head_weight[candidates].to(hidden.dtype)).sum(-1).float()
+    unary = _CandidateLogits.apply(hidden, lm_head_weight, candidates)
     scores = selector.scores(hidden, unary, candidates, predecessors).float()
     gold = (candidates == labels[..., None]).float().argmax(-1)
     cross_entropy = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
     return (slot_weights * found * cross_entropy).sum()
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """float32 ``[C, Bs, K]`` logits of each slot's K candidates from ``hidden`` ``[C, Bs, H]`` and the
+    frozen head ``weight`` ``[V, H]``, differentiable in ``hidden``. The candidates' head rows
+    (``[C, Bs, K, H]``, K times the hidden states) are gathered in forward and again in backward,
+    never kept: the chunked loss keeps nothing larger than the hidden states between its passes."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, candidates):
+        ctx.save_for_backward(candidates)
+        ctx.weight, ctx.hidden_dtype = weight, hidden.dtype
+        rows = weight[candidates]  # [C, Bs, K, H]
+        return torch.einsum("cbh,cbkh->cbk", hidden.to(rows.dtype), rows).float()
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        (candidates,) = ctx.saved_tensors
+        rows = ctx.weight[candidates]
+        grad_hidden = torch.einsum("cbk,cbkh->cbh", grad_logits.to(rows.dtype), rows)
+        return grad_hidden.to(ctx.hidden_dtype), None, None

@@ -92,8 +92,10 @@ class LossSettings:
 
 
 class StatsLayout:
-    """The step statistics as one float32 device vector of ``5 + 2 * Bs`` entries:
-    ``[loss_sum, weight_sum, valid_blocks, attention_pairs, stop, correct[Bs], total[Bs]]``.
+    """The step statistics as one float32 device vector of ``6 + 2 * Bs`` entries:
+    ``[loss_sum, weight_sum, valid_blocks, attention_pairs, stop, selector_loss_sum, correct[Bs],
+    total[Bs]]`` (``loss_sum`` the drafter's own loss; ``selector_loss_sum`` DFlash2's selector
+    cross-entropy, 0 for DFlash: the objective is their sum with the selector's weight).
 
     Sums over micro-batches, threads and processes are elementwise, so the vector travels with
     the gradients in one collective (:class:`dflash.distributed.FlatGradients` ``extra`` slots).
@@ -101,13 +103,13 @@ class StatsLayout:
     in the same step. Counts are exact in float32 up to 2**24 per step.
     """
 
-    LOSS, WEIGHT, BLOCKS, PAIRS, STOP = range(5)
+    LOSS, WEIGHT, BLOCKS, PAIRS, STOP, SELECTOR = range(6)
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.size = 5 + 2 * block_size
-        self.correct = slice(5, 5 + block_size)
-        self.total = slice(5 + block_size, 5 + 2 * block_size)
+        self.size = 6 + 2 * block_size
+        self.correct = slice(6, 6 + block_size)
+        self.total = slice(6 + block_size, 6 + 2 * block_size)
 
 
 @dataclass
@@ -262,5 +264,6 @@ def drafter_step(
         )
     out.loss_sum.backward()
     pairs = drafter.attention_pairs(anchors, valid, batch.document_ids)
-    scalars = [out.loss_sum.detach(), out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs)]
+    own = out.loss_sum.detach() - settings.selector_weight * out.selector_sum
+    scalars = [own, out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs), out.selector_sum]
     return torch.cat([torch.stack([s.float() for s in scalars]), out.correct.float(), out.total.float()])

@@ -428,6 +428,7 @@ class ThreadedEngine:
             data_wait_frac=sum(waits) / len(waits) / max(step_s, 1e-9),
             flops=sum(delta(self.drafter_workers, "flops")),
             stop=host["stop"],
+            selector_loss=host["selector_loss"] if hasattr(self.drafter, "candidate_selector") else None,
         )
 
     def interval_report(self) -> dict[str, dict[str, float]]:

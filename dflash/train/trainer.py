@@ -516,8 +516,8 @@ class Trainer:
                         stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
                     if self.step > first_step:
                         throughput.add(stats)
-                    elif self.compiled and self.is_main:  # the step's compiles are done: keep them for a resume
-                        compile_cache.save(self.out)
+                    else:
+                        self._keep_compile_artifacts()  # the step's compiles are done
                     metrics = log.metrics(stats, lr=self._lr())
                     bar.update(1)
                     bar.set_postfix(progress_postfix(metrics), refresh=False)
@@ -544,6 +544,11 @@ class Trainer:
             log.log_compile_summary(self.engine.compile_summary())  # also after a failure or a stop: a soak ends so
         log.log_throughput(throughput)
         return metrics
+
+    def _keep_compile_artifacts(self) -> None:
+        """Rank 0 of a compiled, saving run writes the compile artifacts so far (:mod:`dflash.run.compile_cache`)."""
+        if self.compiled and self.is_main and self.config.save:
+            compile_cache.save(self.out)
 
     def _stall_watch(self):
         """A watchdog over one step (:mod:`dflash.watchdog`): a step that makes no progress for
@@ -580,6 +585,7 @@ class Trainer:
         }
         if not self.is_main:
             return None
+        self._keep_compile_artifacts()
         return checkpoint.save_checkpoint(
             self.out,
             self.step,

@@ -1,6 +1,6 @@
 """The run's compile artifacts (dflash/run/compile_cache.py): what one process compiled is a cache
 hit in a fresh process on an empty inductor cache (another host) once loaded, and a miss without
-them; a damaged file is named and skipped; an eager process writes none."""
+them; a damaged file is named and skipped."""
 
 from __future__ import annotations
 

@@ -87,6 +87,8 @@ def test_the_published_config_and_its_81_tensors_are_read_as_they_ship(tmp_path)
         ({"conv_group_size": 7}, "conv_group_size 7 must divide hidden_size 64"),
         ({"conv_kernel_size": 9}, r"conv_kernel_size 9 must be in \[1, block_size=8\]"),
         ({"selector_top_k": None}, "needs the ints dflash_config.selector_top_k"),
+        ({"output_multiplier": 0.196}, "logit and embedding transforms are not supported"),
+        ({"final_logit_softcapping": 20.0}, "logit and embedding transforms are not supported"),
     ],
 )
 def test_a_dflash2_field_out_of_range_is_named(tmp_path, dflash_config, named):
@@ -297,9 +299,74 @@ def test_a_dflash2_drafter_trains_threaded_on_a_hybrid_target_with_sliding_layer
     )
     trainer = record_losses(Trainer(settle(config)))
     start = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
-    trainer.train()
+    metrics = trainer.train()
+    # The drafter's own loss and the selector's are logged apart (comparable with a DFlash run).
+    assert metrics["selector_loss"] > 0 and math.isfinite(metrics["loss"])
     assert all(map(math.isfinite, trainer.losses))
     first, second = (replica.model.state_dict() for replica in trainer.engine.replicas)
     assert all(torch.equal(first[name], second[name]) for name in first)
     for name in ("layers.0.attention_conv.kernel_projection.weight", "candidate_selector.successor_codebook"):
         assert not torch.equal(first[name], start[name]), name
+
+
+def test_a_dflash2_drafter_saved_by_transformers_stays_dflash2(tmp_path):
+    """``save_pretrained`` writes the class name ("DFlashDraftModel"); the DFlash2 fields decide."""
+    _, dflash2 = _pair()
+    dflash2.save_pretrained(tmp_path)
+    assert read_drafter_config(tmp_path).is_dflash2
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert loaded.config.architectures == ["DFlash2DraftModel"] and hasattr(loaded, "candidate_selector")
+
+
+def test_a_shorter_block_drafts_as_the_head_of_a_whole_one():
+    """A verify width below the block size (z-lab near the token budget, MLX served at 5): the
+    convolutions see one shorter block; with causal attention its slots equal the first slots of
+    a whole block (so nothing but the block's own start is read)."""
+    _, dflash2 = _pair()
+    dflash2.config.is_causal = True
+    with torch.no_grad():
+        for name, p in dflash2.named_parameters():
+            if "_conv." in name:
+                p.normal_(0.0, 0.3)
+    gen = torch.Generator().manual_seed(5)
+    context, block = torch.randn(1, 6, 3 * 32, generator=gen), torch.randn(1, 4, 32, generator=gen)
+    with torch.no_grad():
+        whole = dflash2._run(block, context, torch.arange(6, 10)[None], None, None)
+        short = dflash2._run(block[:, :3], context, torch.arange(6, 9)[None], None, None)
+    torch.testing.assert_close(short, whole[:, :3])
+    with pytest.raises(ValueError, match="neither whole blocks of 4 nor one shorter block"):
+        dflash2._run(torch.randn(1, 6, 32), context, torch.arange(6, 12)[None], None, None)
+
+
+def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_backward():
+    """At the user's shape the candidates' head rows are 16 x the hidden states (gigabytes at 512
+    anchors): gathered again in backward, never saved; the gradient is the plain expression's."""
+    from dflash.train.selector_loss import _CandidateLogits
+
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(3, 4, 16, generator=gen, requires_grad=True)
+    weight, candidates = torch.randn(50, 16, generator=gen), torch.randint(0, 50, (3, 4, 5), generator=gen)
+    grad = torch.randn(3, 4, 5, generator=gen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        logits = _CandidateLogits.apply(hidden, weight, candidates)
+    assert max(saved) <= hidden.numel()
+    (logits * grad).sum().backward()
+    ours, hidden.grad = hidden.grad, None
+    ((hidden[..., None, :] * weight[candidates]).sum(-1) * grad).sum().backward()
+    torch.testing.assert_close(ours, hidden.grad)
+
+
+def test_an_arch_that_contradicts_the_init_from_drafter_is_refused(tmp_path):
+    from tiny import save_random_drafter
+
+    from dflash.config import TrainConfig
+    from dflash.run.drafter_shape import resolve_drafter_shape
+
+    target = make_target(tmp_path / "target", num_layers=5)
+    step_dir = save_random_drafter(target, tmp_path / "run")
+    disagree = r"--arch dflash2 disagrees with the --init-from drafter .* \(a dflash drafter\)"
+    with pytest.raises(ValueError, match=disagree):
+        resolve_drafter_shape(TrainConfig(target=str(target), init_from=str(step_dir), arch="dflash2", gamma=2.0))
+    assert resolve_drafter_shape(TrainConfig(target=str(target), init_from=str(step_dir), gamma=2.0)).arch == "dflash"
+    assert resolve_drafter_shape(TrainConfig(target=str(target))).arch == "dflash"
