@@ -175,9 +175,10 @@ class TrainConfig:
     """DFlash2: weight of the candidate selector's loss (a cross-entropy over each slot's top-K candidates, scored
     after the true previous token) against the drafter's; 0 gives the selector no gradient (weight decay still
     applies)."""
-    selector_missing_gold: str = "exclude"
-    """DFlash2: slots whose true token is not among the top-K candidates: `exclude` them from the selector's loss
-    (SpecForge, NeMo: what serving can select) or `insert` the true token as the K-th candidate (speculators)."""
+    selector_missing_gold: str = "insert"
+    """DFlash2: slots whose true token is not among the top-K candidates: `insert` it as the K-th candidate
+    (speculators; more held-out acceptance in our measurement, docs/results.md) or `exclude` them from the selector's
+    loss (SpecForge, NeMo: only what serving can select)."""
 
     # ---- held-out acceptance ------------------------------------------------------------------
     eval_data: str | None = None
