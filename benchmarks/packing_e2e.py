@@ -6,6 +6,7 @@
     python benchmarks/packing_e2e.py --shape qwen3-32b --seq-len 4096      # a dense 27B-class shape
     python benchmarks/packing_e2e.py --tiny                                # CPU smoke test, about a minute
     python benchmarks/packing_e2e.py --tiny --shape tiny-qwen3.6           # the same with a hybrid target
+    python benchmarks/packing_e2e.py --shape qwen3.6-27b --arch dflash2 --block-size 8 --modes packed
 
 One run trains the same drafter on the same conversations twice through the real CLI, ``python -m
 dflash train ... --pack`` and ``... --no-pack``, each in a fresh interpreter, and prints one table:
@@ -210,6 +211,8 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> lis
         flags["device"] = args.device
     if args.compile:
         flags["compile"] = args.compile
+    if args.arch:
+        flags["arch"] = args.arch
     if args.cpu_threads:
         flags["cpu-threads"] = args.cpu_threads
     argv = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
@@ -289,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="steps per run; the first is warm-up")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default=None)
+    parser.add_argument("--arch", choices=("dflash", "dflash2"), default=None, help="drafter architecture")
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per training run")
