@@ -46,7 +46,7 @@ import torch
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
 from dflash.data.tokenize import TemplateRejected, cut_to_budget, encode, render_chat
 from dflash.drafter.files import DRAFTER_FILES
-from dflash.drafter.model import load_drafter_dir
+from dflash.drafter.model import architecture_name, load_drafter_dir
 from dflash.run.step_dirs import find_checkpoint
 from dflash.target.model import Target
 from dflash.target.rollback import StateRollback, crop, new_cache
@@ -262,8 +262,9 @@ def load_drafter(path: str | Path, *, device: torch.device, dtype: torch.dtype):
     step_dir = find_checkpoint(path, files=DRAFTER_FILES)
     drafter = load_drafter_dir(step_dir, dtype=dtype, device=device)
     logger.info(
-        "drafter %s: %d layers (%s), block size %d, taps target layers %s",
+        "drafter %s: %s, %d layer(s) (%s), block size %d, taps target layers %s",
         step_dir,
+        architecture_name(drafter.config),
         drafter.config.num_hidden_layers,
         ", ".join(drafter.config.layer_types),
         drafter.config.block_size,

@@ -363,6 +363,14 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
         return super().forward(draft_embeds, target_hidden, kv_positions, attention_mask, query_valid)
 
 
+def architecture_name(config: DFlashDraftConfig) -> str:
+    """``DFlash``, or ``DFlash2 (convolutions of k taps, selector top K)``, for the logs."""
+    if not config.is_dflash2:
+        return "DFlash"
+    taps, top_k = config.dflash2_value("conv_kernel_size"), config.dflash2_value("selector_top_k")
+    return f"DFlash2 (convolutions of {taps} taps, selector top {top_k})"
+
+
 def load_drafter_dir(
     directory: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu", attn_implementation: str = "sdpa"
 ):

@@ -137,7 +137,25 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         values |= _layer_types(config, values, sliding_rule=sliding)
         values |= _default_taps_that_fit(config, values, target)
         values |= _published_dflash2_taps(config, values, target, family)
-    return dataclasses.replace(config, **values)
+    config = dataclasses.replace(config, **values)
+    _refuse_selector_flags_without_a_selector(config)
+    return config
+
+
+def _refuse_selector_flags_without_a_selector(config: TrainConfig) -> None:
+    """The selector's flags on a DFlash drafter would do nothing: most likely ``--arch dflash2`` was
+    forgotten."""
+    defaults = TrainConfig.defaults()
+    given = [
+        f"--{name.replace('_', '-')} {getattr(config, name)}"
+        for name in ("selector_loss_weight", "selector_missing_gold")
+        if getattr(config, name) != defaults[name]
+    ]
+    if config.arch == "dflash" and given:
+        raise ValueError(
+            f"{', '.join(given)}: the candidate selector is DFlash2's; this drafter is DFlash (pass --arch dflash2, "
+            "or drop the flag)"
+        )
 
 
 def _default_taps_that_fit(config: TrainConfig, values: dict, target: dict) -> dict:

@@ -86,6 +86,8 @@ class LossOutput:
         total (Tensor): int64 ``[Bs]``, per slot, supervised slots.
         selector_sum (Tensor): float32 scalar, no grad: DFlash2's selector cross-entropy sum before
             its weight (``loss_sum`` includes it times the weight); 0 without a selector.
+        drafter_sum (Tensor): float32 scalar, no grad: ``loss_sum`` without the selector's part,
+            summed on its own (subtracting a large weight times the selector's would cancel).
     """
 
     loss_sum: Tensor
@@ -93,6 +95,7 @@ class LossOutput:
     correct: Tensor
     total: Tensor
     selector_sum: Tensor
+    drafter_sum: Tensor
 
 
 def dflash_loss(
@@ -206,6 +209,7 @@ def dflash_loss(
     weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
     selector_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    drafter_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, rows.shape[0], chunk_blocks):
         part = slice(start, start + chunk_blocks)
         teacher = teacher_rows[part] if soft else None
@@ -221,6 +225,7 @@ def dflash_loss(
             dpace_alpha,
             top_k,
         )
+        drafter_sum = drafter_sum + chunk_loss.detach()
         if selecting:
             chunk_selector = selector_loss(
                 selector,
@@ -238,7 +243,7 @@ def dflash_loss(
         weight_sum = weight_sum + chunk_weight
         correct = correct + chunk_correct
     total = label_mask.sum(0)
-    return LossOutput(loss_sum, weight_sum, correct, total, selector_sum)
+    return LossOutput(loss_sum, weight_sum, correct, total, selector_sum, drafter_sum)
 
 
 def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:

@@ -264,6 +264,5 @@ def drafter_step(
         )
     out.loss_sum.backward()
     pairs = drafter.attention_pairs(anchors, valid, batch.document_ids)
-    own = out.loss_sum.detach() - settings.selector_weight * out.selector_sum
-    scalars = [own, out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs), out.selector_sum]
+    scalars = [out.drafter_sum, out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs), out.selector_sum]
     return torch.cat([torch.stack([s.float() for s in scalars]), out.correct.float(), out.total.float()])

@@ -42,7 +42,7 @@ from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.drafter.mask_token import resolve_mask_token_id
-from dflash.drafter.model import DFlashDraftModel, drafter_config, load_drafter_dir
+from dflash.drafter.model import DFlashDraftModel, architecture_name, drafter_config, load_drafter_dir
 from dflash.evaluate import evaluate, load_prompts, stop_token_ids
 from dflash.files import sha256_file
 from dflash.patching.importhook import active_finder
@@ -217,8 +217,10 @@ class Trainer:
         if not config.save:
             logger.warning("--no-save: no checkpoint will be written, this run cannot be resumed or evaluated")
         logger.info(
-            "drafter: %d layers, %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d replica(s) "
-            "x %d micro-batch(es) x %d rows x %d tokens (%s); target threads %s, drafter threads %s (process %d/%d)",
+            "drafter: %s, %d layer(s), %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d "
+            "replica(s) x %d micro-batch(es) x %d rows x %d tokens (%s); target threads %s, drafter threads %s "
+            "(process %d/%d)",
+            architecture_name(drafter.config),
             drafter.config.num_hidden_layers,
             sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
             config.block_size,

@@ -370,3 +370,41 @@ def test_an_arch_that_contradicts_the_init_from_drafter_is_refused(tmp_path):
         resolve_drafter_shape(TrainConfig(target=str(target), init_from=str(step_dir), arch="dflash2", gamma=2.0))
     assert resolve_drafter_shape(TrainConfig(target=str(target), init_from=str(step_dir), gamma=2.0)).arch == "dflash"
     assert resolve_drafter_shape(TrainConfig(target=str(target))).arch == "dflash"
+
+
+def test_selector_flags_on_a_dflash_drafter_are_refused(tmp_path):
+    from dflash.config import TrainConfig
+    from dflash.run.drafter_shape import resolve_drafter_shape
+
+    target = make_target(tmp_path / "target", num_layers=5)
+    with pytest.raises(ValueError, match="--selector-loss-weight 0.5: the candidate selector is DFlash2's"):
+        resolve_drafter_shape(TrainConfig(target=str(target), selector_loss_weight=0.5))
+    assert resolve_drafter_shape(TrainConfig(target=str(target), arch="dflash2", selector_loss_weight=0.5))
+
+
+def test_the_logged_drafter_loss_does_not_move_with_the_selectors_weight():
+    """The drafter's own loss is summed apart: subtracting weight x selector from the objective
+    would cancel at a large weight (a negative cross-entropy in the log)."""
+    from dflash.train.loss import dflash_loss, position_weights
+
+    selector = create_and_randomize_selector()
+    gen = torch.Generator().manual_seed(7)
+    hidden, head = torch.randn(1, 8, 32, generator=gen), torch.randn(64, 32, generator=gen)
+    labels = torch.randint(0, 64, (1, 2, 4), generator=gen)
+    mask = torch.ones(1, 2, 4, dtype=torch.bool)
+    mask[..., 0] = False
+    outs = [
+        dflash_loss(
+            hidden,
+            head,
+            labels,
+            mask,
+            position_weights(4, 2.0),
+            selector=selector,
+            predecessors=labels,
+            selector_weight=weight,
+            missing_gold="insert",
+        )
+        for weight in (1.0, 1e9)
+    ]
+    assert torch.equal(outs[0].drafter_sum, outs[1].drafter_sum) and outs[0].selector_sum > 0
