@@ -103,6 +103,8 @@ def _target(kind: str):
     else:
         window = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=LAYERS // 2)
         config = dense_text_config("qwen3-8b", LAYERS, **(window if kind == "sliding" else {}))
+        if kind == "sliding":
+            assert config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2, config.layer_types
         make = Qwen3ForCausalLM
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -142,13 +144,19 @@ def _worst_later_difference(target, *, mask_only: bool = False) -> float:
     return worst
 
 
-@needs_fla
-def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference():
-    target = _target("hybrid")
-    hybrid, leaky = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
+def _packing_differences(kind: str, dense: str) -> tuple[float, float, float]:
+    """(packed ``kind`` target, the same with the document mask alone, packed ``dense`` target):
+    :func:`_worst_later_difference` of each, one target on the GPU at a time."""
+    target = _target(kind)
+    packed, mask_only = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
     del target
     torch.cuda.empty_cache()
-    dense = _worst_later_difference(_target("dense"))
+    return packed, mask_only, _worst_later_difference(_target(dense))
+
+
+@needs_fla
+def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference():
+    hybrid, leaky, dense = _packing_differences("hybrid", "dense")
     print(
         f"packed vs alone, later documents, every layer, bf16: hybrid {hybrid:.4f} (document mask alone: "
         f"{leaky:.4f}), dense Qwen3 {dense:.4f}"
@@ -158,13 +166,8 @@ def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference():
 
 def test_packed_sliding_window_rows_stay_within_dense_packings_bf16_difference():
     """Each sliding layer gets its own document mask limited to the window; the full document mask
-    alone (``mask_only``) lets its positions see past the window, which a document run alone does not."""
-    target = _target("sliding")
-    assert target.model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
-    sliding, unwindowed = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
-    del target
-    torch.cuda.empty_cache()
-    dense = _worst_later_difference(_target("qwen3-8b"))
+    alone lets its positions see past the window, which a document run alone does not."""
+    sliding, unwindowed, dense = _packing_differences("sliding", "qwen3-8b")
     print(
         f"packed vs alone, later documents, every layer, bf16, Qwen3-8B width: window {WINDOW} on layers 2-3 "
         f"{sliding:.4f} (the full document mask alone: {unwindowed:.4f}), no window {dense:.4f}"
