@@ -220,6 +220,14 @@ def draft_position_ids(anchors: Tensor, block_size: int, position_ids: Tensor | 
     return (start[:, :, None] + offsets).flatten(1)
 
 
+def previous_positions(anchors: Tensor, block_size: int, seq_len: int) -> Tensor:
+    """int64 ``[B, N, Bs]``: position ``a + k - 1`` for slot k of the block anchored at a, the token
+    (or the target's next-token distribution) before the slot; clamped to ``[0, seq_len)`` (slot 0,
+    never predicted, and blocks past the row's end read a valid position that nothing uses)."""
+    offsets = torch.arange(-1, block_size - 1, device=anchors.device)
+    return (anchors[:, :, None] + offsets).clamp(0, seq_len - 1)
+
+
 def build_labels(
     input_ids: Tensor,
     loss_mask: Tensor,

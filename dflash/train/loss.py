@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.config import PAPER_GAMMA
+from dflash.masks import previous_positions
 from dflash.train.selector_loss import selector_loss
 
 POSITION_WEIGHTINGS = ("decay", "dpace")
@@ -249,8 +250,7 @@ def dflash_loss(
 def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
     """Teacher states per draft slot: slot k of anchor a <- position ``a + k - 1`` -> ``[B*N, Bs, H]``."""
     batch, seq_len, hidden_size = teacher_hidden.shape
-    offsets = torch.arange(block_size, device=anchors.device) - 1
-    positions = (anchors[:, :, None] + offsets).clamp(0, seq_len - 1)  # slot 0 is unsupervised
+    positions = previous_positions(anchors, block_size, seq_len)
     index = positions.reshape(batch, -1, 1).expand(-1, -1, hidden_size)
     return torch.gather(teacher_hidden.detach(), 1, index).reshape(-1, block_size, hidden_size)
 

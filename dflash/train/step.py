@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.data.batches import Batch
-from dflash.masks import build_labels, draft_input_ids
+from dflash.masks import build_labels, draft_input_ids, previous_positions
 from dflash.target.model import Target, TargetStates
 from dflash.train.loss import dflash_loss, position_weights
 
@@ -212,8 +212,7 @@ def drafter_forward_loss(
 def previous_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """int64 ``[B, N, Bs]``: the true token before each draft slot, ``x[a + k - 1]`` for slot k of the
     block anchored at a (slot 0's is unused: it is not predicted)."""
-    offsets = torch.arange(-1, block_size - 1, device=anchors.device)
-    positions = (anchors[:, :, None] + offsets).clamp(0, input_ids.shape[1] - 1)
+    positions = previous_positions(anchors, block_size, input_ids.shape[1])
     return torch.gather(input_ids, 1, positions.flatten(1)).view_as(positions)
 
 
