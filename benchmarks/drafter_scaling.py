@@ -238,8 +238,9 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
 
     def one_step(i, replica, item) -> None:
         st = stats[i]
-        backend = replica.watch.backend
-        before = (backend.compiles(), backend.runs())
+        watch = replica.watch
+        before = (watch.compiles, watch.eager_fallbacks)
+        watch.before()
         try:
             drafter_step(
                 replica.step_fn,
@@ -257,9 +258,9 @@ def free_running(devices: list[torch.device], s: dict, args) -> dict:
             return
         finally:
             replica.flat.zero_()
-        compiles, runs = (a - b for a, b in zip((backend.compiles(), backend.runs()), before))
-        st["compiles"] += compiles
-        st["eager"] += runs == 0
+        watch.after(0, item.batch.input_ids.shape[1])
+        st["compiles"] += watch.compiles - before[0]
+        st["eager"] += watch.eager_fallbacks - before[1]
 
     def run(i: int) -> None:
         replica, device = replicas[i], devices[i]

@@ -3,8 +3,9 @@
 Silently running a compiled function eagerly is the failure this project exists to prevent, so
 every compiled call the trainer, the bug-class checks and the stress suite make goes through
 :class:`CountingBackend`, which counts per thread how often it compiled and how often one of its
-compiled graphs ran: a call that ran no graph fell back to eager. :class:`StepWatch` turns those
-counts into log lines for a training step, with the last dynamo warning of the thread as the
+compiled graphs ran: a call that ran no graph fell back to eager. :class:`CompiledRegion` is one
+compiled function with its own counts; :class:`StepWatch` turns a step's regions' counts into log
+lines for a training step, with the last dynamo warning of the thread as the
 reason (dynamo logs why it gave up, e.g. the recompile limit, just before it falls back).
 
 Also here: :func:`fresh_function` (a copy of a function with its own code object, so dynamo gives
@@ -134,43 +135,79 @@ def graph_break_count() -> int:
     return sum(counters["graph_break"].values())
 
 
-class StepWatch:
-    """Per-thread compile accounting of one compiled training step function.
+class CompiledRegion:
+    """A function compiled on a code object of its own (:func:`fresh_function`) with
+    ``dynamic=False`` through a :class:`CountingBackend`, counting its calls per thread: the unit
+    :class:`StepWatch` checks. A call after which fewer of its graphs ran than it was called fell
+    back to eager somewhere.
 
-    Call :meth:`before` just before a call of the compiled step on this thread and
-    :meth:`after` right after it, with the shape key the step was compiled for (its sequence
-    length). Logged as warnings, and counted: a recompile for a shape this thread compiled
-    before (a guard failure), a call that ran no compiled graph (eager fallback, with dynamo's
-    last warning in this thread), new graph breaks. A first compile per shape is logged at
-    INFO. A no-op when ``backend`` is None (an eager step).
+    Args:
+        name (str): the region's name in log lines (``decoder layer``).
+        function: what is compiled; called with the region's arguments.
+        index (int): suffix of the copy's code-object name, one per compiling replica.
+        backend (str): the backend that really compiles (:class:`CountingBackend`).
+    """
+
+    def __init__(self, name: str, function: Callable, index: int, backend: str = "inductor") -> None:
+        self.name = name
+        self.backend = CountingBackend(backend)
+        self._compiled = torch.compile(fresh_function(function, index), backend=self.backend, dynamic=False)
+        self._local = threading.local()
+
+    def __call__(self, *args, **kwargs):
+        self._local.calls = self.calls() + 1
+        return self._compiled(*args, **kwargs)
+
+    def calls(self) -> int:
+        """Calls so far on the calling thread."""
+        return getattr(self._local, "calls", 0)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(compiles, graph runs, calls) so far on the calling thread."""
+        return self.backend.compiles(), self.backend.runs(), self.calls()
+
+
+class StepWatch:
+    """Per-thread compile accounting of one training step's compiled regions.
+
+    Call :meth:`before` just before a step on this thread and :meth:`after` right after it, with
+    the shape key the step was compiled for (its sequence length). Logged as warnings, and
+    counted: a recompile for a shape this thread compiled before (a guard failure), a step in
+    which a region's graphs ran fewer times than the region was called (an eager fallback, with
+    dynamo's last warning in this thread), new graph breaks. A first compile per shape is logged
+    at INFO. A no-op without regions (an eager step).
 
     Args:
         name (str): the thread's name in log lines (``drafter cuda:1``).
-        backend (CountingBackend | None): the backend the step was compiled with.
+        regions (list[CompiledRegion]): the step's compiled regions (empty: eager).
         warnings (DynamoWarnings | None): where the thread's last dynamo warning is read.
     """
 
-    def __init__(self, name: str, backend: CountingBackend | None, warnings: DynamoWarnings | None = None) -> None:
-        self.name, self.backend, self.warnings = name, backend, warnings
+    def __init__(self, name: str, regions: list[CompiledRegion], warnings: DynamoWarnings | None = None) -> None:
+        self.name, self.regions, self.warnings = name, list(regions), warnings
         self.compiles = self.unexpected_recompiles = self.eager_fallbacks = self.graph_breaks = 0
         self._shapes: set = set()
-        self._before = (0, 0, 0)
+        self._before: list[tuple[int, int, int]] = []
+        self._breaks = 0
 
     @property
     def enabled(self) -> bool:
-        return self.backend is not None
+        return bool(self.regions)
 
     def before(self) -> None:
         if self.enabled:
-            self._before = (self.backend.compiles(), self.backend.runs(), graph_break_count())
+            self._before = [region.counts() for region in self.regions]
+            self._breaks = graph_break_count()
 
     def after(self, step: int, shape) -> None:
         if not self.enabled:
             return
-        compiles, runs, breaks = (
-            now - then
-            for now, then in zip((self.backend.compiles(), self.backend.runs(), graph_break_count()), self._before)
-        )
+        deltas = [
+            tuple(now - then for now, then in zip(region.counts(), before))
+            for region, before in zip(self.regions, self._before)
+        ]
+        compiles = sum(d[0] for d in deltas)
+        breaks = graph_break_count() - self._breaks
         reason = self.warnings.last_for(threading.current_thread().name) if self.warnings else "none"
         self.compiles += compiles
         if compiles and shape in self._shapes:
@@ -185,12 +222,17 @@ class StepWatch:
                 "%s step %d: compiled the drafter step for shape %s (%d graph(s))", self.name, step, shape, compiles
             )
         self._shapes.add(shape)
-        if not runs:
+        eager = [
+            f"{region.name} {calls - runs} of {calls}"
+            for region, (_, runs, calls) in zip(self.regions, deltas)
+            if runs < calls
+        ]
+        if eager:
             self.eager_fallbacks += 1
             logger.warning(
-                "%s step %d: the compiled drafter step ran EAGERLY (no compiled graph ran); last dynamo warning "
-                "in this thread: %s",
-                self.name, step, reason,
+                "%s step %d: the compiled drafter step ran EAGERLY (calls that ran no compiled graph: %s); "
+                "last dynamo warning in this thread: %s",
+                self.name, step, ", ".join(eager), reason,
             )  # fmt: skip
         if breaks and compiles:
             # Counted process-wide: with several threads compiling at once, a break may be another's.

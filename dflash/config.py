@@ -32,6 +32,8 @@ PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 ARCHS = ("dflash", "dflash2")
 #: What DFlash2's selector loss does with a slot whose true token is not a candidate (``--selector-missing-gold``).
 MISSING_GOLD = ("exclude", "insert")
+#: ``--compile-scope`` (:mod:`dflash.train.regions`).
+COMPILE_SCOPES = ("regional", "step")
 #: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
 SAVE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
@@ -215,6 +217,10 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto (cuda if visible)."""
     compile: str = "auto"
     """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
+    compile_scope: str = "regional"
+    """What a compiled step compiles: `regional` (one decoder layer and one loss chunk, each compiled once and
+    reused by every layer and chunk: a first step minutes sooner at 27B shapes) or `step` (the whole forward and
+    loss as one graph, every layer and chunk lowered anew)."""
     slow_linear_attention: bool = False
     """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
     flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).
@@ -330,6 +336,8 @@ class TrainConfig:
             raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.gamma is None and self.block_size is not None and self.block_size not in PAPER_GAMMA:

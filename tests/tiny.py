@@ -199,10 +199,10 @@ def tiny_target_config(**overrides):
     return Qwen3Config(**{**fields, **overrides})
 
 
-def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed: int = 0):
+def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed: int = 0, arch: str = "dflash"):
     """A random SDPA drafter (eval mode) of block size 4 tapping 3 layers of :func:`tiny_target_config`:
     2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63; ``is_causal``
-    as in its config (None: the engines' rule, sliding layers causal)."""
+    as in its config (None: the engines' rule, sliding layers causal); ``arch`` dflash or dflash2."""
     from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 
     layers = len(layer_types) if layer_types else 2
@@ -215,9 +215,63 @@ def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed:
         layer_types=layer_types,
         sliding_window=sliding_window,
         is_causal=is_causal,
+        arch=arch,
     )
     torch.manual_seed(seed)
     return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+def random_heads(config, device="cpu", dtype=torch.float32, seed: int = 1):
+    """Frozen random embedding and LM head (:class:`dflash.train.replica.Heads`) for a drafter's config."""
+    from dflash.train.replica import Heads
+
+    vocab, hidden = config.vocab_size, config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(vocab, hidden, generator=gen).to(device, dtype) for _ in range(2)]
+    embed, head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+    for module, weight in zip((embed, head), weights):
+        module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return Heads(embed, head)
+
+
+def micro_batch(drafter, seed: int, device="cpu", dtype=torch.float32):
+    """(TargetBatch, anchors, valid) for a drafter of :func:`tiny_target_config`'s vocabulary (mask
+    token 63): 2 packed rows of 40 tokens, random tapped states and last hidden state, 7 anchors per
+    row (14 blocks: chunks of 4 leave a shorter last one)."""
+    from dflash.masks import sample_anchors
+    from dflash.target.model import TargetStates
+    from dflash.train.step import TargetBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = packed_batch([[20, 20], [12, 28]], 40, seed=seed)
+    anchors, valid = sample_anchors(batch.loss_mask, 7, document_ids=batch.document_ids, generator=gen)
+    hidden = drafter.config.hidden_size
+    width = len(drafter.config.target_layer_ids) * hidden
+    context, last = torch.randn(2, 40, width, generator=gen), torch.randn(2, 40, hidden, generator=gen)
+    states = TargetStates(context.to(device, dtype), last.to(device, dtype))
+    ids = batch.input_ids % 63  # the tiny vocabulary; 63 is the mask token
+    tensors = (ids, batch.loss_mask, batch.position_ids, batch.document_ids)
+    target = TargetBatch(*(t.to(device) for t in tensors), states, batch.num_tokens)
+    return target, anchors.to(device), valid.to(device)
+
+
+def step_settings(soft_label_weight: float = 0.0):
+    """:class:`dflash.train.step.LossSettings` for :func:`tiny_drafter`: chunks of 4 blocks, gamma 2,
+    DFlash2's selector at weight 0.5 with ``insert``."""
+    from dflash.train.loss import DPACE_ALPHA
+    from dflash.train.step import LossSettings
+
+    return LossSettings(
+        mask_token_id=63,
+        block_size=4,
+        gamma=2.0,
+        soft_label_weight=soft_label_weight,
+        position_weighting="decay",
+        dpace_alpha=DPACE_ALPHA,
+        chunk_blocks=4,
+        selector_weight=0.5,
+        missing_gold="insert",
+    )
 
 
 class ScriptedDrafter:

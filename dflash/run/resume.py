@@ -49,6 +49,7 @@ RESUMABLE_CHANGES = frozenset(
         "keep_last",
         "device",
         "compile",
+        "compile_scope",
         "cpu_threads",
         "slow_linear_attention",
         "random_target_weights",

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from dflash.compile_watch import raise_recompile_limit
 from dflash.target.model import Target
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
@@ -50,6 +51,7 @@ class LocalEngine:
         grad_accum (int): micro-batches per optimizer step.
         grad_clip (float): global grad-norm clip (0 = off).
         last_step (int): the run's last step (jobs are drawn up to it).
+        recompile_limit (int): dynamo's recompile limit is raised to this on the first step.
     """
 
     def __init__(
@@ -62,8 +64,10 @@ class LocalEngine:
         grad_accum: int,
         grad_clip: float,
         last_step: int,
+        recompile_limit: int,
     ) -> None:
         self.target, self.replica, self.source, self.settings = target, replica, source, settings
+        self.recompile_limit = recompile_limit
         self.grad_accum, self.grad_clip, self.last_step = grad_accum, grad_clip, last_step
         self.layout = StatsLayout(settings.block_size)
         self.clock = _Clock(replica.device)
@@ -77,6 +81,7 @@ class LocalEngine:
     def run(self, step: int, *, lr: float, stop: bool = False) -> StepStats:
         if not self._started:
             self.source.restart(first_step=step, last_step=self.last_step)
+            raise_recompile_limit(self.recompile_limit)
             self._started = True
         r = self.replica
         start = time.perf_counter()

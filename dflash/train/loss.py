@@ -116,6 +116,7 @@ def dflash_loss(
     predecessors: Tensor | None = None,
     selector_weight: float = 1.0,
     missing_gold: str = "exclude",
+    chunk_fn=None,
 ) -> LossOutput:
     """Chunked LM head + weighted loss over draft blocks.
 
@@ -165,6 +166,8 @@ def dflash_loss(
             (slot k of anchor a: ``x[a + k - 1]``); needed with ``selector``.
         selector_weight (float): >= 0.
         missing_gold (str): ``"exclude"`` or ``"insert"`` (:func:`dflash.train.selector_loss.selector_loss`).
+        chunk_fn (callable, optional): :func:`chunk_loss` or a compiled copy of it (the regional
+            compile compiles one chunk and reuses it for all, :mod:`dflash.train.regions`).
 
     Returns:
         LossOutput
@@ -202,7 +205,7 @@ def dflash_loss(
     label_mask = label_mask.reshape(batch * num_blocks, block_size)
     weights = weights.to(device=hidden.device, dtype=torch.float32)
     teacher_rows = _teacher_rows(teacher_hidden, anchors, block_size) if soft else None
-    top_k = selector.top_k if selecting else 0
+    chunk_fn = chunk_fn or chunk_loss
     if selecting:
         predecessors = predecessors.reshape(batch * num_blocks, block_size)
 
@@ -213,38 +216,75 @@ def dflash_loss(
     drafter_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, rows.shape[0], chunk_blocks):
         part = slice(start, start + chunk_blocks)
-        teacher = teacher_rows[part] if soft else None
-        chunk_loss, chunk_weight, chunk_correct, candidates, slot_weights = _FusedChunkLoss.apply(
+        objective, chunk_drafter, chunk_weight, chunk_correct, chunk_selector = chunk_fn(
             rows[part],
             lm_head_weight,
             labels[part],
             label_mask[part],
             weights,
-            teacher,
-            soft_label_weight,
-            position_weighting,
-            dpace_alpha,
-            top_k,
+            teacher_rows[part] if soft else None,
+            selector if selecting else None,
+            predecessors[part] if selecting else None,
+            soft_label_weight=soft_label_weight,
+            position_weighting=position_weighting,
+            dpace_alpha=dpace_alpha,
+            selector_weight=selector_weight,
+            missing_gold=missing_gold,
         )
-        drafter_sum = drafter_sum + chunk_loss.detach()
-        if selecting:
-            chunk_selector = selector_loss(
-                selector,
-                rows[part],
-                lm_head_weight,
-                candidates,
-                labels[part],
-                predecessors[part],
-                slot_weights,
-                missing_gold=missing_gold,
-            )
-            chunk_loss = chunk_loss + selector_weight * chunk_selector
-            selector_sum = selector_sum + chunk_selector.detach()
-        loss_sum = loss_sum + chunk_loss
+        loss_sum = loss_sum + objective
+        drafter_sum = drafter_sum + chunk_drafter
+        selector_sum = selector_sum + chunk_selector
         weight_sum = weight_sum + chunk_weight
         correct = correct + chunk_correct
     total = label_mask.sum(0)
     return LossOutput(loss_sum, weight_sum, correct, total, selector_sum, drafter_sum)
+
+
+def chunk_loss(
+    rows: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    weights: Tensor,
+    teacher: Tensor | None,
+    selector,
+    predecessors: Tensor | None,
+    *,
+    soft_label_weight: float,
+    position_weighting: str,
+    dpace_alpha: float,
+    selector_weight: float,
+    missing_gold: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One chunk of :func:`dflash_loss` (its arguments, cut to the chunk's C blocks): ``rows``
+    ``[C, Bs, H]``, ``labels``/``label_mask`` ``[C, Bs]``, ``teacher`` ``[C, Bs, H]`` or None,
+    ``predecessors`` ``[C, Bs]`` or None (with ``selector`` None: no selector loss).
+
+    Returns:
+        (objective, drafter loss, normaliser, correct ``[Bs]``, selector loss): float32 0-d
+        tensors but ``correct`` (int64); only the objective carries a gradient.
+    """
+    objective, normaliser, correct, candidates, slot_weights = _FusedChunkLoss.apply(
+        rows,
+        lm_head_weight,
+        labels,
+        label_mask,
+        weights,
+        teacher,
+        soft_label_weight,
+        position_weighting,
+        dpace_alpha,
+        selector.top_k if selector is not None else 0,
+    )
+    drafter = objective.detach()
+    selected = torch.zeros_like(drafter)
+    if selector is not None:
+        selected = selector_loss(
+            selector, rows, lm_head_weight, candidates, labels, predecessors, slot_weights, missing_gold=missing_gold
+        )
+        objective = objective + selector_weight * selected
+        selected = selected.detach()
+    return objective, drafter, normaliser, correct, selected
 
 
 def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:

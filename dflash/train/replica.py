@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.compile_watch import CountingBackend, DynamoWarnings, StepWatch, fresh_function
+from dflash.compile_watch import DynamoWarnings, StepWatch
 from dflash.distributed import FlatGradients, sum_replicas
+from dflash.train.regions import compile_step
 from dflash.train.step import LossSettings, StatsLayout, drafter_forward_loss
 
 ADAM_BETAS = (0.9, 0.95)
@@ -41,8 +42,8 @@ class DrafterReplica:
         optimizer (torch.optim.Optimizer): AdamW (:func:`build_optimizer`).
         flat (FlatGradients): ``.grad`` views, then the :class:`StatsLayout` slots.
         position_weight (Tensor): float32 ``[Bs]`` on ``device``.
-        step_fn: :func:`drafter_forward_loss` or its compiled copy.
-        watch (StepWatch): compile accounting of ``step_fn`` in this replica's thread.
+        step_fn: :func:`drafter_forward_loss` or its compiled form (:func:`dflash.train.regions.compile_step`).
+        watch (StepWatch): compile accounting of ``step_fn``'s regions in this replica's thread.
     """
 
     name: str
@@ -83,23 +84,19 @@ def build_replicas(
     compiled: bool,
     warnings: DynamoWarnings,
     backend: str = "inductor",
+    scope: str = "regional",
 ) -> list[DrafterReplica]:
     """One :class:`DrafterReplica` per drafter slot, each a copy of ``drafter``'s initial weights.
 
-    Compiled replicas get their own copy of :func:`drafter_forward_loss` (its own code object, so
-    its own dynamo cache and recompile limit) compiled with ``dynamic=False`` through a
-    :class:`CountingBackend` wrapping ``backend``.
+    Compiled replicas get their own compiled regions of the step (``scope``,
+    :func:`dflash.train.regions.compile_step`): their own code objects, so their own dynamo
+    caches and recompile limits, compiled with ``dynamic=False`` through ``backend``.
     """
     layout = StatsLayout(settings.block_size)
     replicas = []
     for index, slot in enumerate(slots):
         model = (drafter if index == 0 else copy.deepcopy(drafter)).to(slot.device)
-        backend_ = CountingBackend(backend) if compiled else None
-        step_fn = (
-            torch.compile(fresh_function(drafter_forward_loss, index), backend=backend_, dynamic=False)
-            if compiled
-            else drafter_forward_loss
-        )
+        step_fn, regions = compile_step(scope, index, backend) if compiled else (drafter_forward_loss, [])
         name = f"drafter{index} ({slot.name})"
         replicas.append(
             DrafterReplica(
@@ -111,7 +108,7 @@ def build_replicas(
                 flat=FlatGradients(model, extra=layout.size),
                 position_weight=settings.position_weight(slot.device),
                 step_fn=step_fn,
-                watch=StepWatch(name, backend_, warnings),
+                watch=StepWatch(name, regions, warnings),
             )
         )
     return replicas

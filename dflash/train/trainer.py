@@ -60,6 +60,7 @@ from dflash.train.flops import detect_peak_tflops
 from dflash.train.jobs import JobSource, seq_len_schedule
 from dflash.train.local import LocalEngine
 from dflash.train.metrics import MetricsLog, Throughput, progress_postfix
+from dflash.train.regions import GRAPHS_PER_SHAPE
 from dflash.train.replica import build_replicas
 from dflash.train.step import LossSettings
 from dflash.train.threaded import ThreadedEngine
@@ -225,7 +226,7 @@ class Trainer:
             sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
             config.block_size,
             drafter.config._attn_implementation,
-            " (torch.compile)" if self.compiled else " (eager)",
+            f" (torch.compile, {config.compile_scope})" if self.compiled else " (eager)",
             self.total_steps,
             len(self.layout.drafters),
             config.grad_accum,
@@ -435,6 +436,7 @@ class Trainer:
             self.settings,
             compiled=self.compiled,
             warnings=self.dynamo_warnings,
+            scope=cfg.compile_scope,
         )
         seq_lens = seq_len_schedule(cfg.seq_len, cfg.vary_seq_len)
         # Anchors are drawn on the host in job order, one stream per process.
@@ -447,7 +449,12 @@ class Trainer:
             seq_lens=seq_lens,
             pin=self.layout.device_type == "cuda",
         )
-        common = dict(grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip, last_step=self.total_steps)
+        common = dict(
+            grad_accum=cfg.grad_accum,
+            grad_clip=cfg.grad_clip,
+            last_step=self.total_steps,
+            recompile_limit=GRAPHS_PER_SHAPE * len(seq_lens) + 8,
+        )
         if not self.threaded:
             return LocalEngine(targets[0], replicas[0], source, self.settings, **common)
         return ThreadedEngine(
@@ -457,7 +464,6 @@ class Trainer:
             self.settings,
             process=self.process,
             prefetch_depth=cfg.prefetch_depth,
-            recompile_limit=len(seq_lens) + 8,
             **common,
         )
 

@@ -42,8 +42,9 @@ def test_forced_recompiles_in_threads_run_compiled_and_fallbacks_are_reported(as
     monkeypatch.setattr(dflash.train.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
     healthy = Trainer(settle(_config(assets, tmp_path / "ok")))
     healthy.train()
+    # Regional: the one decoder layer once per length, the loss chunk (its shape is the anchors') once.
     assert healthy.engine.compile_summary() == {
-        f"drafter{i} (cpu:{i})": {"compiles": 2, "unexpected_recompiles": 0, "eager_fallbacks": 0, "graph_breaks": 0}
+        f"drafter{i} (cpu:{i})": {"compiles": 3, "unexpected_recompiles": 0, "eager_fallbacks": 0, "graph_breaks": 0}
         for i in range(2)
     }
 

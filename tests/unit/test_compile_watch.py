@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash.compile_watch import (
+    CompiledRegion,
     CountingBackend,
     DynamoWarnings,
     StepWatch,
@@ -21,6 +22,10 @@ SCALE = 2.0
 
 def scaled(x):
     return x * SCALE
+
+
+def doubled(x):
+    return x * 2
 
 
 def scaled_with_break(x):
@@ -48,9 +53,9 @@ def _call(watch, fn, step, x):
 
 
 def test_a_healthy_step_counts_one_compile_per_shape(caplog):
-    backend = CountingBackend("eager")
-    fn = torch.compile(fresh_function(scaled, 0), backend=backend, dynamic=False)
-    watch = StepWatch("drafter0 (cpu)", backend)
+    fn = CompiledRegion("drafter step", scaled, 0, "eager")
+    backend = fn.backend
+    watch = StepWatch("drafter0 (cpu)", [fn])
     with caplog.at_level(logging.INFO, logger="dflash.compile_watch"):
         for step, n in enumerate((4, 4, 8, 8, 4), start=1):
             assert torch.equal(_call(watch, fn, step, torch.ones(n)), torch.full((n,), 2.0))
@@ -61,10 +66,9 @@ def test_a_healthy_step_counts_one_compile_per_shape(caplog):
 
 def test_a_recompile_for_a_known_shape_and_an_eager_fallback_are_warned(caplog, limit):
     global SCALE
-    backend = CountingBackend("eager")
-    fn = torch.compile(fresh_function(scaled, 1), backend=backend, dynamic=False)
+    fn = CompiledRegion("drafter step", scaled, 1, "eager")
     warnings = DynamoWarnings()
-    watch = StepWatch("drafter0 (cpu)", backend, warnings)
+    watch = StepWatch("drafter0 (cpu)", [fn], warnings)
     limit(2)
     with warnings, caplog.at_level(logging.WARNING):
         _call(watch, fn, 1, torch.ones(4))
@@ -79,12 +83,42 @@ def test_a_recompile_for_a_known_shape_and_an_eager_fallback_are_warned(caplog, 
     assert torch.equal(out, torch.full((4,), 4.0))
     assert watch.eager_fallbacks == 1 and not watch.healthy()
     assert "ran EAGERLY" in caplog.text and "recompile_limit" in caplog.text  # dynamo's own reason
+    assert "drafter step 1 of 1" in caplog.text
+
+
+def test_a_fallback_in_one_region_of_several_is_warned(caplog, limit):
+    """A regional step: one region falling back while another runs compiled is still a fallback."""
+    global SCALE
+    first = CompiledRegion("decoder layer", scaled, 4, "eager")
+    second = CompiledRegion("loss chunk", doubled, 5, "eager")
+    watch = StepWatch("drafter0 (cpu)", [first, second], DynamoWarnings())
+    limit(1)
+
+    def step(n):
+        watch.before()
+        for _ in range(3):
+            first(torch.ones(n))
+        second(torch.ones(n))
+        watch.after(1, n)
+
+    step(4)
+    assert watch.summary() == {"compiles": 2, "unexpected_recompiles": 0, "eager_fallbacks": 0, "graph_breaks": 0}
+    SCALE = 3.0  # the layer region's guard fails and the limit of 1 is reached: it runs eagerly
+    try:
+        with caplog.at_level(logging.WARNING, logger="dflash.compile_watch"):
+            watch.before()
+            for _ in range(3):
+                first(torch.ones(4))
+            second(torch.ones(4))
+            watch.after(2, 4)
+    finally:
+        SCALE = 2.0
+    assert watch.eager_fallbacks == 1 and "decoder layer 3 of 3" in caplog.text and "loss chunk" not in caplog.text
 
 
 def test_a_graph_break_is_warned(caplog):
-    backend = CountingBackend("eager")
-    fn = torch.compile(fresh_function(scaled_with_break, 2), backend=backend)
-    watch = StepWatch("drafter0 (cpu)", backend)
+    fn = CompiledRegion("drafter step", scaled_with_break, 2, "eager")
+    watch = StepWatch("drafter0 (cpu)", [fn])
     with caplog.at_level(logging.WARNING, logger="dflash.compile_watch"):
         _call(watch, fn, 1, torch.ones(3))
     assert watch.graph_breaks >= 1 and "graph break" in caplog.text
@@ -114,7 +148,7 @@ def test_raise_recompile_limit_only_raises(limit):
 
 
 def test_an_eager_step_watch_does_nothing():
-    watch = StepWatch("drafter0 (cpu)", None)
+    watch = StepWatch("drafter0 (cpu)", [])
     watch.before()
     watch.after(1, (4,))
     assert not watch.enabled and watch.summary()["compiles"] == 0

@@ -1,0 +1,95 @@
+"""What of the drafter step ``torch.compile`` compiles: the whole step, or one decoder layer and
+one loss chunk reused for all (regional compilation, ``--compile-scope``).
+
+``step``: :func:`~dflash.train.step.drafter_forward_loss` is one dynamo graph. Dynamo unrolls
+every decoder layer and every chunk of the LM head + loss into it, and inductor lowers each copy,
+so the first step's compile grows with layers x chunks: at the user's shape (4 rows x 512 anchors
+per micro-batch, 16 blocks per chunk) that is 5 layers and 128 chunks.
+
+``regional`` (the default): the decoder layer's forward and one loss chunk
+(:func:`dflash.train.loss.chunk_loss`) are compiled as regions of their own; every layer and every
+chunk calls them, so each compiles once per kind of call (:data:`GRAPHS_PER_SHAPE`) however many
+layers and chunks there are. What stays eager is the glue around them: the draft-token
+embedding, the drafter's input projection, norms and rotary tables, label building, and the
+chunks' sums; elementwise work over the step's tokens next to the regions' matmuls and attention.
+On a 2-core CPU (``benchmarks/first_step.py``: 5 layers, 8 rows x 64 anchors, 32 chunks) the first
+step came 31.7 s after the drafter was built regional and 121.6 s as one graph (``docs/results.md``).
+
+PyTorch's recipe for this: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+
+from dflash.compile_watch import CompiledRegion
+from dflash.config import COMPILE_SCOPES
+from dflash.drafter.modeling_dflash import DFlashDecoderLayer
+from dflash.train.loss import chunk_loss
+from dflash.train.step import drafter_forward_loss
+
+#: Graphs a region compiles per sequence length, at most: the decoder layer once per layer type
+#: (full and sliding attention take different masks) and again for the first layer, whose input
+#: (the frozen embedding) needs no gradient; the loss chunk once for whole chunks and once for a
+#: shorter last one.
+GRAPHS_PER_SHAPE = 4
+
+
+class RegionalStep:
+    """:func:`~dflash.train.step.drafter_forward_loss` with the drafter's decoder layers and the
+    loss chunks running compiled regions (module docstring); called exactly like it.
+
+    The layers' compiled forward is installed on the drafter's layers for the step's forward only
+    (backward never calls ``forward``), so the same model evaluates eagerly outside steps (the
+    held-out acceptance check decodes with shapes that change every token). A replica's model is
+    used by one thread at a time: its drafter thread during a step, the main thread between steps.
+
+    Args:
+        index (int): the replica's index (each replica compiles its own code objects).
+        backend (str): the dynamo backend (``inductor``).
+    """
+
+    def __init__(self, index: int, backend: str) -> None:
+        self.layer = CompiledRegion("decoder layer", DFlashDecoderLayer.forward, index, backend)
+        self.chunk = CompiledRegion("loss chunk", chunk_loss, index, backend)
+
+    @property
+    def regions(self) -> list[CompiledRegion]:
+        return [self.layer, self.chunk]
+
+    def __call__(self, drafter, *args, **kwargs):
+        with self._compiled_layers(drafter):
+            return drafter_forward_loss(drafter, *args, chunk_fn=self.chunk, **kwargs)
+
+    @contextmanager
+    def _compiled_layers(self, drafter):
+        layers = list(drafter.layers)
+        for layer in layers:
+            layer.forward = types.MethodType(self.layer, layer)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                del layer.forward
+
+
+def compile_step(scope: str, index: int, backend: str):
+    """Replica ``index``'s compiled step function and the regions its :class:`StepWatch` checks.
+
+    Args:
+        scope (str): one of :data:`COMPILE_SCOPES`.
+
+    Returns:
+        (step_fn, list[CompiledRegion]): ``step_fn`` is called like ``drafter_forward_loss``.
+
+    Raises:
+        ValueError: an unknown scope.
+    """
+    if scope == "step":
+        region = CompiledRegion("drafter step", drafter_forward_loss, index, backend)
+        return region, [region]
+    if scope == "regional":
+        step = RegionalStep(index, backend)
+        return step, step.regions
+    raise ValueError(f"compile scope must be one of {COMPILE_SCOPES}, got {scope!r}")
