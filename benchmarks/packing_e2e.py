@@ -55,7 +55,8 @@ from shapes import QWEN36_VISION, SHAPES
 #: The trainer's final summary line (agreed with the trainer; fields after the TFLOP/s are parsed
 #: one by one, so a line without MFU, row fill, target share or peak memory still parses):
 SUMMARY_FORMAT = (
-    "steady state over {steps} steps: {e2e:.0f} tok/s end to end, drafter step {drafter:.0f} tok/s, "
+    "steady state over {steps} steps: {e2e:.0f} tok/s end to end, {draft:.0f} draft tok/s, target forward "
+    "{forward:.0f} tok/s, drafter step {drafter:.0f} tok/s, "
     "{tflops:.3g} TFLOP/s, drafter MFU {mfu:.1f}% of {peak:.3g} TFLOP/s, row fill {fill:.1f}%, "
     "target share {target:.1f}%, peak memory {device} {gib:.1f} GiB[, {device} {gib:.1f} GiB ...]"
 )
@@ -63,6 +64,8 @@ _NUMBER = r"([0-9][0-9.]*(?:e[+-]?\d+)?)"
 _FIELDS = {
     "steps": r"steady state over (\d+) steps",
     "e2e_tok_s": rf"{_NUMBER} tok/s end to end",
+    "draft_tok_s": rf"{_NUMBER} draft tok/s",
+    "target_tok_s": rf"target forward {_NUMBER} tok/s",
     "drafter_tok_s": rf"drafter step {_NUMBER} tok/s",
     "tflops": rf"drafter step [0-9.e+-]+ tok/s, {_NUMBER} TFLOP/s",
     "mfu_pct": rf"drafter MFU {_NUMBER}%",
@@ -249,6 +252,8 @@ def _cell(value, fmt: str) -> str:
 def print_table(results: dict[str, dict]) -> None:
     columns = [
         ("e2e tok/s", "e2e_tok_s", ",.0f"),
+        ("draft tok/s", "draft_tok_s", ",.0f"),
+        ("target fwd tok/s", "target_tok_s", ",.0f"),
         ("drafter tok/s", "drafter_tok_s", ",.0f"),
         ("TFLOP/s", "tflops", ".3g"),
         ("MFU %", "mfu_pct", ".1f"),

@@ -33,7 +33,8 @@ class StepStats:
         grad_norm (float): global grad norm before clipping (0 when clipping is off).
         tokens (int): real (non-padding) tokens trained on, this process.
         row_tokens (int): tokens of the rows, padding included, this process (row fill =
-            ``tokens / row_tokens``).
+            ``tokens / row_tokens``): what the target forwarded.
+        draft_tokens (int): draft tokens trained on (real blocks x block size), this process.
         step_s (float): wall seconds of the step.
         drafter_s (float): drafter busy seconds, summed over this process's replicas.
         target_s (float): target busy seconds, summed over this process's target replicas.
@@ -50,6 +51,7 @@ class StepStats:
     grad_norm: float
     tokens: int
     row_tokens: int
+    draft_tokens: int
     step_s: float
     drafter_s: float
     target_s: float

@@ -129,6 +129,7 @@ class LocalEngine:
             grad_norm=host["grad_norm"],
             tokens=sum(b.num_tokens for b in batches),
             row_tokens=row_tokens,
+            draft_tokens=int(host["blocks"]) * self.settings.block_size,
             step_s=step_s,
             drafter_s=drafter_s,
             target_s=target_s,

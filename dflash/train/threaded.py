@@ -132,6 +132,7 @@ class _Worker(threading.Thread):
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self._current: tuple[str | None, float] = (None, 0.0)
         self.tokens = 0
+        self.draft_tokens = 0
         self.flops = 0.0
 
     def _enter(self, phase: str | None) -> None:
@@ -143,12 +144,13 @@ class _Worker(threading.Thread):
         self._current = (phase, now)
 
     def counters(self) -> dict[str, float]:
-        """Seconds per phase including the running one (so interval deltas are exact), tokens, flops."""
+        """Seconds per phase including the running one (so interval deltas are exact), tokens, draft
+        tokens, flops."""
         current, since = self._current
         seconds = dict(self.seconds)
         if current is not None:
             seconds[current] += time.perf_counter() - since
-        return {**seconds, "tokens": self.tokens, "flops": self.flops}
+        return {**seconds, "tokens": self.tokens, "draft_tokens": self.draft_tokens, "flops": self.flops}
 
     def run(self) -> None:
         try:
@@ -292,6 +294,7 @@ class DrafterWorker(_Worker):
             # Busy time is GPU time; after this sync the counts below cost no extra wait.
             blocks, pairs = r.flat.stats[[StatsLayout.BLOCKS, StatsLayout.PAIRS]].tolist()
             self._enter(None)
+            self.draft_tokens += int(blocks) * self.settings.block_size
             self.flops += drafter_step_flops(
                 r.model,
                 draft_tokens=blocks * self.settings.block_size,
@@ -422,6 +425,7 @@ class ThreadedEngine:
             grad_norm=host["grad_norm"],
             tokens=sum(rep.tokens for rep in reports),
             row_tokens=sum(rep.row_tokens for rep in reports),
+            draft_tokens=sum(delta(self.drafter_workers, "draft_tokens")),
             step_s=step_s,
             drafter_s=sum(delta(self.drafter_workers, "busy_s")),
             target_s=sum(delta(self.target_workers, "busy_s")),

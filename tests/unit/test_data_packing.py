@@ -523,13 +523,16 @@ def test_benchmark_parses_the_agreed_summary_line():
     parse = _benchmark_module().parse_summary
     line = (
         "2026-01-01 00:00:00,000 INFO dflash.train.trainer: steady state over 39 steps: 11769 tok/s end to end, "
-        "drafter step 13446 tok/s, 467 TFLOP/s, drafter MFU 47.2% of 989 TFLOP/s, row fill 93.1%, "
+        "98304 draft tok/s, target forward 9312 tok/s, drafter step 13446 tok/s, 467 TFLOP/s, "
+        "drafter MFU 47.2% of 989 TFLOP/s, row fill 93.1%, "
         "target share 28.4%, peak memory cuda:0 61.2 GiB, cuda:1 40.3 GiB"
     )
     fields = parse("earlier lines\n" + line + "\nsaved checkpoint\n")
     assert fields == {
         "steps": 39,
         "e2e_tok_s": 11769,
+        "draft_tok_s": 98304,
+        "target_tok_s": 9312,
         "drafter_tok_s": 13446,
         "tflops": 467,
         "mfu_pct": 47.2,
