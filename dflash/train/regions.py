@@ -13,7 +13,8 @@ layers and chunks there are. What stays eager is the glue around them: the draft
 embedding, the drafter's input projection, norms and rotary tables, label building, and the
 chunks' sums; elementwise work over the step's tokens next to the regions' matmuls and attention.
 On a 2-core CPU (``benchmarks/first_step.py``: 5 layers, 8 rows x 64 anchors, 32 chunks) the first
-step came 31.7 s after the drafter was built regional and 121.6 s as one graph (``docs/results.md``).
+step came 28.8 s after the drafter was built regional and 108.1 s as one graph, and the later steps
+ran at 0.96x the one graph's speed (``docs/results.md``; the GPU's is still to be measured).
 
 PyTorch's recipe for this: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html.
 """
