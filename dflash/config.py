@@ -34,6 +34,8 @@ ARCHS = ("dflash", "dflash2")
 MISSING_GOLD = ("exclude", "insert")
 #: ``--compile-scope`` (:mod:`dflash.train.regions`).
 COMPILE_SCOPES = ("regional", "step")
+#: ``--target-dtype`` (:mod:`dflash.target.fp8`).
+TARGET_DTYPES = ("auto", "fp8")
 #: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
 SAVE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
@@ -225,6 +227,10 @@ class TrainConfig:
     """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
     flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).
     Without this flag such a run is refused: install the kernels with `pip install -e '.[fla]'`."""
+    target_dtype: str = "auto"
+    """The target's forward: `auto` (bf16 on GPU, fp32 on CPU) or `fp8` (its linear layers as float8 matmuls
+    with row-wise scales, the rest bf16; an NVIDIA GPU of compute capability 8.9+ and torchao: pip install -e
+    '.[fp8]'). The held-out acceptance of a run measures against the target it trains with."""
     random_target_weights: bool = False
     """Initialise at random every weight the target's files lack: a benchmark of a model's shape from its config
     and a small weight file. Without this flag such a target is refused once it has loaded (it would train the
@@ -336,6 +342,8 @@ class TrainConfig:
             raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise ValueError(f"target_dtype must be one of {TARGET_DTYPES}, got {self.target_dtype!r}")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
         if self.gamma is not None and self.gamma <= 0:

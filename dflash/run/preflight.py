@@ -63,7 +63,8 @@ def validate_inputs(config: TrainConfig) -> None:
       ``--cpu-threads`` its cores;
     - a hybrid target (Qwen3.5 / Qwen3.6) on CUDA: flash-linear-attention is installed (or
       ``--slow-linear-attention`` asks for the reference kernels); with ``--pack``, every layer type
-      of the target is one packing keeps apart; the installed transformers loads its model type.
+      of the target is one packing keeps apart; the installed transformers loads its model type;
+    - ``--target-dtype fp8``: every target device can run FP8 matmuls and torchao is installed.
 
     Raises:
         ValueError: the first problem found; its subclasses (DatasetError, TargetLoadError,
@@ -83,6 +84,7 @@ def validate_inputs(config: TrainConfig) -> None:
     target_config = check_target_fits(target_dir, config)
     check_devices(config)
     check_linear_attention_kernels(target_config, target_dir, config)
+    check_fp8_target(config)
 
 
 #: Drafter config fields and the ``dflash train`` flags that set them, for :func:`check_drafter_config`'s errors.
@@ -261,6 +263,25 @@ def check_devices(config: TrainConfig) -> None:
         parse_layout(config.target_devices, config.drafter_devices)
     else:
         resolve_device(config.device)
+
+
+def check_fp8_target(config: TrainConfig) -> None:
+    """With ``--target-dtype fp8``, every target device runs FP8 matmuls (:func:`dflash.target.fp8.fp8_problem`).
+
+    Raises:
+        ValueError: names the device or the missing package, and the fix.
+    """
+    if config.target_dtype != "fp8":
+        return
+    from dflash.target.fp8 import fp8_problem
+
+    if config.drafter_devices is not None:
+        devices = [slot.device for slot in parse_layout(config.target_devices, config.drafter_devices).targets]
+    else:
+        devices = [resolve_device(config.device)]
+    for device in devices:
+        if problem := fp8_problem(device):
+            raise ValueError(f"--target-dtype fp8: {problem}; or drop the flag (auto: bf16 on GPU, fp32 on CPU)")
 
 
 def check_linear_attention_kernels(target_config: dict, target_dir: Path, config: TrainConfig) -> None:

@@ -189,6 +189,8 @@ class Trainer:
             source = self.out / REGENERATED_NAME
             conversations = self._regenerated(targets, conversations)
             examples = self._examples(conversations, None, source=source, data_sha256=sha256_file(source))
+        if config.target_dtype == "fp8":  # after regenerating: replies come from the target as served in bf16
+            _to_fp8(targets)
         check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
         self.loader = build_loader(
             examples,
@@ -649,6 +651,20 @@ class Trainer:
         """Leave the torchrun process group (call once, after a successful :meth:`train`)."""
         barrier()
         destroy_process_group()
+
+
+def _to_fp8(targets: list) -> None:
+    """Every target replica's linear layers to FP8 (:mod:`dflash.target.fp8`), logged."""
+    from dflash.target.fp8 import quantize_target
+
+    for target in targets:
+        fp8, kept = quantize_target(target.model)
+    logger.info(
+        "target: %d linear layers per replica run FP8 matmuls (e4m3, row-wise dynamic scales, torchao), %d stay "
+        "bf16 (the LM head and any whose dimensions are not multiples of 16); tapped states stay bf16",
+        fp8,
+        kept,
+    )
 
 
 def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:

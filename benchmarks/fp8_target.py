@@ -1,0 +1,126 @@
+"""The FP8 target forward against bf16 (``--target-dtype fp8``, :mod:`dflash.target.fp8`), side by
+side in one run on the same rows: how far the tapped hidden states move, and how fast the forward is.
+
+    python benchmarks/fp8_target.py --shape qwen3.6-27b --layers 16       # one H200
+    python benchmarks/fp8_target.py --shape qwen3-8b --layers 36 --rows 8
+
+A random-weight target of a public shape (``benchmarks/shapes.py``), cut to its first ``--layers``
+layers and tapped as the trainer taps a target of that depth, is built once in fp32 on the GPU.
+The same rows (the embedded chat corpus, tokenized and cut into ``--rows`` rows of ``--seq-len``
+tokens) go through it three times: fp32, then the same weights cast to bf16, then bf16 with the
+linear layers in FP8. Printed per tapped layer: the relative L2 deviation (``||x - ref|| / ||ref||``
+over the layer's states) of bf16 and of FP8 from fp32, and of FP8 from bf16; the deviation that
+matters is FP8's next to bf16's own, since bf16 is what drafters are trained on today. Then the
+forward's tokens/s in bf16 and in FP8 (median of ``--repeats`` timed forwards after a warm-up)
+and their ratio. Random weights lack the outlier channels of trained ones, which is where FP8's
+per-row scales lose most: read the deviations as a floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES, dense_text_config, hybrid_text_config
+
+from dflash.assets import default_data_dir, default_target_dir
+from dflash.target.fp8 import fp8_problem, quantize_target
+from dflash.target.model import Target
+from dflash.target.taps import check_taps
+
+
+def corpus_rows(rows: int, seq_len: int) -> torch.Tensor:
+    """int64 ``[rows, seq_len]``: the embedded chat corpus's messages, tokenized and concatenated."""
+    from dflash.target.files import load_tokenizer
+
+    tokenizer = load_tokenizer(default_target_dir())
+    ids: list[int] = []
+    with open(default_data_dir() / "train.jsonl") as f:
+        for line in f:
+            for message in json.loads(line).get("messages", []):
+                ids += tokenizer(str(message.get("content", "")), add_special_tokens=False)["input_ids"]
+            if len(ids) >= rows * seq_len:
+                return torch.tensor(ids[: rows * seq_len]).view(rows, seq_len)
+    raise SystemExit(f"the embedded corpus has {len(ids)} tokens, fewer than {rows} x {seq_len}")
+
+
+def build_target(shape: str, layers: int, seed: int) -> Target:
+    from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
+
+    hybrid = SHAPES[shape]["arch"] == "qwen3_5"
+    config = hybrid_text_config(shape, layers) if hybrid else dense_text_config(shape, layers)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(config).float()
+    return Target(model, check_taps(layers, layer_ids=None, num_captured=5))
+
+
+def tapped(target: Target, rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``[K, rows, S, H]``: each tapped layer's states."""
+    states = target.capture(rows, last_hidden=False).context.float()
+    return states.view(*states.shape[:2], len(target.layer_ids), -1).permute(2, 0, 1, 3)
+
+
+def tokens_per_s(target: Target, rows: torch.Tensor, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first is the warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        target.capture(rows, last_hidden=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return rows.numel() / statistics.median(times[1:])
+
+
+def deviation(states: torch.Tensor, reference: torch.Tensor) -> list[float]:
+    """Per tapped layer: ``||states - reference|| / ||reference||``."""
+    return [float((s - r).norm() / r.norm()) for s, r in zip(states, reference)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen3.6-27b", choices=[s for s in SHAPES if not s.startswith("tiny")])
+    parser.add_argument("--layers", type=int, default=16, help="the shape's first N layers (fp32 must fit)")
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    if not torch.cuda.is_available() or (problem := fp8_problem(device)):
+        raise SystemExit(f"fp8_target.py: {problem if torch.cuda.is_available() else 'needs a CUDA GPU'}")
+    rows = corpus_rows(args.rows, args.seq_len).to(device)
+    target = build_target(args.shape, args.layers, args.seed)
+    fp32 = tapped(target, rows)
+    target.model.to(torch.bfloat16)
+    bf16 = tapped(target, rows)
+    bf16_rate = tokens_per_s(target, rows, args.repeats)
+    quantized, kept = quantize_target(target.model)
+    fp8 = tapped(target, rows)
+    fp8_rate = tokens_per_s(target, rows, args.repeats)
+
+    print(
+        f"{args.shape}, first {args.layers} layers (random weights), {args.rows} rows x {args.seq_len} tokens of the "
+        f"embedded chat corpus; {quantized} linear layers FP8, {kept} bf16; {torch.cuda.get_device_name(device)}, "
+        f"torch {torch.__version__}"
+    )
+    print(f"{'tapped layer':>12} {'bf16 vs fp32':>13} {'fp8 vs fp32':>12} {'fp8 vs bf16':>12} {'fp8 / bf16':>11}")
+    columns = zip(target.layer_ids, deviation(bf16, fp32), deviation(fp8, fp32), deviation(fp8, bf16))
+    for layer, b, f, fb in columns:
+        print(f"{layer:>12} {b:>13.5f} {f:>12.5f} {fb:>12.5f} {f / b:>10.2f}x")
+    print(
+        f"target forward: bf16 {bf16_rate:,.0f} tok/s, FP8 {fp8_rate:,.0f} tok/s: {fp8_rate / bf16_rate:.2f}x "
+        f"(median of {args.repeats})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

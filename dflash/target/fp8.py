@@ -1,0 +1,90 @@
+"""The target's forward in FP8 (``dflash train --target-dtype fp8``): the frozen target's linear
+layers run as float8 (e4m3) matmuls with a scale per weight row and per token (dynamic), through
+torchao's ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``, which calls
+``torch._scaled_mm``; everything else (embedding, norms, attention, Gated DeltaNet's recurrence,
+the LM head) stays bf16, so the tapped hidden states the drafter reads are bf16 tensors.
+
+Why: the target's forward is about half of a step at the user's shape, and its linear layers are
+most of that forward; Hopper's FP8 tensor cores run them at twice bf16's peak. Peers train against
+FP8 targets (SpecForge's Qwen3.8-27B recipe serves the target in FP8 through SGLang), and
+speculators measured eagle3 / DFlash drafters trained on FP8 hidden states of Qwen3-8B to accept as
+many tokens as on bf16 ones. ``benchmarks/fp8_target.py`` measures the tapped states' deviation,
+FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's speed.
+
+FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) and
+torchao (``pip install -e '.[fp8]'``); :func:`fp8_problem` says what is missing before anything
+loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+#: Ada (8.9) and newer have FP8 tensor cores (torchao's own check).
+FP8_MIN_CAPABILITY = (8, 9)
+#: ``torch._scaled_mm`` needs both matmul dimensions to be multiples of 16.
+FP8_ALIGNMENT = 16
+INSTALL = "pip install -e '.[fp8]' (or pip install torchao)"
+
+
+def fp8_problem(device: torch.device) -> str | None:
+    """Why the target cannot run FP8 linear layers on ``device``; None when it can.
+
+    Asks torch about the device (no CUDA context beyond the device query) and looks for torchao
+    without importing it.
+    """
+    if device.type != "cuda":
+        major, minor = FP8_MIN_CAPABILITY
+        return f"FP8 matmuls need an NVIDIA GPU of compute capability {major}.{minor}+, the target is on {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"{device} ({name}) has compute capability {capability[0]}.{capability[1]}; FP8 matmuls need "
+            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}+ (Ada, Hopper or newer)"
+        )
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return f"torch {torch.__version__} has no float8 matmul (torch._scaled_mm)"
+    if importlib.util.find_spec("torchao") is None:
+        return f"torchao, which quantizes the linear layers, is not installed: {INSTALL}"
+    return None
+
+
+def quantizable(module: torch.nn.Module, name: str) -> bool:
+    """Whether the linear layer ``name`` of a target runs in FP8: every ``nn.Linear`` whose
+    dimensions ``torch._scaled_mm`` takes, except the LM head (the drafter's loss and the
+    soft labels read its logits; a multimodal checkpoint's vision tower is never loaded)."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and not name.split(".")[-1] == "lm_head"
+        and module.in_features % FP8_ALIGNMENT == 0
+        and module.out_features % FP8_ALIGNMENT == 0
+    )
+
+
+def quantize_target(model: torch.nn.Module) -> tuple[int, int]:
+    """Turn the linear layers :func:`quantizable` picks to FP8 in place (row-wise dynamic scales).
+
+    Args:
+        model: the target, bf16, on a device :func:`fp8_problem` accepts.
+
+    Returns:
+        (FP8 layers, linear layers left in bf16).
+
+    Raises:
+        RuntimeError: :func:`fp8_problem`'s reason, for a device or install it refuses.
+    """
+    device = next(model.parameters()).device
+    if problem := fp8_problem(device):
+        raise RuntimeError(f"--target-dtype fp8: {problem}")
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    linear = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    chosen = {name for name, m in linear.items() if quantizable(m, name)}
+    # set_inductor_config=False: torchao would otherwise change inductor's process-wide settings,
+    # which the drafter's compiled step reads too.
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    quantize_(model, config, filter_fn=lambda module, name: name in chosen)
+    return len(chosen), len(linear) - len(chosen)

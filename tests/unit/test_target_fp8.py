@@ -1,0 +1,40 @@
+"""dflash.target.fp8 without a GPU: which of a target's linear layers run FP8, and what each host
+that cannot run them is told (the FP8 forward itself: tests/integration/test_fp8_target_cuda.py)."""
+
+import importlib.util
+
+import pytest
+import torch
+from tiny import tiny_target_config
+from transformers import Qwen3ForCausalLM
+
+from dflash.target import fp8
+
+
+def test_every_decoder_linear_layer_but_the_lm_head_and_unaligned_ones_runs_fp8():
+    model = Qwen3ForCausalLM(tiny_target_config(num_hidden_layers=2))
+    model.model.layers[1].mlp.down_proj = torch.nn.Linear(48, 24, bias=False)  # 24: not a multiple of 16
+    chosen = sorted(name for name, module in model.named_modules() if fp8.quantizable(module, name))
+    per_layer = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"] + [f"self_attn.{p}_proj" for p in "kqov"]
+    expected = [f"model.layers.{i}.{p}" for i in range(2) for p in sorted(per_layer)]
+    assert chosen == [name for name in expected if name != "model.layers.1.mlp.down_proj"]
+
+
+def test_what_each_host_is_told(monkeypatch):
+    assert "NVIDIA GPU of compute capability 8.9+, the target is on cpu" in fp8.fp8_problem(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="--target-dtype fp8: FP8 matmuls need an NVIDIA GPU"):
+        fp8.quantize_target(torch.nn.Linear(16, 16))
+    gpu = torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert fp8.fp8_problem(gpu) == (
+        "cuda:1 (NVIDIA A100-SXM4-80GB) has compute capability 8.0; FP8 matmuls need 8.9+ (Ada, Hopper or newer)"
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert fp8.fp8_problem(gpu) == (
+        "torchao, which quantizes the linear layers, is not installed: pip install -e '.[fp8]' (or pip install torchao)"
+    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
+    assert fp8.fp8_problem(gpu) is None
