@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 warm_run = [*run, "--out", str(work / f"run-{name}-warm"), "--no-save"]
                 warm, _ = train(warm_run, cache, work / f"{name}-warm.log")
                 rows[scope, layout] = (cold, warm, rate)
-        if not args.no_resume:
-            run = work / f"run-{name}"
+        if not args.no_resume:  # the last cold run, which saved its compile artifacts
+            run = work / f"run-{args.scopes[-1]}-{len(args.layouts) - 1}"
             bare = work / "run-without-artifacts"
             shutil.copytree(run, bare)
             (bare / "compile_cache.bin").unlink()

@@ -214,6 +214,8 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> lis
         flags["device"] = args.device
     if args.compile:
         flags["compile"] = args.compile
+    if args.compile_scope:
+        flags["compile-scope"] = args.compile_scope
     if args.arch:
         flags["arch"] = args.arch
     if args.cpu_threads:
@@ -297,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="steps per run; the first is warm-up")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default=None)
+    parser.add_argument("--compile-scope", choices=("step", "regional"), default=None, help="default: the trainer's")
     parser.add_argument("--arch", choices=("dflash", "dflash2"), default=None, help="drafter architecture")
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -203,8 +203,8 @@ class StepWatch:
         if not self.enabled:
             return
         deltas = [
-            tuple(now - then for now, then in zip(region.counts(), before))
-            for region, before in zip(self.regions, self._before)
+            tuple(now - then for now, then in zip(region.counts(), before, strict=True))
+            for region, before in zip(self.regions, self._before, strict=True)  # before() was called
         ]
         compiles = sum(d[0] for d in deltas)
         breaks = graph_break_count() - self._breaks

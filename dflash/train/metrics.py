@@ -181,7 +181,8 @@ class MetricsLog:
     def log_throughput(self, throughput: Throughput) -> None:
         """The steady-state summary line (benchmarks parse it: keep its shape). Rates are of this
         process: real tokens and draft tokens (real blocks x block size) per wall second, and the
-        target's forward rate over its busy time per target device (rows, padding included)."""
+        target's rate over its busy time per target device (rows, padding included; a target
+        thread's busy time also holds the copy of the states to its drafter's device)."""
         if not self.main or not throughput.steps:
             return
         t = throughput.totals

@@ -1,12 +1,12 @@
 """What of the drafter step ``torch.compile`` compiles: the whole step, or one decoder layer and
 one loss chunk reused for all (regional compilation, ``--compile-scope``).
 
-``step``: :func:`~dflash.train.step.drafter_forward_loss` is one dynamo graph. Dynamo unrolls
+``step`` (the default): :func:`~dflash.train.step.drafter_forward_loss` is one dynamo graph. Dynamo unrolls
 every decoder layer and every chunk of the LM head + loss into it, and inductor lowers each copy,
 so the first step's compile grows with layers x chunks: at the user's shape (4 rows x 512 anchors
 per micro-batch, 16 blocks per chunk) that is 5 layers and 128 chunks.
 
-``regional`` (the default): the decoder layer's forward and one loss chunk
+``regional``: the decoder layer's forward and one loss chunk
 (:func:`dflash.train.loss.chunk_loss`) are compiled as regions of their own; every layer and every
 chunk calls them, so each compiles once per kind of call (:data:`GRAPHS_PER_SHAPE`) however many
 layers and chunks there are. What stays eager is the glue around them: the draft-token
@@ -14,7 +14,10 @@ embedding, the drafter's input projection, norms and rotary tables, label buildi
 chunks' sums; elementwise work over the step's tokens next to the regions' matmuls and attention.
 On a 2-core CPU (``benchmarks/first_step.py``: 5 layers, 8 rows x 64 anchors, 32 chunks) the first
 step came 28.8 s after the drafter was built regional and 108.1 s as one graph, and the later steps
-ran at 0.96x the one graph's speed (``docs/results.md``; the GPU's is still to be measured).
+ran at 0.96x (one drafter thread) and 0.92x (two) the one graph's speed (``docs/results.md``). The
+default stays the one graph until the GPU's steady-state speed of both is measured: over a run of
+hours a few percent per step outweighs minutes saved once (and a resume is warm from
+``compile_cache.bin``).
 
 PyTorch's recipe for this: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html.
 """
@@ -30,11 +33,12 @@ from dflash.drafter.modeling_dflash import DFlashDecoderLayer
 from dflash.train.loss import chunk_loss
 from dflash.train.step import drafter_forward_loss
 
-#: Graphs a region compiles per sequence length, at most: the decoder layer once per layer type
-#: (full and sliding attention take different masks) and again for the first layer, whose input
-#: (the frozen embedding) needs no gradient; the loss chunk once for whole chunks and once for a
-#: shorter last one.
-GRAPHS_PER_SHAPE = 4
+#: The most graphs one region compiles per sequence length (dynamo's recompile limit counts per
+#: code object): the decoder layer's, one per layer type (flex_attention's full and sliding masks
+#: differ in mask_mod) and one more for the first layer, whose input (the frozen embedding) needs
+#: no gradient; the loss chunk's at most 2 (whole chunks and a shorter last one, the same for every
+#: length: its shape is the anchors').
+GRAPHS_PER_SHAPE = 3
 
 
 class RegionalStep:
@@ -42,9 +46,10 @@ class RegionalStep:
     loss chunks running compiled regions (module docstring); called exactly like it.
 
     The layers' compiled forward is installed on the drafter's layers for the step's forward only
-    (backward never calls ``forward``), so the same model evaluates eagerly outside steps (the
-    held-out acceptance check decodes with shapes that change every token). A replica's model is
-    used by one thread at a time: its drafter thread during a step, the main thread between steps.
+    (backward never calls ``forward``) and removed after it, exceptions included, so outside a
+    step the model is the plain module that is saved, copied and exported. A replica's model is
+    used by one thread at a time: its drafter thread during a step (the main thread waits for
+    every drafter thread's report before it touches a replica).
 
     Args:
         index (int): the replica's index (each replica compiles its own code objects).
@@ -66,6 +71,11 @@ class RegionalStep:
     @contextmanager
     def _compiled_layers(self, drafter):
         layers = list(drafter.layers)
+        for layer in layers:
+            # The region compiled DFlashDecoderLayer.forward: a layer of another class, or one
+            # whose forward is already replaced, must not silently run it (or lose its own).
+            if type(layer).forward is not DFlashDecoderLayer.forward or "forward" in vars(layer):
+                raise TypeError(f"{type(layer).__name__} is not a plain DFlashDecoderLayer: no regional compile")
         for layer in layers:
             layer.forward = types.MethodType(self.layer, layer)
         try:

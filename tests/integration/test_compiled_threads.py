@@ -1,6 +1,6 @@
 """Compiled drafter steps in threads (CPU, ``aot_eager``, which still traces with make_fx, the
-race window): forced recompiles in every thread run compiled, and an eager fallback is
-reported with dynamo's reason. Threads that compile: integration tier."""
+race window): each thread compiles once per length, as one graph or regionally, and an eager
+fallback is reported with dynamo's reason. Threads that compile: integration tier."""
 
 import functools
 import logging
@@ -22,7 +22,7 @@ def assets(tmp_path_factory):
     return {"target": make_target(root / "qwen3", num_layers=5), "data": write_chat_data(root / "train.jsonl")}
 
 
-def _config(assets, out):
+def _config(assets, out, scope="step"):
     return train_config(
         target=assets["target"],
         data=assets["data"],
@@ -34,20 +34,34 @@ def _config(assets, out):
         target_devices="cpu",
         drafter_devices="cpu:0-1",
         compile="on",
+        compile_scope=scope,
         vary_seq_len=2,
     )
 
 
-def test_forced_recompiles_in_threads_run_compiled_and_fallbacks_are_reported(assets, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "scope, compiles",
+    # The step once per length; regionally the (one) decoder layer once per length and the loss
+    # chunk once (its shape is the anchors').
+    [("step", 2), ("regional", 3)],
+)
+def test_each_thread_compiles_once_per_length_and_no_more(assets, tmp_path, monkeypatch, scope, compiles):
     monkeypatch.setattr(dflash.train.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
-    healthy = Trainer(settle(_config(assets, tmp_path / "ok")))
+    healthy = Trainer(settle(_config(assets, tmp_path / "ok", scope)))
     healthy.train()
-    # Regional: the one decoder layer once per length, the loss chunk (its shape is the anchors') once.
     assert healthy.engine.compile_summary() == {
-        f"drafter{i} (cpu:{i})": {"compiles": 3, "unexpected_recompiles": 0, "eager_fallbacks": 0, "graph_breaks": 0}
+        f"drafter{i} (cpu:{i})": {
+            "compiles": compiles,
+            "unexpected_recompiles": 0,
+            "eager_fallbacks": 0,
+            "graph_breaks": 0,
+        }
         for i in range(2)
     }
 
+
+def test_a_thread_over_its_recompile_limit_reports_its_eager_fallback(assets, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(dflash.train.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
     # A recompile limit of 1 in the threads: the second length must be reported as an eager fallback.
     import torch._dynamo.config as dynamo_config
 

@@ -1,8 +1,8 @@
 """The drafter shapes at a public model's width on one GPU (skipped without CUDA): random targets
 built from the public configs of Qwen3-8B (dense) and Qwen3.6-27B (hybrid qwen3_5), cut to 8 decoder
 layers, trained a few compiled bf16 steps with the drafter each rule gives them (the published
-Qwen3.6 drafter: 5 layers, 4 sliding and causal within the block, 32 / 8 / 128, block 16); each
-compiled region compiles in the first step only, within its bound, and the loss is finite.
+Qwen3.6 drafter: 5 layers, 4 sliding and causal within the block, 32 / 8 / 128, block 16); one
+compile, finite loss.
 
     python -m pytest tests/integration/test_drafter_shapes_gpu.py -q -s
 """
@@ -43,7 +43,6 @@ def _cut(shape: str):
 )
 def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, shape, flags, expected):
     from dflash.run.settle import settle
-    from dflash.train.regions import GRAPHS_PER_SHAPE
     from dflash.train.trainer import Trainer
 
     model_cls, config = _cut(shape)
@@ -72,6 +71,4 @@ def test_a_public_width_target_trains_its_drafter_compiled_once(tmp_path, shape,
     for name, counts in trainer.engine.compile_summary().items():
         peak = torch.cuda.max_memory_allocated() / 2**30
         print(name, counts, f"{metrics['tokens_per_s']:.0f} tok/s, peak {peak:.1f} GiB")
-        # Two regions (decoder layer, loss chunk), each within its bound; none after the first step.
-        assert 2 <= counts["compiles"] <= 2 * GRAPHS_PER_SHAPE, counts
-        assert not counts["unexpected_recompiles"] and not counts["graph_breaks"] and not counts["eager_fallbacks"]
+        assert counts["compiles"] == 1 and not counts["unexpected_recompiles"] and not counts["graph_breaks"], counts
