@@ -19,6 +19,7 @@ loads.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
@@ -64,27 +65,51 @@ def quantizable(module: torch.nn.Module, name: str) -> bool:
     )
 
 
-def quantize_target(model: torch.nn.Module) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Fp8Report:
+    """What :func:`quantize_target` turned to FP8.
+
+    Args:
+        layers (int): linear layers now FP8.
+        bf16_layers (int): linear layers left bf16 (the LM head, unaligned ones).
+        weight_share (float): the FP8 layers' share of the decoder's weight elements (what is left
+            runs bf16: norms, convolutions, and weights outside ``nn.Linear`` such as MoE experts).
+    """
+
+    layers: int
+    bf16_layers: int
+    weight_share: float
+
+
+def quantize_target(model: torch.nn.Module) -> Fp8Report:
     """Turn the linear layers :func:`quantizable` picks to FP8 in place (row-wise dynamic scales).
 
     Args:
-        model: the target, bf16, on a device :func:`fp8_problem` accepts.
+        model: the target (a ``PreTrainedModel``), bf16, on a device :func:`fp8_problem` accepts.
 
     Returns:
-        (FP8 layers, linear layers left in bf16).
+        Fp8Report
 
     Raises:
-        RuntimeError: :func:`fp8_problem`'s reason, for a device or install it refuses.
+        RuntimeError: :func:`fp8_problem`'s reason, for a device or install it refuses; or torchao
+            left a chosen layer unconverted (named).
     """
     device = next(model.parameters()).device
     if problem := fp8_problem(device):
         raise RuntimeError(f"--target-dtype fp8: {problem}")
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Float8Tensor, PerRow, quantize_
 
     linear = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     chosen = {name for name, m in linear.items() if quantizable(m, name)}
+    decoder_weights = (
+        sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
+    )
+    fp8_weights = sum(linear[name].weight.numel() for name in chosen)
     # set_inductor_config=False: torchao would otherwise change inductor's process-wide settings,
     # which the drafter's compiled step reads too.
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     quantize_(model, config, filter_fn=lambda module, name: name in chosen)
-    return len(chosen), len(linear) - len(chosen)
+    missed = sorted(name for name in chosen if not isinstance(linear[name].weight, Float8Tensor))
+    if missed:
+        raise RuntimeError(f"--target-dtype fp8: torchao left {len(missed)} linear layers unconverted: {missed[:5]}")
+    return Fp8Report(len(chosen), len(linear) - len(chosen), fp8_weights / max(decoder_weights, 1))

@@ -185,12 +185,12 @@ class Trainer:
             )
             for s in self.layout.targets[1:]
         ]
+        if config.target_dtype == "fp8":  # everything the run asks of the target, replies included
+            _to_fp8(targets)
         if self._regenerates:
             source = self.out / REGENERATED_NAME
             conversations = self._regenerated(targets, conversations)
             examples = self._examples(conversations, None, source=source, data_sha256=sha256_file(source))
-        if config.target_dtype == "fp8":  # after regenerating: replies come from the target as served in bf16
-            _to_fp8(targets)
         check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
         self.loader = build_loader(
             examples,
@@ -398,10 +398,12 @@ class Trainer:
             eos_ids=stop_token_ids(self.tokenizer, target.config),
         )
         seconds = time.perf_counter() - began
+        against = " against the FP8 target" if self.config.target_dtype == "fp8" else ""
         logger.info(
-            "held-out acceptance %s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
+            "held-out acceptance %s%s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
             "(%.1f s, %.0f%% of the run's time so far)",
             when,
+            against,
             report.tau_per_prompt,
             report.tau_per_step,
             report.num_prompts,
@@ -424,7 +426,7 @@ class Trainer:
                 report,
                 self.heldout,
                 checkpoint=step_dir_name(self.step) if saved else None,
-                source=f"dflash train{origin} ({when})",
+                source=f"dflash train{origin}{against} ({when})",
             ),
         )
 
@@ -654,17 +656,26 @@ class Trainer:
 
 
 def _to_fp8(targets: list) -> None:
-    """Every target replica's linear layers to FP8 (:mod:`dflash.target.fp8`), logged."""
+    """Every target replica's linear layers to FP8 (:mod:`dflash.target.fp8`), logged; a warning when
+    FP8 covers under half of the decoder's weights (an MoE target's experts are no ``nn.Linear``)."""
     from dflash.target.fp8 import quantize_target
 
     for target in targets:
-        fp8, kept = quantize_target(target.model)
+        report = quantize_target(target.model)
     logger.info(
-        "target: %d linear layers per replica run FP8 matmuls (e4m3, row-wise dynamic scales, torchao), %d stay "
-        "bf16 (the LM head and any whose dimensions are not multiples of 16); tapped states stay bf16",
-        fp8,
-        kept,
+        "target: %d linear layers per replica run FP8 matmuls (e4m3, row-wise dynamic scales, torchao), %.0f%% of "
+        "the decoder's weights; %d linear layers (the LM head, any with a dimension not a multiple of 16) and every "
+        "weight outside nn.Linear stay bf16; the tapped states are bf16",
+        report.layers,
+        100 * report.weight_share,
+        report.bf16_layers,
     )
+    if report.weight_share < 0.5:
+        logger.warning(
+            "--target-dtype fp8 covers only %.0f%% of the target's decoder weights: the rest (an MoE target's "
+            "experts, stored outside nn.Linear) run bf16, so expect little of FP8's speed-up",
+            100 * report.weight_share,
+        )
 
 
 def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:

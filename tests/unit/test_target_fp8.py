@@ -38,3 +38,16 @@ def test_what_each_host_is_told(monkeypatch):
     )
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
     assert fp8.fp8_problem(gpu) is None
+
+
+def test_a_layer_torchao_leaves_unconverted_is_an_error_not_a_silent_bf16_layer(monkeypatch):
+    """torchao's own config and filter, with its ``quantize_`` standing still (as it does for a
+    weight ``torch._scaled_mm`` cannot take): the layers it left are named."""
+    torchao_quantization = pytest.importorskip("torchao.quantization")
+    monkeypatch.setattr(fp8, "fp8_problem", lambda device: None)
+    calls = []
+    monkeypatch.setattr(torchao_quantization, "quantize_", lambda model, config, filter_fn: calls.append(config))
+    model = Qwen3ForCausalLM(tiny_target_config(num_hidden_layers=1))
+    with pytest.raises(RuntimeError, match=r"torchao left 7 linear layers unconverted: \['model.layers.0.mlp"):
+        fp8.quantize_target(model)
+    assert type(calls[0]).__name__ == "Float8DynamicActivationFloat8WeightConfig" and not calls[0].set_inductor_config
