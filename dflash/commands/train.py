@@ -44,7 +44,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
     args = typing.get_args(hint)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
-    help_text = docs.get(f.name, "")
+    help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
     if base is bool:
         parser.add_argument(
             flag,

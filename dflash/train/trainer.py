@@ -153,6 +153,14 @@ class Trainer:
         _seed_everything(config.seed)
         device = self.layout.targets[0].device
         self.compiled = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+        if not self.compiled and config.compile_scope != "step":
+            logger.warning(
+                "--compile-scope %s has no effect: the drafter step runs eagerly (--compile %s on %s); pass "
+                "--compile on to compile it",
+                config.compile_scope,
+                config.compile,
+                device.type,
+            )
 
         target_dir = Path(config.target) if config.target else default_target_dir()
         self.tokenizer, self.tokenizer_dir = load_tokenizer(target_dir), target_dir

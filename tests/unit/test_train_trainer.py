@@ -439,6 +439,12 @@ def test_no_save_trains_without_writing_a_checkpoint(assets, tmp_path, caplog):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_compile_scope_without_compiling_is_warned(assets, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        Trainer(settle(_config(assets, tmp_path, compile="off", compile_scope="regional")))
+    assert "--compile-scope regional has no effect: the drafter step runs eagerly (--compile off on cpu)" in caplog.text
+
+
 def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets, tmp_path, caplog):
     from dflash.run.lock import run_lock
 
