@@ -84,7 +84,7 @@ def build_replicas(
     compiled: bool,
     warnings: DynamoWarnings,
     backend: str = "inductor",
-    scope: str = "regional",
+    scope: str = "step",
 ) -> list[DrafterReplica]:
     """One :class:`DrafterReplica` per drafter slot, each a copy of ``drafter``'s initial weights.
 
