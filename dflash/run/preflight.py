@@ -265,6 +265,13 @@ def check_devices(config: TrainConfig) -> None:
         resolve_device(config.device)
 
 
+def target_devices(config: TrainConfig) -> list:
+    """The devices the target runs on: the layout's target slots, else ``--device`` (torch.device each)."""
+    if config.drafter_devices is not None:
+        return [slot.device for slot in parse_layout(config.target_devices, config.drafter_devices).targets]
+    return [resolve_device(config.device)]
+
+
 def check_fp8_target(config: TrainConfig) -> None:
     """With ``--target-dtype fp8``, every target device runs FP8 matmuls (:func:`dflash.target.fp8.fp8_problem`).
 
@@ -275,11 +282,7 @@ def check_fp8_target(config: TrainConfig) -> None:
         return
     from dflash.target.fp8 import fp8_problem
 
-    if config.drafter_devices is not None:
-        devices = [slot.device for slot in parse_layout(config.target_devices, config.drafter_devices).targets]
-    else:
-        devices = [resolve_device(config.device)]
-    for device in devices:
+    for device in target_devices(config):
         if problem := fp8_problem(device):
             raise ValueError(f"--target-dtype fp8: {problem}; or drop the flag (auto: bf16 on GPU, fp32 on CPU)")
 
@@ -298,11 +301,7 @@ def check_linear_attention_kernels(target_config: dict, target_dir: Path, config
     """
     if config.slow_linear_attention or not is_hybrid(target_config) or fla_available():
         return
-    if config.drafter_devices is not None:
-        on_cuda = parse_layout(config.target_devices, config.drafter_devices).device_type == "cuda"
-    else:
-        on_cuda = resolve_device(config.device).type == "cuda"
-    if on_cuda:
+    if any(device.type == "cuda" for device in target_devices(config)):
         raise ValueError(
             f"target {target_dir}: its linear-attention layers (Gated DeltaNet) need {FLA_PACKAGE} on CUDA, which "
             "is not installed: without it a step of a 16-layer cut of Qwen3.6-27B did not finish in 200 s, with it "
