@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     target.model.to(torch.bfloat16)
     bf16 = tapped(target, rows)
     bf16_rate = tokens_per_s(target, rows, args.repeats)
-    quantized, kept = quantize_target(target.model)
+    report = quantize_target(target.model)
     fp8 = tapped(target, rows)
     fp8_rate = tokens_per_s(target, rows, args.repeats)
 
     print(
         f"{args.shape}, first {args.layers} layers (random weights), {args.rows} rows x {args.seq_len} tokens of the "
-        f"embedded chat corpus; {quantized} linear layers FP8, {kept} bf16; {torch.cuda.get_device_name(device)}, "
-        f"torch {torch.__version__}"
+        f"embedded chat corpus; {report.layers} linear layers FP8 ({report.weight_share:.1%} of the decoder's "
+        f"weights), {report.bf16_layers} bf16; {torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     )
     print(f"{'tapped layer':>12} {'bf16 vs fp32':>13} {'fp8 vs fp32':>12} {'fp8 vs bf16':>12} {'fp8 / bf16':>11}")
     columns = zip(target.layer_ids, deviation(bf16, fp32), deviation(fp8, fp32), deviation(fp8, bf16))

@@ -7,11 +7,14 @@
     python benchmarks/packing_e2e.py --tiny                                # CPU smoke test, about a minute
     python benchmarks/packing_e2e.py --tiny --shape tiny-qwen3.6           # the same with a hybrid target
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --arch dflash2 --block-size 8 --modes packed
+    python benchmarks/packing_e2e.py --shape qwen3.6-27b --modes packed --target-dtypes auto,fp8
 
 One run trains the same drafter on the same conversations twice through the real CLI, ``python -m
 dflash train ... --pack`` and ``... --no-pack``, each in a fresh interpreter, and prints one table:
 end-to-end tok/s, drafter-step tok/s, drafter TFLOP/s and MFU, row fill, the target's share of the
-step time and peak memory per device, then the packed/unpacked ratios. The numbers are the
+step time, seconds from the drafter's build to its first step (its compiles) and peak memory per
+device, then the packed/unpacked ratios. ``--target-dtypes auto,fp8`` runs each mode against the
+bf16 and the FP8 target (``--target-dtype``) and adds the FP8/bf16 ratios. The numbers are the
 trainer's own: the last line of its log that starts with ``steady state over``, whose format is
 :data:`SUMMARY_FORMAT` (fields the trainer does not print show as ``n/a``).
 
@@ -50,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from first_step import first_step_seconds
 from shapes import QWEN36_VISION, SHAPES
 
 #: The trainer's final summary line (agreed with the trainer; fields after the TFLOP/s are parsed
@@ -190,7 +194,7 @@ def token_lengths(target: Path, data: Path, seq_len: int) -> list[int]:
     return [len(e.input_ids) for e in build_examples(tokenizer, read_conversations(data), seq_len=seq_len)]
 
 
-def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> list[str]:
+def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool, target_dtype: str = "auto") -> list[str]:
     flags = {
         "target": target,
         "data": data,
@@ -218,6 +222,8 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> lis
         flags["compile-scope"] = args.compile_scope
     if args.arch:
         flags["arch"] = args.arch
+    if target_dtype != "auto":
+        flags["target-dtype"] = target_dtype
     if args.cpu_threads:
         flags["cpu-threads"] = args.cpu_threads
     argv = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
@@ -226,13 +232,15 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool) -> lis
     return argv + ["--no-progress", "--no-save", "--random-target-weights", "--pack" if pack else "--no-pack"]
 
 
-def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool) -> dict:
-    """One ``dflash train`` in a fresh interpreter; its parsed summary plus wall time. Its log is
-    written as it runs to ``--log-dir`` (default: the work directory), so a run stopped by a time
-    limit still leaves what it printed."""
-    mode = "packed" if pack else "unpacked"
+def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool, target_dtype: str = "auto") -> dict:
+    """One ``dflash train`` in a fresh interpreter; its parsed summary, seconds from the drafter's
+    build to its first step (``first_step_s``: the compiles) and wall time. Its log is written as it
+    runs to ``--log-dir`` (default: the work directory), so a run stopped by a time limit still
+    leaves what it printed."""
+    mode = run_name("packed" if pack else "unpacked", target_dtype, args.target_dtypes)
     out = workdir / mode
-    command = [sys.executable, "-m", "dflash", "train", *train_flags(args, target, data, out, pack=pack)]
+    flags = train_flags(args, target, data, out, pack=pack, target_dtype=target_dtype)
+    command = [sys.executable, "-m", "dflash", "train", *flags]
     print("$", " ".join(command), flush=True)
     log_path = (args.log_dir or workdir) / f"train_{mode}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,14 +252,19 @@ def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool) -> d
     log = log_path.read_text()
     if done.returncode:
         raise SystemExit(f"dflash train ({mode}) failed, rc {done.returncode}:\n{log[-4000:]}")
-    return {**parse_summary(log), "wall_s": wall}
+    return {**parse_summary(log), "first_step_s": first_step_seconds(log), "wall_s": wall}
+
+
+def run_name(mode: str, target_dtype: str, target_dtypes: list[str]) -> str:
+    """``packed``, or ``packed-fp8`` when the runs compare target dtypes."""
+    return mode if len(target_dtypes) == 1 else f"{mode}-{target_dtype}"
 
 
 def _cell(value, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
-def print_table(results: dict[str, dict]) -> None:
+def print_table(results: dict[str, dict], target_dtypes: list[str]) -> None:
     columns = [
         ("e2e tok/s", "e2e_tok_s", ",.0f"),
         ("draft tok/s", "draft_tok_s", ",.0f"),
@@ -262,21 +275,28 @@ def print_table(results: dict[str, dict]) -> None:
         ("row fill %", "row_fill_pct", ".1f"),
         ("target share %", "target_share_pct", ".1f"),
         ("steps", "steps", ".0f"),
+        ("first step s", "first_step_s", ".0f"),
         ("wall s", "wall_s", ".0f"),
     ]
-    header = f"{'mode':<9}" + "".join(f"{title:>16}" for title, _, _ in columns) + "  peak memory (GiB)"
+    header = f"{'run':<15}" + "".join(f"{title:>17}" for title, _, _ in columns) + "  peak memory (GiB)"
     print(header)
     for mode, fields in results.items():
         memory = ", ".join(f"{device} {gib:.1f}" for device, gib in fields["peak_memory"].items()) or "n/a"
-        cells = "".join(f"{_cell(fields.get(key), fmt):>16}" for _, key, fmt in columns)
-        print(f"{mode:<9}{cells}  {memory}")
-    packed, unpacked = results.get("packed", {}), results.get("unpacked", {})
-    ratios = [
-        f"{title} {packed[key] / unpacked[key]:.2f}x"
-        for title, key in (("end to end", "e2e_tok_s"), ("drafter step", "drafter_tok_s"), ("MFU", "mfu_pct"))
-        if packed.get(key) and unpacked.get(key)
-    ]
-    print("packed / unpacked: " + (", ".join(ratios) or "n/a"))
+        cells = "".join(f"{_cell(fields.get(key), fmt):>17}" for _, key, fmt in columns)
+        print(f"{mode:<15}{cells}  {memory}")
+    keys = (("end to end", "e2e_tok_s"), ("drafter step", "drafter_tok_s"), ("MFU", "mfu_pct"))
+    for dtype in target_dtypes:
+        packed, unpacked = (results.get(run_name(m, dtype, target_dtypes), {}) for m in ("packed", "unpacked"))
+        ratios = [f"{title} {packed[k] / unpacked[k]:.2f}x" for title, k in keys if packed.get(k) and unpacked.get(k)]
+        label = "" if len(target_dtypes) == 1 else f" ({dtype} target)"
+        print(f"packed / unpacked{label}: " + (", ".join(ratios) or "n/a"))
+    if {"auto", "fp8"} <= set(target_dtypes):
+        keys += (("target forward", "target_tok_s"),)
+        for mode in ("packed", "unpacked"):
+            fp8, auto = (results.get(run_name(mode, d, target_dtypes), {}) for d in ("fp8", "auto"))
+            ratios = [f"{title} {fp8[k] / auto[k]:.2f}x" for title, k in keys if fp8.get(k) and auto.get(k)]
+            if ratios:
+                print(f"FP8 / bf16 target, {mode}: " + ", ".join(ratios))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default="packed,unpacked", help="runs to make, in order (one alone if time is short)"
     )
+    parser.add_argument(
+        "--target-dtypes",
+        default="auto",
+        help="comma list of dflash train --target-dtype values (auto: bf16 on a GPU; fp8); each mode runs per value",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
     parser.add_argument("--log-dir", type=Path, default=None, help="where each run's log is written as it runs")
     args = parser.parse_args(argv)
@@ -318,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if set(modes) - {"packed", "unpacked"}:
         parser.error(f"--modes: a comma list of packed and unpacked, got {args.modes!r}")
+    args.target_dtypes = args.target_dtypes.split(",")
+    if set(args.target_dtypes) - {"auto", "fp8"}:
+        parser.error(f"--target-dtypes: a comma list of auto and fp8, got {','.join(args.target_dtypes)!r}")
     if args.layout == "split" and args.device != "cuda":
         parser.error("--layout split puts the target on cuda:0 and the drafter on cuda:1")
 
@@ -326,8 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         target = write_target(workdir / "target", args.shape, layers=args.layers)
         data = chat_data(args, workdir)
         describe(args, target, data)
-        results = {mode: run_train(args, target, data, workdir, pack=mode == "packed") for mode in modes}
-        print_table(results)
+        results = {
+            run_name(mode, dtype, args.target_dtypes): run_train(
+                args, target, data, workdir, pack=mode == "packed", target_dtype=dtype
+            )
+            for dtype in args.target_dtypes
+            for mode in modes
+        }
+        print_table(results, args.target_dtypes)
     return 0
 
 
