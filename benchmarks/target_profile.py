@@ -3,10 +3,12 @@ vs full-attention layers, and by kernel kind; and how tok/s and memory move with
 
     python benchmarks/target_profile.py                    # one GPU: Qwen3.6-27B width, 16 layers
     python benchmarks/target_profile.py --layers 64        # the whole shape (55.6 GB bf16)
+    python benchmarks/target_profile.py --fp8              # linear layers in FP8 (--target-dtype fp8)
     python benchmarks/target_profile.py --tiny             # CPU smoke test
 
 The target is a random-weight Qwen3.6-27B language model (``benchmarks/shapes.py``, first
-``--layers`` layers) in bf16 on the device; the input is ``--batch`` packed rows of
+``--layers`` layers) in bf16 on the device (with ``--fp8``, its linear layers then turned FP8 as
+``dflash train --target-dtype fp8`` does, :mod:`dflash.target.fp8`); the input is ``--batch`` packed rows of
 ``--seq-len`` tokens holding documents of log-normal lengths (median 744 tokens, as
 ``packing_e2e.py``'s synthetic chats), captured as the trainer does (``Target.capture`` with
 ``document_ids``, the DFlash default 5 taps, stopping at the deepest). One run prints, for each
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batches", default="1,2,4", help="batch sizes to time (the last is profiled)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fp8", action="store_true", help="the linear layers in FP8 (needs an FP8 GPU and torchao)")
     args = parser.parse_args(argv)
     shape, device = ("tiny-qwen3.6", "cpu") if args.tiny else ("qwen3.6-27b", "cuda")
     if args.tiny:
@@ -101,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device(device):
         model = Qwen3_5ForCausalLM(hybrid_text_config(shape, args.layers))
     torch.set_default_dtype(torch.float32)
+    if args.fp8:
+        from dflash.target.fp8 import quantize_target
+
+        print(f"FP8 linear layers: {quantize_target(model)}")
     target = Target(model, default_target_layer_ids(args.layers, 5))
     vocab = SHAPES[shape]["vocab_size"]
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
