@@ -224,6 +224,8 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool, target
         flags["arch"] = args.arch
     if target_dtype != "auto":
         flags["target-dtype"] = target_dtype
+    if args.profile_step:
+        flags["profile-step"] = args.profile_step
     if args.cpu_threads:
         flags["cpu-threads"] = args.cpu_threads
     argv = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
@@ -331,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         "--target-dtypes",
         default="auto",
         help="comma list of dflash train --target-dtype values (auto: bf16 on a GPU; fp8); each mode runs per value",
+    )
+    parser.add_argument(
+        "--profile-step", type=int, default=0, help="dflash train --profile-step: that step's GPU time by kernel kind"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
     parser.add_argument("--log-dir", type=Path, default=None, help="where each run's log is written as it runs")

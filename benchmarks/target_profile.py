@@ -32,12 +32,7 @@ from collections import defaultdict
 import torch
 from shapes import SHAPES, hybrid_text_config
 
-#: Kernel kinds by substrings of CUDA kernel names (first match wins).
-KINDS = (
-    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
-    ("attention", ("flash", "fmha", "attention", "efficient")),
-    ("Gated DeltaNet kernels (fla, Triton)", ("chunk", "recompute_w_u", "solve_tril", "l2norm", "cumsum", "kkt")),
-)
+from dflash.profiling import kernel_kind
 
 
 def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -74,11 +69,6 @@ def layer_timers(target, device: torch.device):
             hooks.append(module.register_forward_hook(lambda *_, e=end: e.record()))
             events[name].append((start, end))
     return events, hooks
-
-
-def kernel_kind(name: str) -> str:
-    lowered = name.lower()
-    return next((kind for kind, keys in KINDS if any(k in lowered for k in keys)), "other (norms, copies, elementwise)")
 
 
 def main(argv: list[str] | None = None) -> int:

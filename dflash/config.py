@@ -257,6 +257,11 @@ class TrainConfig:
     stall_minutes: float = 10.0
     """A step that makes no progress for this many minutes writes every thread's stack to stderr, and again every
     as many minutes while it stays stuck (training goes on if it moves again); 0 = never."""
+    profile_step: int = 0
+    """Record this step with torch.profiler: a Chrome trace `profile_step<N>.json` in --out and a log line of the
+    GPU time by kernel kind (matmuls, flex_attention, compiled fusions, eager elementwise, ...) for the step, the
+    target's forward and the drafter's step; 0 = off. Pick a step after the first (its compiles); the steady-state
+summary leaves the profiled step out."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOP/s of the device for the MFU estimate; empty = detect (H100/H200: 989)."""
     progress: bool = True
@@ -373,9 +378,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        for name in ("weight_decay", "grad_clip", "warmup_steps", "save_every", "stall_minutes"):
+        for name in ("weight_decay", "grad_clip", "warmup_steps", "save_every", "stall_minutes", "profile_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.steps is not None and self.profile_step > self.steps:
+            raise ValueError(f"profile_step: step {self.profile_step} is past the run's --steps {self.steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if (self.target_devices is None) != (self.drafter_devices is None):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from dflash.data.batches import Batch
 from dflash.masks import build_labels, draft_input_ids, previous_positions
+from dflash.profiling import DRAFTER_RANGE, TARGET_RANGE, marked
 from dflash.target.model import Target, TargetStates
 from dflash.train.loss import dflash_loss, position_weights
 
@@ -152,7 +153,8 @@ def produce_target_states(target: Target, batch: Batch, *, last_hidden: bool) ->
     """
     num_tokens, host_documents = batch.num_tokens, batch.document_ids
     batch = batch.to(target.device)
-    states = target.capture(batch.input_ids, batch.position_ids, host_documents, last_hidden=last_hidden)
+    with marked(TARGET_RANGE):
+        states = target.capture(batch.input_ids, batch.position_ids, host_documents, last_hidden=last_hidden)
     return TargetBatch(batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, states, num_tokens)
 
 
@@ -245,6 +247,11 @@ def drafter_step(
     Returns:
         Tensor: float32 ``[StatsLayout(Bs).size]`` on the drafter's device (``stop`` = 0); no host sync.
     """
+    with marked(DRAFTER_RANGE):
+        return _drafter_step(step_fn, drafter, heads, batch, anchors, valid, settings, position_weight)
+
+
+def _drafter_step(step_fn, drafter, heads, batch, anchors, valid, settings, position_weight) -> torch.Tensor:
     attention_mask = drafter.build_attention_mask(anchors, valid, batch.input_ids.shape[1], batch.document_ids)
     device_type = batch.input_ids.device.type
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):

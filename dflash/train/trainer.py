@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dflash import watchdog
+from dflash import profiling, watchdog
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import SAVED_CONFIG_NAME, TrainConfig
@@ -532,9 +532,9 @@ class Trainer:
             with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
                 while self.step < self.total_steps:
                     self.step += 1
-                    with self._stall_watch():
+                    with self._stall_watch(), self._profiled():
                         stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
-                    if self.step > first_step:
+                    if self.step > first_step and self.step != cfg.profile_step:  # a profiled step runs slower
                         throughput.add(stats)
                     else:
                         self._keep_compile_artifacts()  # the step's compiles are done
@@ -576,6 +576,12 @@ class Trainer:
         moves (a hung compile, collective or queue: the stacks say where)."""
         minutes = self.config.stall_minutes
         return watchdog.watching(60 * minutes, exit=False, repeat=True) if minutes else contextlib.nullcontext()
+
+    def _profiled(self):
+        """``--profile-step``: this step under the profiler (:mod:`dflash.profiling`), on the main process."""
+        if self.step != self.config.profile_step or not self.is_main:
+            return contextlib.nullcontext()
+        return profiling.profiled_step(self.step, self.out, self.layout.drafters[0].device)
 
     def _eval_due(self) -> bool:
         """Whether held-out acceptance is measured after this step (``--eval-every``; the last step's
