@@ -58,6 +58,8 @@ RESUMABLE_CHANGES = frozenset(
         "save_dtype",
         "target_devices",
         "prefetch_depth",
+        "stall_minutes",
+        "profile_step",
     }
 )
 #: Fields of the drafter layout: they may change together when a step's rows stay the same.
