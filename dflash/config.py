@@ -261,7 +261,7 @@ class TrainConfig:
     """Record this step with torch.profiler: a Chrome trace `profile_step<N>.json` in --out and a log line of the
     GPU time by kernel kind (matmuls, flex_attention, compiled fusions, eager elementwise, ...) for the step, the
     target's forward and the drafter's step; 0 = off. Pick a step after the first (its compiles); the steady-state
-summary leaves the profiled step out."""
+    summary leaves the profiled step out."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOP/s of the device for the MFU estimate; empty = detect (H100/H200: 989)."""
     progress: bool = True

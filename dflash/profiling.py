@@ -1,12 +1,14 @@
 """One training step under ``torch.profiler`` (``dflash train --profile-step N``): where the GPU
 time of a step goes, by kernel kind, for the whole step and for the two stages the trainer marks,
-the target's forward (:data:`TARGET_RANGE`) and the drafter's forward and backward
+the target's forward (:data:`TARGET_RANGE`) and the drafter's forward, loss and backward
 (:data:`DRAFTER_RANGE`).
 
-The profiler is process-wide: it records the kernels of every thread, so in the threaded layout the
-step's window also holds the target thread's forward of a batch ahead. The stage tables sum the
-kernels launched inside each marked range, in whichever thread ran it. Writes a Chrome trace
-(``chrome://tracing`` or Perfetto) beside the tables for the kernel-by-kernel view.
+CUPTI sees the kernels of every thread, so in the threaded layout the step's window also holds the
+target thread's forward of a batch ahead; ops are recorded in every thread too
+(``profile_all_threads``, where torch has it). A kernel belongs to the innermost op that launched
+it; a stage table sums the kernels of the ops inside the stage's range, and those of the backward
+the autograd engine runs in its own CUDA thread while the range waits in ``backward()``. Writes a
+Chrome trace (Perfetto) beside the tables for the kernel-by-kernel view.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,15 +27,22 @@ logger = logging.getLogger(__name__)
 TARGET_RANGE = "dflash.target_forward"
 #: The range around :func:`dflash.train.step.drafter_step` (forward, loss and backward).
 DRAFTER_RANGE = "dflash.drafter_step"
+_STAGES = (TARGET_RANGE, DRAFTER_RANGE)
+#: The table of backward kernels outside any marked range (:func:`step_tables`).
+BACKWARD = "backward outside a marked step"
+#: The root op of every node the autograd engine runs.
+_ENGINE_ROOT = "autograd::engine::evaluate_function"
 
-#: Kernel kinds by substrings of CUDA kernel names, first match wins (flex_attention's inductor
-#: templates before other attention kernels; fla's Gated DeltaNet kernels by their op names).
+#: Kernel kinds by CUDA kernel names (CPU: op names), first match wins: inductor's kernels by
+#: their prefixes (``triton_tem`` templates hold flex_attention, and GEMMs under max-autotune),
+#: then SDPA's kernels before the cutlass GEMMs some of them are built from.
 KERNEL_KINDS = (
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "scaled_mm", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("flex_attention", ("flex_attention", "triton_tem")),
-    ("attention (SDPA)", ("flash", "fmha", "attention", "efficient")),
-    ("Gated DeltaNet (fla)", ("chunk_", "recompute_w_u", "solve_tril", "l2norm_fwd", "_inverse_kernel", "kkt")),
+    ("flex_attention", ("flex_attention",)),
     ("compiled fused (inductor)", ("triton_poi", "triton_red", "triton_per")),
+    ("matmul", ("triton_tem_fused_mm", "triton_tem_fused_addmm", "triton_tem_fused_bmm")),
+    ("attention (SDPA)", ("fmha", "sdpa", "flash_fwd", "flash_bwd", "efficient_attention", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "scaled_mm", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("Gated DeltaNet (fla)", ("chunk_", "recompute_w_u", "solve_tril", "l2norm_fwd", "_inverse_kernel", "kkt")),
 )
 OTHER_KIND = "other (eager elementwise, norms, copies)"
 
@@ -45,84 +54,88 @@ def kernel_kind(name: str) -> str:
 
 
 def marked(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range named ``name`` (``torch.profiler.record_function``); a few microseconds
-    when no profiler runs."""
+    """A profiler range named ``name`` (``torch.profiler.record_function``); about 10 us when no
+    profiler runs."""
     return torch.profiler.record_function(name)
 
 
 @contextlib.contextmanager
-def profiled_step(step: int, out: Path, device: torch.device) -> Iterator[None]:
-    """Profile the block (one training step); then write ``profile_step{step}.json`` (Chrome
-    trace) into ``out`` and log the GPU time by kernel kind (CPU time of ops on a CPU run)."""
+def profiled_step(step: int, out: Path, devices: Iterable[torch.device]) -> Iterator[None]:
+    """Profile the block (one training step) on ``devices``; then write ``profile_step{step}.json``
+    (Chrome trace) into ``out`` and log the GPU time by kernel kind, summed over the devices (CPU
+    time of ops on a CPU run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = device.type == "cuda"
+    cuda_devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    cuda = bool(cuda_devices)
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, experimental_config=_all_threads()) as prof:
         yield
-        if cuda:
+        for device in cuda_devices:  # kernels still running when the profiler stops are dropped
             torch.cuda.synchronize(device)
     trace = out / f"profile_step{step}.json"
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
-    logger.info("step %d profile (%s): %s; trace %s", step, _unit(cuda), format_tables(step_tables(prof, cuda)), trace)
+    unit = f"GPU kernel time on {', '.join(map(str, cuda_devices))}" if cuda else "CPU time of ops (no GPU)"
+    logger.info("step %d profile (%s): %s; trace %s", step, unit, format_tables(step_tables(prof, cuda)), trace)
 
 
-def _unit(cuda: bool) -> str:
-    return "GPU kernel time" if cuda else "CPU time of ops (no GPU)"
+def _all_threads():
+    """The profiler setting that records ops in threads that did not start it (the threaded
+    engine's workers), None where this torch lacks it."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
 
 
 def step_tables(prof, cuda: bool) -> dict[str, dict[str, float]]:
-    """Milliseconds by kernel kind (on a CPU run: the ops' own CPU time by op name's kind):
+    """Milliseconds by kernel kind (on a CPU run: the ops' own CPU time by op name):
 
-    - ``"step"``: every kernel in the window, whichever thread launched it (CUPTI sees them all);
+    - ``"step"``: every kernel in the window, whichever thread launched it;
     - one table per marked stage (:data:`TARGET_RANGE`, :data:`DRAFTER_RANGE`): the kernels of the
-      ops run inside it;
-    - :data:`BACKWARD`: the kernels of ops the autograd engine ran in its own threads (a CUDA
-      backward; only the drafter has one).
-
-    ``torch.profiler`` records ops only in the thread that started it and the threads it hands work
-    to, so the stage tables cover the trainer's main thread (the single-device engine), not the
-    threaded engine's worker threads, whose kernels are in ``"step"`` only.
+      ops run inside its range, and of the backward nodes run meanwhile in the autograd engine's
+      threads (the drafter's backward on CUDA);
+    - :data:`BACKWARD`: backward nodes no marked range waited on.
     """
     events = prof.events()
     tables: dict[str, dict[str, float]] = {"step": defaultdict(float)}
     for event in events:
-        if cuda and event.device_type == torch.autograd.DeviceType.CUDA:
+        if cuda and event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
             tables["step"][kernel_kind(event.name)] += event.device_time_total / 1e3
         elif not cuda and event.device_type == torch.autograd.DeviceType.CPU and event.name not in _STAGES:
             tables["step"][kernel_kind(event.name)] += event.self_cpu_time_total / 1e3
+    ranges = [e for e in events if e.name in _STAGES and e.device_type == torch.autograd.DeviceType.CPU]
     for event in events:
-        if event.device_type != torch.autograd.DeviceType.CPU or event.name in _STAGES:
+        if event.device_type != torch.autograd.DeviceType.CPU:
             continue
-        stage = _stage_of(event)
+        stage = _stage_of(event, ranges)
         if stage is None:
             continue
         table = tables.setdefault(stage, defaultdict(float))
         if cuda:
             for kernel in event.kernels:
                 table[kernel_kind(kernel.name)] += kernel.duration / 1e3
-        else:
+        elif event.name not in _STAGES:
             table[kernel_kind(event.name)] += event.self_cpu_time_total / 1e3
     return {name: dict(table) for name, table in tables.items()}
 
 
-#: The table of kernels launched by the autograd engine's threads (:func:`step_tables`).
-BACKWARD = "backward in autograd threads"
-_STAGES = (TARGET_RANGE, DRAFTER_RANGE)
-
-
-def _stage_of(event) -> str | None:
-    """The marked range ``event`` ran inside, :data:`BACKWARD` for an op of an autograd engine
-    thread (its forward ran in another thread), else None."""
-    op = event
-    while op is not None:
-        if op.name in _STAGES:
-            return op.name
-        op = op.cpu_parent
-    if event.fwd_thread and event.fwd_thread != event.thread:
-        return BACKWARD
-    return None
+def _stage_of(event, ranges: list) -> str | None:
+    """The marked range ``event`` ran inside; for an op of a backward node the autograd engine ran
+    in another thread, the drafter range that waited on it (:data:`BACKWARD` if none did)."""
+    root = event
+    while root.name not in _STAGES and root.cpu_parent is not None:
+        root = root.cpu_parent
+    if root.name in _STAGES:
+        return root.name
+    if not root.name.startswith(_ENGINE_ROOT):
+        return None
+    start, end = root.time_range.start, root.time_range.end
+    waiting = (r for r in ranges if r.name == DRAFTER_RANGE and r.time_range.start <= start and end <= r.time_range.end)
+    return DRAFTER_RANGE if next(waiting, None) is not None else BACKWARD
 
 
 def format_tables(tables: dict[str, dict[str, float]]) -> str:
@@ -133,5 +146,5 @@ def format_tables(tables: dict[str, dict[str, float]]) -> str:
         kinds = ", ".join(
             f"{kind} {ms:.1f} ms ({100 * ms / total:.0f}%)" for kind, ms in sorted(table.items(), key=lambda kv: -kv[1])
         )
-        lines.append(f"\n  {name}: {total:.1f} ms: {kinds or 'nothing recorded'}")
+        lines.append(f"\n  {name}: {total:.1f} ms: {kinds if total > 0 else 'nothing recorded'}")
     return "".join(lines)

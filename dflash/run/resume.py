@@ -85,11 +85,14 @@ def resumed_values(saved: dict, given: dict) -> dict:
     A length given now replaces the saved one (``--steps`` a saved ``--epochs``), and a layout
     given now replaces the saved one: ``--device`` alone means the single-device path
     (the saved ``--target-devices``/``--drafter-devices`` are dropped), a layout flag drops the
-    saved ``--device``. When ``--grad-accum`` is not given it is set to keep the rows of a step
-    under the new drafter replica count, where that count divides them (else the saved value
-    stays, and :func:`check_resume_config` says why the run cannot continue).
+    saved ``--device``. A saved ``--profile-step`` is not carried over. When ``--grad-accum`` is
+    not given it is set to keep the rows of a step under the new drafter replica count, where that
+    count divides them (else the saved value stays, and :func:`check_resume_config` says why the
+    run cannot continue).
     """
     merged = {**saved, **given}
+    if "profile_step" not in given:  # a diagnostic of the run that asked for it, not of its resumes
+        merged.pop("profile_step", None)
     if "steps" in given and "epochs" not in given:  # a length given now replaces the saved one
         merged.pop("epochs", None)
     if saved and "device" in given and not {"target_devices", "drafter_devices"} & given.keys():

@@ -521,6 +521,13 @@ class Trainer:
         metrics: dict[str, float] = {}
         throughput = Throughput()
         first_step = self.step + 1
+        if cfg.profile_step and not first_step <= cfg.profile_step <= self.total_steps:
+            logger.warning(
+                "--profile-step %d is outside this run's steps %d-%d: nothing is profiled",
+                cfg.profile_step,
+                first_step,
+                self.total_steps,
+            )
         saving = "saving a checkpoint" if cfg.save else "saving nothing (--no-save)"
         stop = StopRequest(f"finishing this step, {saving}, then exiting")
         started = time.perf_counter()
@@ -534,10 +541,10 @@ class Trainer:
                     self.step += 1
                     with self._stall_watch(), self._profiled():
                         stats = self.engine.run(self.step, lr=self._lr(), stop=stop.requested)
-                    if self.step > first_step and self.step != cfg.profile_step:  # a profiled step runs slower
-                        throughput.add(stats)
-                    else:
+                    if self.step == first_step:
                         self._keep_compile_artifacts()  # the step's compiles are done
+                    elif self.step != cfg.profile_step:  # a profiled step runs slower
+                        throughput.add(stats)
                     metrics = log.metrics(stats, lr=self._lr())
                     bar.update(1)
                     bar.set_postfix(progress_postfix(metrics), refresh=False)
@@ -581,7 +588,8 @@ class Trainer:
         """``--profile-step``: this step under the profiler (:mod:`dflash.profiling`), on the main process."""
         if self.step != self.config.profile_step or not self.is_main:
             return contextlib.nullcontext()
-        return profiling.profiled_step(self.step, self.out, self.layout.drafters[0].device)
+        devices = [slot.device for slot in (*self.layout.targets, *self.layout.drafters)]
+        return profiling.profiled_step(self.step, self.out, devices)
 
     def _eval_due(self) -> bool:
         """Whether held-out acceptance is measured after this step (``--eval-every``; the last step's

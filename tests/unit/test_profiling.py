@@ -2,8 +2,10 @@
 (:mod:`dflash.profiling`). The CPU run checks the plumbing; the kinds are CUDA kernel names."""
 
 import logging
+import threading
 
 import pytest
+import torch
 from tiny import make_target, train_config, write_chat_data
 
 from dflash import profiling
@@ -20,7 +22,9 @@ from dflash.train.trainer import Trainer
         ("triton_tem_fused_flex_attention_0", "flex_attention"),
         ("triton_tem_fused_flex_attention_backward_1", "flex_attention"),
         ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", "attention (SDPA)"),
-        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "matmul"),  # cutlass first: the memory-efficient kernel
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention (SDPA)"),  # SDPA's memory-efficient kernel
+        ("triton_tem_fused_mm_0", "matmul"),  # an inductor GEMM template (max-autotune)
+        ("triton_red_fused_chunk_cat_0", "compiled fused (inductor)"),
         ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "Gated DeltaNet (fla)"),
         ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled fused (inductor)"),
         ("triton_poi_fused_mul_silu_1", "compiled fused (inductor)"),
@@ -56,3 +60,32 @@ def test_a_profile_step_past_the_run_is_refused():
         TrainConfig(steps=4, profile_step=5)
     with pytest.raises(ValueError, match="profile_step must be >= 0"):
         TrainConfig(profile_step=-1)
+
+
+def test_a_backward_run_in_another_thread_counts_for_the_drafter_range_that_waits_on_it():
+    """On CUDA the autograd engine runs the backward in a device thread of its own; a thread that
+    runs it while the drafter range waits stands in for it on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, w = (torch.randn(64, 64, requires_grad=True) for _ in range(2))
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=profiling._all_threads()) as prof:
+        with profiling.marked(profiling.DRAFTER_RANGE):
+            loss = (x @ w).relu().sum()
+            engine = threading.Thread(target=loss.backward)
+            engine.start()
+            engine.join()
+        (x @ w).sum().backward()  # a backward outside any marked range
+    events = prof.events()
+    ranges = [e for e in events if e.name == profiling.DRAFTER_RANGE]
+    relu_grads = [e for e in events if e.name == "aten::threshold_backward"]  # only in the first backward
+    assert relu_grads and all(e.thread != ranges[0].thread for e in relu_grads)
+    assert {profiling._stage_of(e, ranges) for e in relu_grads} == {profiling.DRAFTER_RANGE}
+    tables = profiling.step_tables(prof, cuda=False)
+    assert tables[profiling.DRAFTER_RANGE]["matmul"] > 0 and tables[profiling.BACKWARD]["matmul"] > 0, tables
+
+
+def test_a_resume_does_not_carry_the_saved_profile_step_over():
+    from dflash.run.resume import resumed_values
+
+    assert "profile_step" not in resumed_values({"steps": 50, "profile_step": 40}, {"steps": 30})
+    assert resumed_values({"steps": 50, "profile_step": 40}, {"profile_step": 45})["profile_step"] == 45
