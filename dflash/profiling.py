@@ -74,10 +74,13 @@ def profiled_step(step: int, out: Path, devices: Iterable[torch.device]) -> Iter
         for device in cuda_devices:  # kernels still running when the profiler stops are dropped
             torch.cuda.synchronize(device)
     trace = out / f"profile_step{step}.json"
-    out.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(trace))
     unit = f"GPU kernel time on {', '.join(map(str, cuda_devices))}" if cuda else "CPU time of ops (no GPU)"
-    logger.info("step %d profile (%s): %s; trace %s", step, unit, format_tables(step_tables(prof, cuda)), trace)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        logger.info("step %d profile (%s): %s; trace %s", step, unit, format_tables(step_tables(prof, cuda)), trace)
+    except Exception:  # a diagnostic must not end the training run
+        logger.exception("step %d profile: reading the profiler's results failed; training goes on", step)
 
 
 def _all_threads():
