@@ -87,8 +87,11 @@ class LossOutput:
         total (Tensor): int64 ``[Bs]``, per slot, supervised slots.
         selector_sum (Tensor): float32 scalar, no grad: DFlash2's selector cross-entropy sum before
             its weight (``loss_sum`` includes it times the weight); 0 without a selector.
-        drafter_sum (Tensor): float32 scalar, no grad: ``loss_sum`` without the selector's part,
-            summed on its own (subtracting a large weight times the selector's would cancel).
+        drafter_sum (Tensor | None): float32 scalar, no grad: ``loss_sum`` without the selector's
+            part, summed on its own (subtracting a large weight times the selector's would cancel);
+            None without a selector, where it is ``loss_sum`` (a compiled step returning both
+            would get one buffer for the two, and the copy marked non-differentiable takes the
+            gradient from the loss).
     """
 
     loss_sum: Tensor
@@ -96,7 +99,7 @@ class LossOutput:
     correct: Tensor
     total: Tensor
     selector_sum: Tensor
-    drafter_sum: Tensor
+    drafter_sum: Tensor | None
 
 
 def dflash_loss(
@@ -213,7 +216,7 @@ def dflash_loss(
     weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
     selector_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    drafter_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    drafter_sum = torch.zeros((), dtype=torch.float32, device=hidden.device) if selecting else None
     for start in range(0, rows.shape[0], chunk_blocks):
         part = slice(start, start + chunk_blocks)
         objective, chunk_drafter, chunk_weight, chunk_correct, chunk_selector = chunk_fn(
@@ -232,7 +235,8 @@ def dflash_loss(
             missing_gold=missing_gold,
         )
         loss_sum = loss_sum + objective
-        drafter_sum = drafter_sum + chunk_drafter
+        if selecting:
+            drafter_sum = drafter_sum + chunk_drafter
         selector_sum = selector_sum + chunk_selector
         weight_sum = weight_sum + chunk_weight
         correct = correct + chunk_correct
@@ -262,7 +266,8 @@ def chunk_loss(
 
     Returns:
         (objective, drafter loss, normaliser, correct ``[Bs]``, selector loss): float32 0-d
-        tensors but ``correct`` (int64); only the objective carries a gradient.
+        tensors but ``correct`` (int64); only the objective carries a gradient. Without a selector
+        the drafter loss is None (it is the objective: :class:`LossOutput`).
     """
     objective, normaliser, correct, candidates, slot_weights = _FusedChunkLoss.apply(
         rows,
@@ -276,9 +281,9 @@ def chunk_loss(
         dpace_alpha,
         selector.top_k if selector is not None else 0,
     )
-    drafter = objective.detach()
-    selected = torch.zeros_like(drafter)
+    drafter, selected = None, torch.zeros((), dtype=torch.float32, device=objective.device)
     if selector is not None:
+        drafter = objective.detach()
         selected = selector_loss(
             selector, rows, lm_head_weight, candidates, labels, predecessors, slot_weights, missing_gold=missing_gold
         )

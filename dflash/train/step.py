@@ -273,5 +273,6 @@ def _drafter_step(step_fn, drafter, heads, batch, anchors, valid, settings, posi
         )
     out.loss_sum.backward()
     pairs = drafter.attention_pairs(anchors, valid, batch.document_ids)
-    scalars = [out.drafter_sum, out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs), out.selector_sum]
+    drafter_sum = out.loss_sum.detach() if out.drafter_sum is None else out.drafter_sum
+    scalars = [drafter_sum, out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs), out.selector_sum]
     return torch.cat([torch.stack([s.float() for s in scalars]), out.correct.float(), out.total.float()])

@@ -3,6 +3,7 @@ reused) computes the eager step's losses, statistics and gradients, compiles eac
 kind of call however many layers and chunks there are, and leaves the model eager outside a step."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -64,3 +65,21 @@ def test_a_layer_whose_forward_is_not_the_compiled_one_is_refused():
     settings = step_settings()
     with pytest.raises(TypeError, match="DFlashDecoderLayer is not a plain DFlashDecoderLayer"):
         _step(step_fn, drafter.train(), random_heads(drafter.config), micro_batch(drafter, 2), settings)
+
+
+@pytest.mark.parametrize("scope", ["step", "regional"])
+def test_a_micro_batch_of_one_loss_chunk_keeps_its_gradient_under_inductor(scope):
+    """With every block in one loss chunk and no selector, the step's loss and the drafter loss it
+    reports are one value: inductor computed them as one buffer, and marking the reported copy
+    non-differentiable took the gradient from the loss ("element 0 of tensors does not require
+    grad" in backward). Inductor on the CPU: a C++ compile of a 1-layer drafter."""
+    model = tiny_drafter().train()
+    heads = random_heads(model.config)
+    settings = dataclasses.replace(step_settings(), chunk_blocks=16, selector_weight=0.0)  # 14 blocks: one chunk
+    step_fn, _ = compile_step(scope, 980 if scope == "step" else 981, "inductor")
+    expected_stats, expected_grads = _step(
+        drafter_forward_loss, copy.deepcopy(model), heads, micro_batch(model, 2), settings
+    )
+    stats, grads = _step(step_fn, model, heads, micro_batch(model, 2), settings)
+    torch.testing.assert_close(stats, expected_stats, rtol=1e-4, atol=1e-4)
+    assert grads.keys() == expected_grads.keys() and grads
