@@ -1,7 +1,7 @@
 """The regional compile on CUDA (skipped without it): flex_attention with sliding and full layers,
-bf16 autocast, inductor. The regional step and the whole step as one graph compute the same
-statistics and gradients (to bf16 rounding: their fusions differ), the regions compile once per
-kind of call, and no region runs eagerly.
+bf16 autocast, inductor. The regional step's statistics and gradients are as close to the eager
+step's as the whole step compiled as one graph is (bf16 rounding: each fusion rounds differently),
+the regions compile once per kind of call, and no region runs eagerly.
 
     python -m pytest tests/integration/test_regions_cuda.py -q -s
 """
@@ -15,7 +15,7 @@ from tiny import micro_batch, random_heads, step_settings, tiny_target_config
 from dflash.compile_watch import StepWatch
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.train.regions import GRAPHS_PER_SHAPE, compile_step
-from dflash.train.step import drafter_step
+from dflash.train.step import drafter_forward_loss, drafter_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA")
 
@@ -39,13 +39,17 @@ def _flex_drafter(arch: str) -> DFlashDraftModel:
 
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])
 def test_regional_and_whole_step_compiles_agree_on_cuda(arch):
-    models = {scope: _flex_drafter(arch) for scope in ("regional", "step")}
-    models["step"].load_state_dict(models["regional"].state_dict())
+    models = {scope: _flex_drafter(arch) for scope in ("regional", "step", "eager")}
+    for scope in ("step", "eager"):
+        models[scope].load_state_dict(models["regional"].state_dict())
     heads = random_heads(models["step"].config, "cuda", torch.bfloat16)
     settings = step_settings()
     results = {}
     for index, (scope, model) in enumerate(models.items()):
-        step_fn, regions = compile_step(scope, 800 + index + (10 if arch == "dflash2" else 0), "inductor")
+        if scope == "eager":
+            step_fn, regions = drafter_forward_loss, []
+        else:
+            step_fn, regions = compile_step(scope, 800 + index + (10 if arch == "dflash2" else 0), "inductor")
         watch = StepWatch(scope, regions)
         for seed in (2, 3):
             model.zero_grad(set_to_none=True)
@@ -61,11 +65,13 @@ def test_regional_and_whole_step_compiles_agree_on_cuda(arch):
             watch.after(seed - 1, 40)
         assert watch.healthy(), (scope, watch.summary())
         results[scope] = (stats, {n: p.grad.float() for n, p in model.named_parameters()}, regions)
-    (stats, grads, regions), (step_stats, step_grads, _) = results["regional"], results["step"]
-    torch.testing.assert_close(stats, step_stats, rtol=2e-2, atol=2e-2)
+    (stats, grads, regions), step_grads = results["regional"], results["step"][1]
+    eager_stats, eager_grads, _ = results["eager"]
+    torch.testing.assert_close(stats, eager_stats, rtol=2e-2, atol=2e-2)
     for name, grad in grads.items():  # some start at 0 (DFlash2's zero-initialised selector factor)
-        error, scale = (grad - step_grads[name]).norm(), step_grads[name].norm()
-        assert error <= 2e-2 * scale + 1e-6, (name, float(error), float(scale))
+        error, step_error = ((g - eager_grads[name]).norm() for g in (grad, step_grads[name]))
+        scale = eager_grads[name].norm()
+        assert error <= 2 * step_error + 1e-3 * scale + 1e-6, (name, float(error), float(step_error), float(scale))
     layer, chunk = regions
     print(arch, "layer graphs", layer.backend.compiles(), "chunk graphs", chunk.backend.compiles())
     # The first layer (its input needs no gradient), sliding and full layers (their BlockMasks'
