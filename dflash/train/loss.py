@@ -89,9 +89,10 @@ class LossOutput:
             its weight (``loss_sum`` includes it times the weight); 0 without a selector.
         drafter_sum (Tensor | None): float32 scalar, no grad: ``loss_sum`` without the selector's
             part, summed on its own (subtracting a large weight times the selector's would cancel);
-            None without a selector, where it is ``loss_sum`` (a compiled step returning both
-            would get one buffer for the two, and the copy marked non-differentiable takes the
-            gradient from the loss).
+            None without a selector, where it is ``loss_sum``: returning both from an inductor
+            graph gives one tensor for the two, and AOTAutograd marking the copy
+            non-differentiable takes the loss's gradient (torch 2.11-2.15; pytorch/pytorch PR
+            #195357, "Don't let a non-differentiable output mark its aliases").
     """
 
     loss_sum: Tensor
