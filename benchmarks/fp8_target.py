@@ -3,6 +3,7 @@ side in one run on the same rows: how far the tapped hidden states move, and how
 
     python benchmarks/fp8_target.py --shape qwen3.6-27b --layers 16       # one H200
     python benchmarks/fp8_target.py --shape qwen3-8b --layers 36 --rows 8
+    python benchmarks/fp8_target.py --compile      # also with each decoder layer compiled
 
 A random-weight target of a public shape (``benchmarks/shapes.py``), cut to its first ``--layers``
 layers and tapped as the trainer taps a target of that depth, is built once in fp32 on the GPU.
@@ -12,13 +13,16 @@ linear layers in FP8. Printed per tapped layer: the relative L2 deviation (``||x
 over the layer's states) of bf16 and of FP8 from fp32, and of FP8 from bf16; the deviation that
 matters is FP8's next to bf16's own, since bf16 is what drafters are trained on today. Then the
 forward's tokens/s in bf16 and in FP8 (median of ``--repeats`` timed forwards after a warm-up)
-and their ratio. Random weights lack the outlier channels of trained ones, which is where FP8's
-per-row scales lose most: read the deviations as a floor.
+and their ratio; with ``--compile``, also with every decoder layer compiled (inductor), as torchao's
+float8 inference recipe runs, so each activation's quantization can fuse into the op before it
+(the eager forward quantizes in separate kernels). Random weights lack the outlier channels of
+trained ones, which is where FP8's per-row scales lose most: read the deviations as a floor.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, dense_text_config, hybrid_text_config
 
 from dflash.assets import default_data_dir, default_target_dir
+from dflash.compile_watch import raise_recompile_limit
 from dflash.target.fp8 import fp8_problem, quantize_target
 from dflash.target.model import Target
 from dflash.target.taps import check_taps
@@ -79,6 +84,20 @@ def tokens_per_s(target: Target, rows: torch.Tensor, repeats: int) -> float:
     return rows.numel() / statistics.median(times[1:])
 
 
+@contextlib.contextmanager
+def compiled_layers(target: Target):
+    """Within the block every decoder layer's forward is compiled (inductor, one graph per layer)."""
+    layers = target.model.get_decoder().layers
+    raise_recompile_limit(4 * len(layers) + 8)  # the layers share one code object: a cache entry each
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # back to the class's forward
+
+
 def deviation(states: torch.Tensor, reference: torch.Tensor) -> list[float]:
     """Per tapped layer: ``||states - reference|| / ||reference||``."""
     return [float((s - r).norm() / r.norm()) for s, r in zip(states, reference)]
@@ -92,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="also time each forward with its layers compiled")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     if not torch.cuda.is_available() or (problem := fp8_problem(device)):
@@ -101,10 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = tapped(target, rows)
     target.model.to(torch.bfloat16)
     bf16 = tapped(target, rows)
-    bf16_rate = tokens_per_s(target, rows, args.repeats)
+    rates = {"bf16": tokens_per_s(target, rows, args.repeats)}
+    if args.compile:
+        with compiled_layers(target):
+            rates["bf16 compiled"] = tokens_per_s(target, rows, args.repeats)
     report = quantize_target(target.model)
     fp8 = tapped(target, rows)
-    fp8_rate = tokens_per_s(target, rows, args.repeats)
+    rates["FP8"] = tokens_per_s(target, rows, args.repeats)
+    if args.compile:
+        with compiled_layers(target):
+            rates["FP8 compiled"] = tokens_per_s(target, rows, args.repeats)
 
     print(
         f"{args.shape}, first {args.layers} layers (random weights), {args.rows} rows x {args.seq_len} tokens of the "
@@ -116,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     for layer, b, f, fb in columns:
         print(f"{layer:>12} {b:>13.5f} {f:>12.5f} {fb:>12.5f} {f / b:>10.2f}x")
     print(
-        f"target forward: bf16 {bf16_rate:,.0f} tok/s, FP8 {fp8_rate:,.0f} tok/s: {fp8_rate / bf16_rate:.2f}x "
-        f"(median of {args.repeats})"
+        f"target forward, tok/s (median of {args.repeats}): "
+        + ", ".join(f"{name} {rate:,.0f} ({rate / rates['bf16']:.2f}x bf16)" for name, rate in rates.items())
     )
     return 0
 
