@@ -32,11 +32,12 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
+
+from runs import run_logged
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
@@ -82,12 +83,7 @@ def train(argv: list[str], cache_dir: Path, log_path: Path) -> tuple[float, floa
     """(seconds to the first step, drafter tok/s of the later steps) of one ``dflash train`` run."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TRITON_CACHE_DIR=str(cache_dir / "triton"))
     command = [sys.executable, "-m", "dflash", "train", *argv]
-    print("$", " ".join(command), flush=True)
-    with open(log_path, "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    text = log_path.read_text()
-    if done.returncode:
-        raise SystemExit(f"dflash train failed, rc {done.returncode}:\n{text[-4000:]}")
+    text = run_logged(command, log_path, env=env).checked("dflash train").log
     seconds, rate = first_step_seconds(text), later_steps_tok_s(text)
     print(f"  first step after {seconds:.1f} s; later steps {rate:.0f} drafter tok/s", flush=True)
     return seconds, rate

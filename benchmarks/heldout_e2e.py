@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from packing_e2e import parse_summary, write_synthetic_chats, write_target
+from runs import run_logged
 from shapes import SHAPES
 
 _HELDOUT = re.compile(r"held-out acceptance (.+?): tau .* \(([0-9.]+) s, ([0-9]+)% of the run's time so far\)")
@@ -79,16 +78,6 @@ def eval_command(args, heldout: Path, out: Path) -> list[str]:
     if args.cpu_threads:
         flags += ["--cpu-threads", str(args.cpu_threads)]
     return [sys.executable, "-m", "dflash", "eval", *flags]
-
-
-def run_logged(command: list[str], log_path: Path, timeout: float) -> tuple[int, str, str, float]:
-    """``command`` with its log (stderr) written to ``log_path`` as it runs: (return code, log,
-    stdout, seconds)."""
-    print("$", " ".join(command), flush=True)
-    start = time.perf_counter()
-    with open(log_path, "w") as log_file:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=log_file, text=True, timeout=timeout)
-    return done.returncode, log_path.read_text() + done.stdout, done.stdout, time.perf_counter() - start
 
 
 def heldout_rows(out: Path, log: str) -> list[dict]:
@@ -155,22 +144,20 @@ def main(argv: list[str] | None = None) -> int:
         out, logs = work / "run", args.log_dir or work
         logs.mkdir(parents=True, exist_ok=True)
         train = train_command(args, target, data, heldout, out, extra)
-        rc, log, _, wall = run_logged(train, logs / "train.log", args.timeout)
-        if rc:
-            raise SystemExit(f"dflash train failed, rc {rc}:\n{log[-4000:]}")
-        print(f"dflash train: {wall:.0f} s")
+        run = run_logged(train, logs / "train.log", timeout=args.timeout).checked("dflash train")
+        log = run.log
+        print(f"dflash train: {run.seconds:.0f} s")
         print_heldout(heldout_rows(out, log))
         summary = next(line for line in log.splitlines()[::-1] if "steady state over" in line)
         print(summary[summary.index("steady state over") :])
         print(json.dumps({k: v for k, v in parse_summary(log).items() if k != "steps"}))
         if not args.save:
             return 0
-        rc, log, report, wall = run_logged(eval_command(args, heldout, out), logs / "eval.log", args.timeout)
-        if rc not in (0, 1):  # 1: a float32 mismatch, which the report shows
-            raise SystemExit(f"dflash eval failed, rc {rc}:\n{log[-4000:]}")
-        figures = json.loads(report)
+        run = run_logged(eval_command(args, heldout, out), logs / "eval.log", timeout=args.timeout)
+        run.checked("dflash eval", ok=(0, 1))  # 1: a float32 mismatch, which the report shows
+        figures = json.loads(run.stdout)
         keep = ("tau_per_prompt", "tau_per_step", "mismatches", "num_prompts", "dtype", "speedup")
-        print(f"dflash eval ({wall:.0f} s, rc {rc}):", json.dumps({k: figures.get(k) for k in keep}))
+        print(f"dflash eval ({run.seconds:.0f} s, rc {run.returncode}):", json.dumps({k: figures.get(k) for k in keep}))
     return 0
 
 

@@ -47,13 +47,12 @@ import random
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from first_step import first_step_seconds
+from runs import run_logged
 from shapes import QWEN36_VISION, SHAPES
 
 #: The trainer's final summary line (agreed with the trainer; fields after the TFLOP/s are parsed
@@ -243,17 +242,9 @@ def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool, targ
     out = workdir / mode
     flags = train_flags(args, target, data, out, pack=pack, target_dtype=target_dtype)
     command = [sys.executable, "-m", "dflash", "train", *flags]
-    print("$", " ".join(command), flush=True)
-    log_path = (args.log_dir or workdir) / f"train_{mode}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with open(log_path, "w") as log_file:
-        done = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.timeout)
-    wall = time.perf_counter() - start
+    run = run_logged(command, (args.log_dir or workdir) / f"train_{mode}.log", timeout=args.timeout)
     shutil.rmtree(out, ignore_errors=True)  # checkpoints of a 1B drafter: gigabytes each
-    log = log_path.read_text()
-    if done.returncode:
-        raise SystemExit(f"dflash train ({mode}) failed, rc {done.returncode}:\n{log[-4000:]}")
+    log, wall = run.checked(f"dflash train ({mode})").log, run.seconds
     return {**parse_summary(log), "first_step_s": first_step_seconds(log), "wall_s": wall}
 
 
