@@ -5,14 +5,14 @@ torchao's ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``, w
 the LM head) stays bf16, so the tapped hidden states the drafter reads are bf16 tensors.
 
 Why: the target's forward is about half of a step at the user's shape, and its linear layers are
-most of that forward; Hopper's FP8 tensor cores run them at twice bf16's peak. Measured (H100, 16
-layers of the Qwen3.6-27B layout, ``docs/results.md``): the forward runs at 0.90x bf16's speed,
-since each activation is quantized eagerly in several kernels before its matmul; what FP8 gives
-today is half the target's weight memory. Peers train against
+most of that forward; Hopper's FP8 tensor cores run them at twice bf16's peak. Peers train against
 FP8 targets (SpecForge's Qwen3.8-27B recipe serves the target in FP8 through SGLang), and
 speculators measured eagle3 / DFlash drafters trained on FP8 hidden states of Qwen3-8B to accept as
 many tokens as on bf16 ones. ``benchmarks/fp8_target.py`` measures the tapped states' deviation,
-FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's speed.
+FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's speed. Measured on
+an H100 (16 layers of the Qwen3.6-27B layout, ``docs/results.md``): this eager form runs the
+forward at 0.90x bf16's speed, since each activation is quantized in several kernels before its
+matmul; what it gives is half the target's weight memory.
 
 FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) and
 torchao (``pip install -e '.[fp8]'``); :func:`fp8_problem` says what is missing before anything
