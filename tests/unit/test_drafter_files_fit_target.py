@@ -11,6 +11,7 @@ import shutil
 import pytest
 from tiny import make_target, save_random_drafter
 
+import dflash.commands.evaluate
 import dflash.evaluate
 import dflash.target.files
 import dflash.target.model
@@ -51,7 +52,13 @@ def nothing_loads(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a model or tokenizer was loaded before the configs were compared")
 
-    for owner, name in ((dflash.target.model, "load_target"), (dflash.target.files, "load_tokenizer")):
+    # The command binds load_tokenizer at import: patch its name too, and import it before any patch
+    # (top of file), so a first import under the patch cannot bind `fail` for later tests.
+    for owner, name in (
+        (dflash.target.model, "load_target"),
+        (dflash.target.files, "load_tokenizer"),
+        (dflash.commands.evaluate, "load_tokenizer"),
+    ):
         monkeypatch.setattr(owner, name, fail)
     monkeypatch.setattr(dflash.evaluate, "load_drafter", fail)
 
