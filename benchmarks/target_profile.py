@@ -32,7 +32,9 @@ from collections import defaultdict
 import torch
 from shapes import SHAPES, hybrid_text_config
 
+from dflash import masks
 from dflash.profiling import kernel_kind
+from dflash.target import documents
 
 
 def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -49,6 +51,56 @@ def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
             doc += 1
         rows.append(row + [-1] * (seq_len - len(row)))
     return torch.tensor(rows)
+
+
+#: ``--kernels`` names (:mod:`dflash.target.documents`).
+KERNEL_SETS = {
+    "reference": documents.REFERENCE_KERNELS,
+    "fla": documents.FLA_KERNELS,
+    "fla-fused": documents.FLA_FUSED_KERNELS,
+}
+
+
+def later_document_difference(target, ids: torch.Tensor, document_ids: torch.Tensor) -> float:
+    """Largest |packed - alone| of the tapped states over every document after the first of each
+    row (the packing bar of ``tests/integration/test_hybrid_cuda.py``): the packed capture against
+    each document captured alone (transformers' own forward)."""
+    packed = target.capture(ids, document_ids=document_ids, last_hidden=False).context
+    worst = 0.0
+    for row in range(ids.shape[0]):
+        starts = masks.document_starts(document_ids[row : row + 1])[0]
+        bounds = (starts == torch.arange(ids.shape[1])).nonzero().squeeze(1).tolist() + [ids.shape[1]]
+        for begin, end in zip(bounds[1:], bounds[2:]):
+            if document_ids[row, begin] < 0:
+                break
+            alone = target.capture(ids[row : row + 1, begin:end], last_hidden=False).context
+            worst = max(worst, (packed[row : row + 1, begin:end].float() - alone.float()).abs().max().item())
+    return worst
+
+
+def compare_kernels(model, layer_ids: list[int], names: list[str], ids, document_ids, seconds, repeats: int) -> None:
+    """tok/s (medians of alternate calls) and the packing bar of each kernel set; ratios to the first."""
+    from dflash.target.model import Target
+
+    targets = {name: Target(model, layer_ids, linear_kernels=KERNEL_SETS[name]) for name in names}
+    runs = {
+        name: (lambda t=t: t.capture(ids, document_ids=document_ids, last_hidden=False)) for name, t in targets.items()
+    }
+    for run in runs.values():
+        run()
+    times = defaultdict(list)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(seconds(run))
+    tokens = ids.numel()
+    base = statistics.median(times[names[0]])
+    for name, target in targets.items():
+        took = statistics.median(times[name])
+        bar = later_document_difference(target, ids, document_ids)
+        print(
+            f"kernels {name:>10} ({KERNEL_SETS[name].name}): {tokens / took:,.0f} tok/s, {base / took:.3f}x "
+            f"{names[0]}; later documents vs alone, max |diff| {bar:.4f}"
+        )
 
 
 def layer_timers(target, device: torch.device):
@@ -79,7 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,2,4", help="batch sizes to time (the last is profiled)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fp8", action="store_true", help="the linear layers in FP8 (needs an FP8 GPU and torchao)")
+    parser.add_argument(
+        "--kernels",
+        default=None,
+        help=f"comma list of linear-attention kernel sets to compare at the largest batch ({', '.join(KERNEL_SETS)}): "
+        "tok/s and later documents against each run alone",
+    )
     args = parser.parse_args(argv)
+    unknown = set(args.kernels.split(",")) - set(KERNEL_SETS) if args.kernels else set()
+    if unknown:
+        parser.error(f"--kernels: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KERNEL_SETS)}")
     shape, device = ("tiny-qwen3.6", "cpu") if args.tiny else ("qwen3.6-27b", "cuda")
     if args.tiny:
         args.layers, args.seq_len, args.batches, args.repeats = 8, 128, "1,2", 1
@@ -127,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {batch}: {batch * args.seq_len / took:,.0f} tok/s, {1e3 * took:.1f} ms{peak}")
 
     largest = batches[-1]
+    if args.kernels:
+        document_ids = packed_documents(largest, args.seq_len)
+        ids = torch.randint(5, vocab, document_ids.shape, generator=torch.Generator().manual_seed(largest))
+        compare_kernels(model, target.layer_ids, args.kernels.split(","), ids, document_ids, seconds, args.repeats)
     run, full = capture(largest), capture(largest, last_hidden=True)
     full()
     pairs = [(seconds(run), seconds(full)) for _ in range(args.repeats)]

@@ -186,11 +186,14 @@ class LinearAttentionKernels:
         delta_rule (Callable): ``(q [1, T, H, K], k, v [1, T, HV, V], g [1, T, HV] fp32, beta [1, T, HV],
             segments) -> [1, T, HV, V]``, the gated delta rule with q/k L2-normalised in the kernel
             and the state zeroed at each segment start.
+        gated_norm (Callable): ``(norm, x [N, V], gate [N, V]) -> [N, V]``, the layer's gated RMSNorm
+            (``norm``: transformers' ``Qwen3_5RMSNormGated``, weight ``[V]``) of each token's head.
     """
 
     name: str
     conv: Callable
     delta_rule: Callable
+    gated_norm: Callable
 
 
 def segmented_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
@@ -255,10 +258,40 @@ def _fla_delta_rule(q, k, v, g, beta, segments):
     return out
 
 
+def _module_gated_norm(norm: torch.nn.Module, x: Tensor, gate: Tensor) -> Tensor:
+    return norm(x, gate)
+
+
+def _fla_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
+    """flash-linear-attention's varlen causal conv: one kernel that restarts the window at each
+    segment start and applies the activation before its one rounding to ``x``'s dtype."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    if activation not in ("silu", "swish"):
+        raise ValueError(f"flash-linear-attention's causal conv applies silu, not {activation!r}")
+    out, _ = causal_conv1d(
+        x, weight, bias, activation="silu", cu_seqlens=segments.cu_seqlens, cu_seqlens_cpu=segments.cu_seqlens_cpu
+    )
+    return out
+
+
+def _fla_gated_norm(norm: torch.nn.Module, x: Tensor, gate: Tensor) -> Tensor:
+    """flash-linear-attention's fused gated RMSNorm: normalise, scale and gate in fp32, one rounding
+    (transformers rounds the normalised head to ``x``'s dtype before the scale)."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(x, gate, norm.weight, None, activation=norm.activation, eps=norm.variance_epsilon)
+
+
 REFERENCE_KERNELS = LinearAttentionKernels(
-    "transformers' PyTorch reference (slow)", segmented_conv, reference_delta_rule
+    "transformers' PyTorch reference (slow)", segmented_conv, reference_delta_rule, _module_gated_norm
 )
-FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule)
+FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule, _module_gated_norm)
+#: Also the conv and the gated norm in flash-linear-attention's fused kernels (fewer launches and
+#: copies; each rounds once where transformers' ops round after each step).
+FLA_FUSED_KERNELS = LinearAttentionKernels(
+    f"{FLA_PACKAGE} (conv and gated norm fused)", _fla_conv, _fla_delta_rule, _fla_gated_norm
+)
 
 
 def kernels_for(device: torch.device) -> LinearAttentionKernels:
@@ -329,5 +362,5 @@ def _gated_deltanet_forward(
     g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(h).float() + layer.dt_bias)
     core = kernels.delta_rule(q, k, v, g, beta, segments)
     z = layer.in_proj_z(h).reshape(-1, layer.head_v_dim)
-    core = layer.norm(core.reshape(-1, layer.head_v_dim), z).reshape(batch, seq_len, -1)
+    core = kernels.gated_norm(layer.norm, core.reshape(-1, layer.head_v_dim), z).reshape(batch, seq_len, -1)
     return layer.out_proj(core)

@@ -53,13 +53,17 @@ class Target:
         model: a ``PreTrainedModel`` with ``get_decoder()``, ``get_input_embeddings()`` and
             ``get_output_embeddings()`` (Qwen3, Llama, Mistral, ... all have them).
         layer_ids (list[int]): decoder layers to tap, each in ``[0, num_layers)``.
+        linear_kernels (LinearAttentionKernels, optional): what packed rows run linear-attention
+            layers on (:mod:`dflash.target.documents`); None: the device's default
+            (:func:`dflash.target.documents.kernels_for`).
 
     Raises:
         ValueError: a layer id out of range.
     """
 
-    def __init__(self, model, layer_ids: list[int]):
+    def __init__(self, model, layer_ids: list[int], *, linear_kernels: documents.LinearAttentionKernels | None = None):
         self.model = model.eval().requires_grad_(False)
+        self._chosen_kernels = linear_kernels
         self.config = model.config
         self.layer_ids = list(layer_ids)
         bad = [k for k in self.layer_ids if not 0 <= k < self.num_layers]
@@ -201,7 +205,7 @@ class Target:
 
     @functools.cached_property
     def _linear_kernels(self) -> documents.LinearAttentionKernels:
-        kernels = documents.kernels_for(self.device)
+        kernels = self._chosen_kernels or documents.kernels_for(self.device)
         logger.info("packed rows: %d linear-attention layers run on %s", len(self._linear_mixers), kernels.name)
         return kernels
 
