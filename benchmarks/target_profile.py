@@ -22,6 +22,8 @@ attention, the rest).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
 import random
 import statistics
@@ -53,19 +55,52 @@ def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(rows)
 
 
-#: ``--kernels`` names (:mod:`dflash.target.documents`).
+#: ``--kernels`` names: the linear-attention kernels (:mod:`dflash.target.documents`) and whether the
+#: decoder's RMSNorms and SwiGLU MLPs also run fused (:func:`fused_decoder`).
 KERNEL_SETS = {
-    "reference": documents.REFERENCE_KERNELS,
-    "fla": documents.FLA_KERNELS,
-    "fla-fused": documents.FLA_FUSED_KERNELS,
+    "reference": (documents.REFERENCE_KERNELS, False),
+    "fla": (documents.FLA_KERNELS, False),
+    "fla-fused": (documents.FLA_FUSED_KERNELS, False),
+    "fla-fused-all": (documents.FLA_FUSED_KERNELS, True),
 }
 
 
-def later_document_difference(target, ids: torch.Tensor, document_ids: torch.Tensor) -> float:
+@contextlib.contextmanager
+def fused_decoder(model):
+    """Inside, every Qwen3.5 RMSNorm (``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, one rounding)
+    and SwiGLU MLP of ``model`` runs on flash-linear-attention's fused kernels (the MLP's SiLU-times-up
+    rounds once where transformers rounds after the SiLU too)."""
+    from fla.modules.activations import swiglu
+    from fla.modules.norm.layernorm import rms_norm
+
+    def norm(module, x):
+        return rms_norm(x, 1 + module.weight.float(), None, eps=module.eps)
+
+    def mlp(module, x):
+        return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
+
+    swapped = []
+    for module in model.modules():
+        kind = type(module).__name__
+        replacement = norm if kind == "Qwen3_5RMSNorm" else mlp if kind == "Qwen3_5MLP" else None
+        if replacement is not None:
+            swapped.append((module, module.__dict__.get("forward")))
+            module.forward = functools.partial(replacement, module)
+    try:
+        yield
+    finally:
+        for module, own in swapped:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+
+def later_document_difference(capture_packed, target, ids: torch.Tensor, document_ids: torch.Tensor) -> float:
     """Largest |packed - alone| of the tapped states over every document after the first of each
-    row (the packing bar of ``tests/integration/test_hybrid_cuda.py``): the packed capture against
-    each document captured alone (transformers' own forward)."""
-    packed = target.capture(ids, document_ids=document_ids, last_hidden=False).context
+    row (the packing bar of ``tests/integration/test_hybrid_cuda.py``): ``capture_packed()`` against
+    each document captured alone by transformers' own forward."""
+    packed = capture_packed()
     worst = 0.0
     for row in range(ids.shape[0]):
         starts = masks.document_starts(document_ids[row : row + 1])[0]
@@ -82,24 +117,32 @@ def compare_kernels(model, layer_ids: list[int], names: list[str], ids, document
     """tok/s (medians of alternate calls) and the packing bar of each kernel set; ratios to the first."""
     from dflash.target.model import Target
 
-    targets = {name: Target(model, layer_ids, linear_kernels=KERNEL_SETS[name]) for name in names}
-    runs = {
-        name: (lambda t=t: t.capture(ids, document_ids=document_ids, last_hidden=False)) for name, t in targets.items()
-    }
-    for run in runs.values():
+    def capture(name: str):
+        kernels, fuse = KERNEL_SETS[name]
+        target = Target(model, layer_ids, linear_kernels=kernels)
+
+        def run():
+            with fused_decoder(model) if fuse else contextlib.nullcontext():
+                return target.capture(ids, document_ids=document_ids, last_hidden=False).context
+
+        return target, run
+
+    runs = {name: capture(name) for name in names}
+    for _, run in runs.values():
         run()
     times = defaultdict(list)
     for _ in range(repeats):
-        for name, run in runs.items():
+        for name, (_, run) in runs.items():
             times[name].append(seconds(run))
-    tokens = ids.numel()
     base = statistics.median(times[names[0]])
-    for name, target in targets.items():
+    for name, (target, run) in runs.items():
         took = statistics.median(times[name])
-        bar = later_document_difference(target, ids, document_ids)
+        bar = later_document_difference(run, target, ids, document_ids)
+        kernels, fuse = KERNEL_SETS[name]
         print(
-            f"kernels {name:>10} ({KERNEL_SETS[name].name}): {tokens / took:,.0f} tok/s, {base / took:.3f}x "
-            f"{names[0]}; later documents vs alone, max |diff| {bar:.4f}"
+            f"kernels {name:>13} ({kernels.name}{', fused norms and MLPs' if fuse else ''}): "
+            f"{ids.numel() / took:,.0f} tok/s, {base / took:.3f}x {names[0]}; later documents vs alone, "
+            f"max |diff| {bar:.4f}"
         )
 
 
