@@ -31,6 +31,9 @@ FP8_MIN_CAPABILITY = (8, 9)
 #: ``torch._scaled_mm`` needs both matmul dimensions to be multiples of 16.
 FP8_ALIGNMENT = 16
 INSTALL = "pip install -e '.[fp8]' (or pip install torchao)"
+#: The least amax a token's row-wise activation scale is computed from (torchao's float8 training
+#: uses the same floor), so an all-zero row quantizes to zeros.
+ACTIVATION_AMAX_FLOOR = 1e-12
 
 
 def fp8_problem(device: torch.device) -> str | None:
@@ -109,8 +112,13 @@ def quantize_target(model: torch.nn.Module) -> Fp8Report:
     )
     fp8_weights = sum(linear[name].weight.numel() for name in chosen)
     # set_inductor_config=False: torchao would otherwise change inductor's process-wide settings,
-    # which the drafter's compiled step reads too.
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    # which the drafter's compiled step reads too. activation_value_lb: a token's scale is its
+    # row's amax / 448, so an all-zero row (a padding token whose embedding is zero, as
+    # transformers initialises a pad row) would be divided by a zero scale into NaN, which the
+    # drafter's attention then reads through masked keys (0 * NaN); the floor keeps it zero.
+    config = Float8DynamicActivationFloat8WeightConfig(
+        granularity=PerRow(), set_inductor_config=False, activation_value_lb=ACTIVATION_AMAX_FLOOR
+    )
     quantize_(model, config, filter_fn=lambda module, name: name in chosen)
     missed = sorted(name for name in chosen if not isinstance(linear[name].weight, Float8Tensor))
     if missed:

@@ -51,3 +51,23 @@ def test_a_layer_torchao_leaves_unconverted_is_an_error_not_a_silent_bf16_layer(
     with pytest.raises(RuntimeError, match=r"torchao left 7 linear layers unconverted: \['model.layers.0.mlp"):
         fp8.quantize_target(model)
     assert type(calls[0]).__name__ == "Float8DynamicActivationFloat8WeightConfig" and not calls[0].set_inductor_config
+
+
+def test_an_all_zero_activation_row_stays_zero_instead_of_nan(monkeypatch):
+    """A padding token's embedding row can be zero (transformers initialises a pad_token_id row so),
+    so every linear layer gets all-zero rows there; a row-wise scale of amax / 448 = 0 made them NaN,
+    which the drafter read through its masked keys (every --target-dtype fp8 loss was NaN). The FP8
+    matmul runs on the CPU here with torchao's hardware check set aside."""
+    quant_api = pytest.importorskip("torchao.quantization.quant_api")
+    monkeypatch.setattr(fp8, "fp8_problem", lambda device: None)
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    torch.manual_seed(0)
+    pad = 3
+    model = Qwen3ForCausalLM(tiny_target_config(num_hidden_layers=2)).to(torch.bfloat16).eval()
+    model.model.embed_tokens.weight.data[pad] = 0  # as in the random targets packing_e2e.py trains against
+    fp8.quantize_target(model)
+    ids = torch.tensor([[5, 6, 7, pad, pad], [8, 9, pad, pad, pad]])
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    assert not states[0][ids == pad].any()  # what the first layer's q/k/v projections get at the pads
+    assert all(torch.isfinite(h).all() for h in states)
