@@ -60,6 +60,7 @@ def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
 KERNEL_SETS = {
     "reference": (documents.REFERENCE_KERNELS, False),
     "fla": (documents.FLA_KERNELS, False),
+    "fla-conv": (documents.FLA_CONV_KERNELS, False),
     "fla-fused": (documents.FLA_FUSED_KERNELS, False),
     "fla-fused-all": (documents.FLA_FUSED_KERNELS, True),
 }

@@ -31,6 +31,7 @@ naming the type and ``--no-pack``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -262,17 +263,27 @@ def _module_gated_norm(norm: torch.nn.Module, x: Tensor, gate: Tensor) -> Tensor
     return norm(x, gate)
 
 
-def _fla_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments) -> Tensor:
+def _fla_conv(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, segments: Segments, *, fuse_activation: bool
+) -> Tensor:
     """flash-linear-attention's varlen causal conv: one kernel that restarts the window at each
-    segment start and applies the activation before its one rounding to ``x``'s dtype."""
+    segment start. With ``fuse_activation`` it applies silu before its one rounding to ``x``'s
+    dtype; without, the activation follows as transformers' own op, which rounds the conv's
+    output first as transformers does."""
     from fla.modules.causal_conv1d import causal_conv1d
+    from transformers.activations import ACT2FN
 
-    if activation not in ("silu", "swish"):
+    if fuse_activation and activation not in ("silu", "swish"):
         raise ValueError(f"flash-linear-attention's causal conv applies silu, not {activation!r}")
     out, _ = causal_conv1d(
-        x, weight, bias, activation="silu", cu_seqlens=segments.cu_seqlens, cu_seqlens_cpu=segments.cu_seqlens_cpu
+        x,
+        weight,
+        bias,
+        activation="silu" if fuse_activation else None,
+        cu_seqlens=segments.cu_seqlens,
+        cu_seqlens_cpu=segments.cu_seqlens_cpu,
     )
-    return out
+    return out if fuse_activation else ACT2FN[activation](out)
 
 
 def _fla_gated_norm(norm: torch.nn.Module, x: Tensor, gate: Tensor) -> Tensor:
@@ -287,10 +298,21 @@ REFERENCE_KERNELS = LinearAttentionKernels(
     "transformers' PyTorch reference (slow)", segmented_conv, reference_delta_rule, _module_gated_norm
 )
 FLA_KERNELS = LinearAttentionKernels(FLA_PACKAGE, segmented_conv, _fla_delta_rule, _module_gated_norm)
-#: Also the conv and the gated norm in flash-linear-attention's fused kernels (fewer launches and
-#: copies; each rounds once where transformers' ops round after each step).
+#: Also the conv in flash-linear-attention's varlen kernel (no transposes, no recomputed segment
+#: heads), its activation and the gated norm still transformers' ops, rounding where they round.
+FLA_CONV_KERNELS = LinearAttentionKernels(
+    f"{FLA_PACKAGE} (varlen conv)",
+    functools.partial(_fla_conv, fuse_activation=False),
+    _fla_delta_rule,
+    _module_gated_norm,
+)
+#: The conv with its activation, and the gated norm, in flash-linear-attention's fused kernels
+#: (fewer launches; each rounds once where transformers' ops round after each step).
 FLA_FUSED_KERNELS = LinearAttentionKernels(
-    f"{FLA_PACKAGE} (conv and gated norm fused)", _fla_conv, _fla_delta_rule, _fla_gated_norm
+    f"{FLA_PACKAGE} (conv and gated norm fused)",
+    functools.partial(_fla_conv, fuse_activation=True),
+    _fla_delta_rule,
+    _fla_gated_norm,
 )
 
 

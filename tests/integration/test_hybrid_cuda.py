@@ -40,6 +40,34 @@ def test_fla_delta_rule_equals_the_reference_on_segments():
 
 
 @needs_fla
+def test_varlen_and_fused_kernels_equal_the_ops_they_replace_on_segments():
+    """flash-linear-attention's varlen conv restarts at each segment as the segmented conv does (its
+    activation after it, as transformers applies it: within one bf16 rounding of the sum's order);
+    fused with the activation, and its gated RMSNorm, they are transformers' within the rounding they
+    place differently."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    torch.manual_seed(0)
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate([100, 37, 1, 2, 200, 62])])[None]
+    segments = documents.Segments.of(ids, torch.device("cuda"))
+    x = torch.randn(1, ids.shape[1], 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(256, 4, device="cuda", dtype=torch.bfloat16) / 2
+    kernel_sets = (documents.FLA_FUSED_KERNELS, documents.FLA_CONV_KERNELS, documents.FLA_KERNELS)
+    fused, varlen, ops = (k.conv(x, weight, None, "silu", segments).float() for k in kernel_sets)
+    norm = Qwen3_5RMSNormGated(128).cuda().to(torch.bfloat16)
+    norm.weight.data.uniform_(0.5, 1.5)
+    h, z = (torch.randn(500, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gated = [k.gated_norm(norm, h, z).float() for k in (documents.FLA_FUSED_KERNELS, documents.FLA_KERNELS)]
+    for name, (got, want), tolerance in (
+        ("varlen conv", (varlen, ops), 1e-2),
+        ("fused conv", (fused, ops), 2e-2),
+        ("fused gated norm", gated, 2e-2),
+    ):
+        print(f"{name} vs ops: max abs {(got - want).abs().max().item():.3e}")
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@needs_fla
 def test_a_changing_segment_count_compiles_no_new_kernels():
     """Packed batches differ in their number of documents every step; the varlen kernels must not
     compile (or autotune) again for each count."""
@@ -82,7 +110,7 @@ def test_a_changing_segment_count_compiles_no_new_kernels():
 WINDOW = 256
 
 
-def _target(kind: str):
+def _target(kind: str, kernels: documents.LinearAttentionKernels | None = None):
     """The first 4 layers of Qwen3.6-27B (``"hybrid"``: one round of its layout), of Qwen3-32B
     (``"dense"``, the same width), or of Qwen3-8B with (``"sliding"``) or without (``"qwen3-8b"``)
     a window of :data:`WINDOW` tokens on layers 2 and 3."""
@@ -112,7 +140,7 @@ def _target(kind: str):
             model = make(config)
     finally:
         torch.set_default_dtype(torch.float32)
-    return Target(model, list(range(LAYERS)))
+    return Target(model, list(range(LAYERS)), linear_kernels=kernels)
 
 
 def _worst_later_difference(target, *, mask_only: bool = False) -> float:
@@ -144,10 +172,10 @@ def _worst_later_difference(target, *, mask_only: bool = False) -> float:
     return worst
 
 
-def _packing_differences(kind: str, dense: str) -> tuple[float, float, float]:
+def _packing_differences(kind: str, dense: str, kernels=None) -> tuple[float, float, float]:
     """(packed ``kind`` target, the same with the document mask alone, packed ``dense`` target):
     :func:`_worst_later_difference` of each, one target on the GPU at a time."""
-    target = _target(kind)
+    target = _target(kind, kernels)
     packed, mask_only = _worst_later_difference(target), _worst_later_difference(target, mask_only=True)
     del target
     torch.cuda.empty_cache()
@@ -155,11 +183,12 @@ def _packing_differences(kind: str, dense: str) -> tuple[float, float, float]:
 
 
 @needs_fla
-def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference():
-    hybrid, leaky, dense = _packing_differences("hybrid", "dense")
+@pytest.mark.parametrize("kernels", [documents.FLA_KERNELS, documents.FLA_CONV_KERNELS], ids=["fla", "fla-conv"])
+def test_packed_hybrid_rows_stay_within_dense_packings_bf16_difference(kernels):
+    hybrid, leaky, dense = _packing_differences("hybrid", "dense", kernels)
     print(
-        f"packed vs alone, later documents, every layer, bf16: hybrid {hybrid:.4f} (document mask alone: "
-        f"{leaky:.4f}), dense Qwen3 {dense:.4f}"
+        f"packed vs alone, later documents, every layer, bf16, {kernels.name}: hybrid {hybrid:.4f} (document "
+        f"mask alone: {leaky:.4f}), dense Qwen3 {dense:.4f}"
     )
     assert hybrid <= dense < leaky
 
