@@ -1,6 +1,7 @@
 """The regional compile on CUDA (skipped without it): flex_attention with sliding and full layers,
-bf16 autocast, inductor. The regional step's statistics and gradients are as close to the eager
-step's as the whole step compiled as one graph is (bf16 rounding: each fusion rounds differently),
+bf16 autocast, inductor. The regional step's statistics are the eager step's within bf16 rounding,
+and its gradients are within twice as far from the float32 step's as the farther of the eager and
+the one-graph steps' (bf16 rounding: each fusion rounds in other places),
 the regions compile once per kind of call, and no region runs eagerly.
 
     python -m pytest tests/integration/test_regions_cuda.py -q -s
@@ -8,13 +9,18 @@ the regions compile once per kind of call, and no region runs eagerly.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 from tiny import micro_batch, random_heads, step_settings, tiny_target_config
 
 from dflash.compile_watch import StepWatch
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.target.model import TargetStates
 from dflash.train.regions import GRAPHS_PER_SHAPE, compile_step
+from dflash.train.replica import Heads
 from dflash.train.step import drafter_forward_loss, drafter_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA")
@@ -37,8 +43,32 @@ def _flex_drafter(arch: str) -> DFlashDraftModel:
     return DFlashDraftModel._from_config(config, attn_implementation="flex_attention").cuda().train()
 
 
+def _fp32_gradients(model: DFlashDraftModel, heads, batch, settings, monkeypatch) -> dict[str, torch.Tensor]:
+    """The eager step's gradients with bf16 autocast off, on the bf16 inputs the other steps read
+    (upcast): the reference each compiled form's rounding is measured from."""
+    import contextlib
+
+    target_batch, anchors, valid = batch
+    states = TargetStates(*(t.float() for t in (target_batch.states.context, target_batch.states.last_hidden)))
+    fp32_heads = Heads(*(copy.deepcopy(m).float() for m in (heads.embed_tokens, heads.lm_head)))
+    model.zero_grad(set_to_none=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "autocast", lambda *args, **kwargs: contextlib.nullcontext())
+        drafter_step(
+            drafter_forward_loss,
+            model,
+            fp32_heads,
+            dataclasses.replace(target_batch, states=states),
+            anchors,
+            valid,
+            settings=settings,
+            position_weight=settings.position_weight("cuda"),
+        )
+    return {n: p.grad.float() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])
-def test_regional_and_whole_step_compiles_agree_on_cuda(arch):
+def test_regional_and_whole_step_compiles_agree_on_cuda(arch, monkeypatch):
     models = {scope: _flex_drafter(arch) for scope in ("regional", "step", "eager")}
     for scope in ("step", "eager"):
         models[scope].load_state_dict(models["regional"].state_dict())
@@ -65,13 +95,14 @@ def test_regional_and_whole_step_compiles_agree_on_cuda(arch):
             watch.after(seed - 1, 40)
         assert watch.healthy(), (scope, watch.summary())
         results[scope] = (stats, {n: p.grad.float() for n, p in model.named_parameters()}, regions)
-    (stats, grads, regions), step_grads = results["regional"], results["step"][1]
-    eager_stats, eager_grads, _ = results["eager"]
-    torch.testing.assert_close(stats, eager_stats, rtol=2e-2, atol=2e-2)
-    for name, grad in grads.items():  # some start at 0 (DFlash2's zero-initialised selector factor)
-        error, step_error = ((g - eager_grads[name]).norm() for g in (grad, step_grads[name]))
-        scale = eager_grads[name].norm()
-        assert error <= 2 * step_error + 1e-3 * scale + 1e-6, (name, float(error), float(step_error), float(scale))
+    truth = _fp32_gradients(
+        models["eager"], heads, micro_batch(models["eager"], 3, "cuda", torch.bfloat16), settings, monkeypatch
+    )
+    stats, _, regions = results["regional"]
+    torch.testing.assert_close(stats, results["eager"][0], rtol=2e-2, atol=2e-2)
+    for name, want in truth.items():  # some start at 0 (DFlash2's zero-initialised selector factor)
+        error = {scope: float((grads[name] - want).norm()) for scope, (_, grads, _) in results.items()}
+        assert error["regional"] <= 2 * max(error["step"], error["eager"]) + 1e-6, (name, error, float(want.norm()))
     layer, chunk = regions
     print(arch, "layer graphs", layer.backend.compiles(), "chunk graphs", chunk.backend.compiles())
     # The first layer (its input needs no gradient), sliding and full layers (their BlockMasks'
