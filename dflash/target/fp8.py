@@ -62,12 +62,15 @@ def fp8_problem(device: torch.device) -> str | None:
 def quantizable(module: torch.nn.Module, name: str) -> bool:
     """Whether the linear layer ``name`` of a target runs in FP8: every ``nn.Linear`` whose
     dimensions ``torch._scaled_mm`` takes, except the LM head (the drafter's loss and the
-    soft labels read its logits; a multimodal checkpoint's vision tower is never loaded)."""
+    soft labels read its logits; a multimodal checkpoint's vision tower is never loaded) and a
+    layer with an all-zero weight row (a pruned output: its row-wise scale would be 0, and 0 / 0
+    makes that output NaN for every token)."""
     return (
         isinstance(module, torch.nn.Linear)
         and not name.split(".")[-1] == "lm_head"
         and module.in_features % FP8_ALIGNMENT == 0
         and module.out_features % FP8_ALIGNMENT == 0
+        and bool(module.weight.detach().abs().amax(dim=1).min() > 0)
     )
 
 
@@ -77,7 +80,7 @@ class Fp8Report:
 
     Args:
         layers (int): linear layers now FP8.
-        bf16_layers (int): linear layers left bf16 (the LM head, unaligned ones).
+        bf16_layers (int): linear layers left bf16 (the LM head, unaligned ones, any with an all-zero weight row).
         weight_share (float): the FP8 layers' share of the decoder's weight elements (what is left
             runs bf16: norms, convolutions, and weights outside ``nn.Linear`` such as MoE experts).
     """

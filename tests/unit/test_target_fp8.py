@@ -11,13 +11,16 @@ from transformers import Qwen3ForCausalLM
 from dflash.target import fp8
 
 
-def test_every_decoder_linear_layer_but_the_lm_head_and_unaligned_ones_runs_fp8():
+def test_every_decoder_linear_layer_but_the_lm_head_unaligned_and_zero_row_ones_runs_fp8():
     model = Qwen3ForCausalLM(tiny_target_config(num_hidden_layers=2))
     model.model.layers[1].mlp.down_proj = torch.nn.Linear(48, 24, bias=False)  # 24: not a multiple of 16
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[3] = 0  # a pruned output: a zero row-wise scale, NaN
     chosen = sorted(name for name, module in model.named_modules() if fp8.quantizable(module, name))
     per_layer = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"] + [f"self_attn.{p}_proj" for p in "kqov"]
     expected = [f"model.layers.{i}.{p}" for i in range(2) for p in sorted(per_layer)]
-    assert chosen == [name for name in expected if name != "model.layers.1.mlp.down_proj"]
+    left = ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj")
+    assert chosen == [name for name in expected if name not in left]
 
 
 def test_what_each_host_is_told(monkeypatch):
