@@ -205,7 +205,7 @@ class Target:
 
     @functools.cached_property
     def _linear_kernels(self) -> documents.LinearAttentionKernels:
-        kernels = self._chosen_kernels or documents.kernels_for(self.device)
+        kernels = self._chosen_kernels if self._chosen_kernels is not None else documents.kernels_for(self.device)
         logger.info("packed rows: %d linear-attention layers run on %s", len(self._linear_mixers), kernels.name)
         return kernels
 

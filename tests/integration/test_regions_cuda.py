@@ -26,6 +26,10 @@ from dflash.train.step import drafter_forward_loss, drafter_step
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward needs CUDA")
 
 
+#: The micro-batches each step runs (gradients zeroed before each: the last one's are compared).
+SEEDS = (2, 3)
+
+
 def _flex_drafter(arch: str) -> DFlashDraftModel:
     """5 layers (4 sliding, 1 full) at head_dim 16, flex_attention's smallest tile width."""
     target = tiny_target_config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -81,7 +85,7 @@ def test_regional_and_whole_step_compiles_agree_on_cuda(arch, monkeypatch):
         else:
             step_fn, regions = compile_step(scope, 800 + index + (10 if arch == "dflash2" else 0), "inductor")
         watch = StepWatch(scope, regions)
-        for seed in (2, 3):
+        for seed in SEEDS:
             model.zero_grad(set_to_none=True)
             watch.before()
             stats = drafter_step(
@@ -92,17 +96,17 @@ def test_regional_and_whole_step_compiles_agree_on_cuda(arch, monkeypatch):
                 settings=settings,
                 position_weight=settings.position_weight("cuda"),
             )
-            watch.after(seed - 1, 40)
+            watch.after(SEEDS.index(seed) + 1, 40)
         assert watch.healthy(), (scope, watch.summary())
         results[scope] = (stats, {n: p.grad.float() for n, p in model.named_parameters()}, regions)
-    truth = _fp32_gradients(
-        models["eager"], heads, micro_batch(models["eager"], 3, "cuda", torch.bfloat16), settings, monkeypatch
-    )
+    last_batch = micro_batch(models["eager"], SEEDS[-1], "cuda", torch.bfloat16)  # what the grads above are of
+    truth = _fp32_gradients(models["eager"], heads, last_batch, settings, monkeypatch)
     stats, _, regions = results["regional"]
     torch.testing.assert_close(stats, results["eager"][0], rtol=2e-2, atol=2e-2)
     for name, want in truth.items():  # some start at 0 (DFlash2's zero-initialised selector factor)
         error = {scope: float((grads[name] - want).norm()) for scope, (_, grads, _) in results.items()}
-        assert error["regional"] <= 2 * max(error["step"], error["eager"]) + 1e-6, (name, error, float(want.norm()))
+        scale = float(want.norm())
+        assert error["regional"] <= 2 * max(error["step"], error["eager"]) + 1e-4 * scale + 1e-6, (name, error, scale)
     layer, chunk = regions
     print(arch, "layer graphs", layer.backend.compiles(), "chunk graphs", chunk.backend.compiles())
     # The first layer (its input needs no gradient), sliding and full layers (their BlockMasks'

@@ -72,5 +72,5 @@ def test_an_all_zero_activation_row_stays_zero_instead_of_nan(monkeypatch):
     ids = torch.tensor([[5, 6, 7, pad, pad], [8, 9, pad, pad, pad]])
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
-    assert not states[0][ids == pad].any()  # what the first layer's q/k/v projections get at the pads
+    assert not states[0][ids == pad].any()  # the premise: the decoder starts from zero rows at the pads
     assert all(torch.isfinite(h).all() for h in states)
