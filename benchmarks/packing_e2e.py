@@ -242,7 +242,10 @@ def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool, targ
     out = workdir / mode
     flags = train_flags(args, target, data, out, pack=pack, target_dtype=target_dtype)
     command = [sys.executable, "-m", "dflash", "train", *flags]
-    run = run_logged(command, (args.log_dir or workdir) / f"train_{mode}.log", timeout=args.timeout)
+    logs = args.log_dir or workdir
+    run = run_logged(command, logs / f"train_{mode}.log", timeout=args.timeout)
+    for trace in out.glob("profile_step*.json.gz"):  # --profile-step's trace outlives the run directory
+        shutil.move(trace, logs / f"{mode}_{trace.name}")
     shutil.rmtree(out, ignore_errors=True)  # checkpoints of a 1B drafter: gigabytes each
     log, wall = run.checked(f"dflash train ({mode})").log, run.seconds
     return {**parse_summary(log), "first_step_s": first_step_seconds(log), "wall_s": wall}
@@ -326,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of dflash train --target-dtype values (auto: bf16 on a GPU; fp8); each mode runs per value",
     )
     parser.add_argument(
-        "--profile-step", type=int, default=0, help="dflash train --profile-step: that step's GPU time by kernel kind"
+        "--profile-step",
+        type=int,
+        default=0,
+        help="dflash train --profile-step: that step's GPU time by kernel kind; its trace is kept in --log-dir",
     )
     parser.add_argument("--workdir", type=Path, default=None, help="where the target, data and runs go")
     parser.add_argument("--log-dir", type=Path, default=None, help="where each run's log is written as it runs")

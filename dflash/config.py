@@ -258,7 +258,7 @@ class TrainConfig:
     """A step that makes no progress for this many minutes writes every thread's stack to stderr, and again every
     as many minutes while it stays stuck (training goes on if it moves again); 0 = never."""
     profile_step: int = 0
-    """Record this step with torch.profiler: a Chrome trace `profile_step<N>.json` in --out and a log line of the
+    """Record this step with torch.profiler: a Chrome trace `profile_step<N>.json.gz` in --out and a log line of the
     GPU time by kernel kind (matmuls, flex_attention, compiled fusions, eager elementwise, ...) for the step, the
     target's forward and the drafter's step; 0 = off. Pick a step after the first (its compiles); the steady-state
     summary leaves the profiled step out."""

@@ -61,9 +61,9 @@ def marked(name: str) -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def profiled_step(step: int, out: Path, devices: Iterable[torch.device]) -> Iterator[None]:
-    """Profile the block (one training step) on ``devices``; then write ``profile_step{step}.json``
-    (Chrome trace) into ``out`` and log the GPU time by kernel kind, summed over the devices (CPU
-    time of ops on a CPU run)."""
+    """Profile the block (one training step) on ``devices``; then write ``profile_step{step}.json.gz``
+    (gzipped Chrome trace) into ``out`` and log the GPU time by kernel kind, summed over the
+    devices (CPU time of ops on a CPU run), and each stage's slowest eager ops (:func:`eager_ops`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda_devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
@@ -73,12 +73,13 @@ def profiled_step(step: int, out: Path, devices: Iterable[torch.device]) -> Iter
         yield
         for device in cuda_devices:  # kernels still running when the profiler stops are dropped
             torch.cuda.synchronize(device)
-    trace = out / f"profile_step{step}.json"
+    trace = out / f"profile_step{step}.json.gz"
     unit = f"GPU kernel time on {', '.join(map(str, cuda_devices))}" if cuda else "CPU time of ops (no GPU)"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace))
-        logger.info("step %d profile (%s): %s; trace %s", step, unit, format_tables(step_tables(prof, cuda)), trace)
+        prof.export_chrome_trace(str(trace))  # gzipped: a 27B step's trace is hundreds of MB as text
+        tables = format_tables(step_tables(prof, cuda)) + format_ops(eager_ops(prof, cuda))
+        logger.info("step %d profile (%s): %s; trace %s", step, unit, tables, trace)
     except Exception:  # a diagnostic must not end the training run
         logger.exception("step %d profile: reading the profiler's results failed; training goes on", step)
 
@@ -124,6 +125,33 @@ def step_tables(prof, cuda: bool) -> dict[str, dict[str, float]]:
         elif event.name not in _STAGES:
             table[kernel_kind(event.name)] += event.self_cpu_time_total / 1e3
     return {name: dict(table) for name, table in tables.items()}
+
+
+def eager_ops(prof, cuda: bool, top: int = 6) -> dict[str, list[tuple[str, float]]]:
+    """Per marked stage, the ops whose kernels :data:`OTHER_KIND` holds (eager elementwise work:
+    what a fusion would remove), by the op that launched them, the ``top`` slowest with their
+    milliseconds. A CPU run has no kernels: empty."""
+    if not cuda:
+        return {}
+    events = prof.events()
+    ranges = [e for e in events if e.name in _STAGES and e.device_type == torch.autograd.DeviceType.CPU]
+    by_stage: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
+            continue
+        stage = _stage_of(event, ranges)
+        for kernel in event.kernels if stage is not None else ():
+            if kernel_kind(kernel.name) == OTHER_KIND:
+                by_stage[stage][event.name] += kernel.duration / 1e3
+    return {stage: sorted(ops.items(), key=lambda kv: -kv[1])[:top] for stage, ops in by_stage.items()}
+
+
+def format_ops(ops: dict[str, list[tuple[str, float]]]) -> str:
+    """One line per stage of :func:`eager_ops`."""
+    return "".join(
+        f"\n  {stage}, eager ops: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in slowest)
+        for stage, slowest in ops.items()
+    )
 
 
 def _stage_of(event, ranges: list) -> str | None:

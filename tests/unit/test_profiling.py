@@ -1,6 +1,8 @@
 """``dflash train --profile-step``: the profiled step's trace and its time by kernel kind and stage
 (:mod:`dflash.profiling`). The CPU run checks the plumbing; the kinds are CUDA kernel names."""
 
+import gzip
+import json
 import logging
 import threading
 
@@ -46,8 +48,9 @@ def test_a_profiled_step_writes_its_trace_and_logs_each_stage(tmp_path, caplog):
     )
     with caplog.at_level(logging.INFO, logger="dflash.profiling"):
         Trainer(settle(config)).train()
-    assert (tmp_path / "run" / "profile_step2.json").stat().st_size > 0
-    assert not (tmp_path / "run" / "profile_step1.json").exists()
+    with gzip.open(tmp_path / "run" / "profile_step2.json.gz") as trace:
+        assert json.load(trace)["traceEvents"]
+    assert not (tmp_path / "run" / "profile_step1.json.gz").exists()
     (line,) = [r.getMessage() for r in caplog.records if r.name == "dflash.profiling"]
     assert line.startswith("step 2 profile (CPU time of ops (no GPU)):"), line
     tables = dict(part.split(": ", 1) for part in line.splitlines()[1:])
@@ -82,6 +85,40 @@ def test_a_backward_run_in_another_thread_counts_for_the_drafter_range_that_wait
     assert {profiling._stage_of(e, ranges) for e in relu_grads} == {profiling.DRAFTER_RANGE}
     tables = profiling.step_tables(prof, cuda=False)
     assert tables[profiling.DRAFTER_RANGE]["matmul"] > 0 and tables[profiling.BACKWARD]["matmul"] > 0, tables
+
+
+def test_each_stage_names_its_slowest_eager_ops_by_the_op_that_launched_them():
+    """What ``--profile-step`` logs under each stage's kinds on CUDA, from the profiler's events
+    (stand-ins here: the CPU has no kernels)."""
+    from types import SimpleNamespace
+
+    cpu = torch.autograd.DeviceType.CPU
+    span = SimpleNamespace(start=0, end=100)
+
+    def op(name, parent=None, kernels=()):
+        kernels = [SimpleNamespace(name=k, duration=us) for k, us in kernels]
+        return SimpleNamespace(name=name, device_type=cpu, cpu_parent=parent, kernels=kernels, time_range=span)
+
+    drafter, target = op(profiling.DRAFTER_RANGE), op(profiling.TARGET_RANGE)
+    events = [
+        drafter,
+        target,
+        op("aten::mul", drafter, [("vectorized_elementwise_kernel<mul>", 3000), ("elementwise_kernel<mul>", 500)]),
+        op("aten::mm", drafter, [("nvjet_tst_128x256", 9000)]),
+        op("aten::_to_copy", drafter, [("unrolled_elementwise_kernel<copy>", 1000)]),
+        op("aten::add", target, [("vectorized_elementwise_kernel<add>", 250)]),
+        op("aten::mul", None, [("vectorized_elementwise_kernel<mul>", 7000)]),  # outside both stages
+    ]
+    ops = profiling.eager_ops(SimpleNamespace(events=lambda: events), cuda=True)
+    assert ops == {
+        profiling.DRAFTER_RANGE: [("aten::mul", 3.5), ("aten::_to_copy", 1.0)],
+        profiling.TARGET_RANGE: [("aten::add", 0.25)],
+    }
+    assert (
+        profiling.format_ops(ops).splitlines()[1]
+        == f"  {profiling.DRAFTER_RANGE}, eager ops: aten::mul 3.5 ms, aten::_to_copy 1.0 ms"
+    )
+    assert profiling.eager_ops(SimpleNamespace(events=lambda: events), cuda=False) == {}
 
 
 def test_a_resume_does_not_carry_the_saved_profile_step_over():
