@@ -120,8 +120,9 @@ def quantize_target(model: torch.nn.Module) -> Fp8Report:
     # set_inductor_config=False: torchao would otherwise change inductor's process-wide settings,
     # which the drafter's compiled step reads too. activation_value_lb: a token's scale is its
     # row's amax / 448, so an all-zero row (a padding token whose embedding is zero, as
-    # transformers initialises a pad row) would be divided by a zero scale into NaN, which the
-    # drafter's attention then reads through masked keys (0 * NaN); the floor keeps it zero.
+    # transformers initialises a pad row) would be divided by a zero scale into NaN, which
+    # attention (the target's, then the drafter's) spreads to every token through masked keys
+    # (0 * NaN); the floor keeps it zero.
     config = Float8DynamicActivationFloat8WeightConfig(
         granularity=PerRow(), set_inductor_config=False, activation_value_lb=ACTIVATION_AMAX_FLOOR
     )
