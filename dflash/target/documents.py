@@ -317,8 +317,12 @@ FLA_FUSED_KERNELS = LinearAttentionKernels(
 
 
 def kernels_for(device: torch.device) -> LinearAttentionKernels:
-    """flash-linear-attention's Triton kernels on CUDA when installed, else the exact reference."""
-    return FLA_KERNELS if device.type == "cuda" and fla_available() else REFERENCE_KERNELS
+    """flash-linear-attention's varlen conv and delta rule on CUDA when installed, else the exact
+    reference. The varlen conv keeps packed documents within the same packing bar as the segmented
+    conv (both 1.625 at 16 layers of the Qwen3.6-27B layout) and runs the target 1.09x faster
+    (``benchmarks/target_profile.py --kernels``, docs/results.md 2026-12-05); the fused sets do not
+    keep the bar."""
+    return FLA_CONV_KERNELS if device.type == "cuda" and fla_available() else REFERENCE_KERNELS
 
 
 def linear_layers(model) -> dict[int, torch.nn.Module]:

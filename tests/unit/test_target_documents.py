@@ -211,3 +211,13 @@ def test_a_document_mask_without_the_window_changes_the_later_documents(sliding_
     out = target.decoder_forward(batch.input_ids, position_ids=batch.position_ids, attention_mask=mask)
     windowless = TargetStates(target.select(out.hidden_states), out.hidden_states[-1])
     assert _worst_later_difference(target, windowless, batch) > 1e-3
+
+
+def test_cuda_takes_flash_linear_attentions_varlen_conv_and_the_cpu_the_reference(monkeypatch):
+    """The trainer's kernels: the set measured to keep the packing bar at the user's layout and run
+    fastest of those that do (docs/results.md); the CPU, or CUDA without the package, the reference."""
+    monkeypatch.setattr(documents, "fla_available", lambda: True)
+    assert documents.kernels_for(torch.device("cuda", 0)) is documents.FLA_CONV_KERNELS
+    assert documents.kernels_for(torch.device("cpu")) is documents.REFERENCE_KERNELS
+    monkeypatch.setattr(documents, "fla_available", lambda: False)
+    assert documents.kernels_for(torch.device("cuda", 0)) is documents.REFERENCE_KERNELS
