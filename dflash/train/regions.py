@@ -12,12 +12,11 @@ chunk calls them, so each compiles once per kind of call (:data:`GRAPHS_PER_SHAP
 layers and chunks there are. What stays eager is the glue around them: the draft-token
 embedding, the drafter's input projection, norms and rotary tables, label building, and the
 chunks' sums; elementwise work over the step's tokens next to the regions' matmuls and attention.
-On a 2-core CPU (``benchmarks/first_step.py``: 5 layers, 8 rows x 64 anchors, 32 chunks) the first
-step came 28.8 s after the drafter was built regional and 108.1 s as one graph, and the later steps
-ran at 0.96x (one drafter thread) and 0.92x (two) the one graph's speed (``docs/results.md``). The
-default stays the one graph until the GPU's steady-state speed of both is measured: over a run of
-hours a few percent per step outweighs minutes saved once (and a resume is warm from
-``compile_cache.bin``).
+On one H100 with the user's drafter (5 layers at the Qwen3.6-27B width, 2 rows x 512 anchors,
+``docs/results.md`` 2026-12-05) the first step came 84 s after the drafter was built regional and
+246 s as one graph, cold, and the later steps ran at 0.94x the one graph's speed: the one graph
+repays its compile after about 4,000 steps, and a drafter run is tens of thousands (a resume is
+warm from ``compile_cache.bin``), so it stays the default.
 
 PyTorch's recipe for this: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html.
 """
