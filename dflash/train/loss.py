@@ -18,6 +18,7 @@ micro-batches, all ranks), not per micro-batch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -218,17 +219,25 @@ def dflash_loss(
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
     selector_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     drafter_sum = torch.zeros((), dtype=torch.float32, device=hidden.device) if selecting else None
-    for start in range(0, rows.shape[0], chunk_blocks):
-        part = slice(start, start + chunk_blocks)
+    # split, not a slice per chunk: autograd then gathers the chunks' gradients in one cat, where
+    # each slice's backward would build a zero tensor of rows' full size and add it to the rest.
+    chunks = zip(
+        rows.split(chunk_blocks),
+        labels.split(chunk_blocks),
+        label_mask.split(chunk_blocks),
+        teacher_rows.split(chunk_blocks) if soft else itertools.repeat(None),
+        predecessors.split(chunk_blocks) if selecting else itertools.repeat(None),
+    )
+    for chunk_rows, chunk_labels, chunk_mask, chunk_teacher, chunk_predecessors in chunks:
         objective, chunk_drafter, chunk_weight, chunk_correct, chunk_selector = chunk_fn(
-            rows[part],
+            chunk_rows,
             lm_head_weight,
-            labels[part],
-            label_mask[part],
+            chunk_labels,
+            chunk_mask,
             weights,
-            teacher_rows[part] if soft else None,
+            chunk_teacher,
             selector if selecting else None,
-            predecessors[part] if selecting else None,
+            chunk_predecessors,
             soft_label_weight=soft_label_weight,
             position_weighting=position_weighting,
             dpace_alpha=dpace_alpha,

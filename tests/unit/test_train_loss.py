@@ -154,6 +154,30 @@ def test_chunks_never_save_full_logits_for_backward():
     assert not logits_like, f"tensors with a vocabulary axis were kept for backward: {logits_like}"
 
 
+def test_the_backward_gathers_the_chunks_gradients_once_not_once_per_chunk():
+    """Each chunk's gradient must land in ``hidden``'s in one gather: a slice per chunk makes
+    autograd build a zero tensor of ``hidden``'s full size per chunk and add them all up, work
+    that grows with chunks x tokens and runs eager between the regional compile's graphs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    hidden, weight, labels, label_mask, _, _ = _inputs()
+    out = L.dflash_loss(hidden, weight, labels, label_mask, L.position_weights(BS, 2.0), chunk_blocks=1)
+    full_size = []
+
+    class FullSizeOutputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, torch.Tensor) and result.numel() == hidden.numel():
+                full_size.append(str(func))
+            return result
+
+    with FullSizeOutputs():
+        out.loss_sum.backward()
+    chunks = B * N
+    assert chunks == 10 and hidden.grad is not None
+    assert 1 <= len(full_size) <= 3, f"{len(full_size)} full-size tensors for {chunks} chunks: {full_size}"
+
+
 def test_dpace_weights_pin_specforge_and_speculators():
     """Their definition (SpecForge ``_dpace_weight``, speculators ``dpace_loss_decay``), by hand.
 
