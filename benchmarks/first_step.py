@@ -14,9 +14,9 @@ Every run is a fresh ``dflash train --compile on`` interpreter with the threaded
 - **cold**: an empty inductor and Triton cache of its own;
 - **warm**: a new run on the cache the cold run filled (the same host, the next day).
 
-Then a resume on another host: the last cold run (it saves, with ``compile_cache.bin``,
-:mod:`dflash.run.compile_cache`) resumed in a fresh process on a new empty cache, once with the
-file and once from a copy without it.
+Then a resume on another host: the last cold run (it saves, with ``compile_cache.bin`` and
+``triton_autotune.json``, :mod:`dflash.run.compile_cache`) resumed in a fresh process on a new
+empty cache, once with the files and once from a copy without them.
 
 The figure is the trainer's own: seconds from its ``drafter:`` log line to its first ``step N/M``
 line (the step's compiles plus one step; model and data loading excluded), and the mean drafter
@@ -38,6 +38,8 @@ from datetime import datetime
 from pathlib import Path
 
 from runs import run_logged
+
+from dflash.run.layout import AUTOTUNE_NAME, COMPILE_CACHE_NAME
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             run = work / f"run-{args.scopes[-1]}-{len(args.layouts) - 1}"
             bare = work / "run-without-artifacts"
             shutil.copytree(run, bare)
-            (bare / "compile_cache.bin").unlink()
+            for name in (COMPILE_CACHE_NAME, AUTOTUNE_NAME):
+                (bare / name).unlink(missing_ok=True)
             resume = ["--resume", "--steps", str(2 * args.steps)]
             with_file, _ = train([*base, *resume, "--out", str(run)], work / "cache-host-2", work / "resume.log")
             without, _ = train([*base, *resume, "--out", str(bare)], work / "cache-host-3", work / "resume-bare.log")

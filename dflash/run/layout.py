@@ -33,6 +33,8 @@ REGENERATED_NAME = "regenerated_train.jsonl"
 TOKENS_DIR = "tokenized"
 #: The compile artifacts (:mod:`dflash.run.compile_cache`).
 COMPILE_CACHE_NAME = "compile_cache.bin"
+#: Triton's autotune results of kernels run outside the compiled step (:mod:`dflash.run.compile_cache`).
+AUTOTUNE_NAME = "triton_autotune.json"
 _RUN_FILES = {
     SAVED_CONFIG_NAME,
     CHECKPOINTS_DIR,
@@ -42,6 +44,7 @@ _RUN_FILES = {
     TOKENS_DIR,
     ACCEPTANCE_NAME,
     COMPILE_CACHE_NAME,
+    AUTOTUNE_NAME,
 }
 
 
