@@ -76,7 +76,10 @@ class _CandidateLogits(torch.autograd.Function):
         ctx.save_for_backward(candidates)
         ctx.weight, ctx.hidden_dtype = weight, hidden.dtype
         rows = weight[candidates]  # [C, Bs, K, H]
-        return torch.einsum("cbh,cbkh->cbk", hidden.to(rows.dtype), rows).float()
+        logits = torch.einsum("cbh,cbkh->cbk", hidden.to(rows.dtype), rows)
+        # A no-op .float() returns an alias of the intermediate, whose gradient torch 2.11's
+        # dynamo sends to the wrong output (pytorch/pytorch#180642).
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     @staticmethod
     def backward(ctx, grad_logits):

@@ -357,6 +357,25 @@ def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_ba
     torch.testing.assert_close(ours, hidden.grad)
 
 
+def test_the_candidates_logits_compiled_in_float32_give_eagers_gradient():
+    """torch 2.11's dynamo routed the gradient of an autograd.Function output that aliases an
+    intermediate (here a no-op ``.float()`` of float32 logits) to the wrong slot
+    (pytorch/pytorch#180642): a float32 compiled DFlash2 step trained on a wrong selector gradient."""
+    from dflash.train.selector_loss import _CandidateLogits
+
+    gen = torch.Generator().manual_seed(7)
+    hidden0 = torch.randn(3, 4, 16, generator=gen)
+    weight, candidates = torch.randn(40, 16, generator=gen), torch.randint(0, 40, (3, 4, 3), generator=gen)
+
+    def gradient(fn):
+        hidden = hidden0.clone().requires_grad_(True)
+        fn(hidden, weight, candidates).square().sum().backward()
+        return hidden.grad
+
+    compiled = torch.compile(_CandidateLogits.apply, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(gradient(compiled), gradient(_CandidateLogits.apply))
+
+
 def test_an_arch_that_contradicts_the_init_from_drafter_is_refused(tmp_path):
     from tiny import save_random_drafter
 
