@@ -199,8 +199,11 @@ def dflash_loss(
     if not 0.0 <= soft_label_weight <= 1.0:
         raise ValueError(f"soft_label_weight must be in [0, 1], got {soft_label_weight}")
     soft = soft_label_weight > 0.0
-    if soft and (teacher_hidden is None or anchors is None):
-        raise ValueError("soft_label_weight > 0 needs teacher_hidden [B, S, H] and anchors [B, N]")
+    if soft and (teacher_hidden is None or anchors is None or anchors.shape != (batch, num_blocks)):
+        raise ValueError(
+            f"soft_label_weight > 0 needs teacher_hidden [B, S, H] and anchors [B, N] = {(batch, num_blocks)}, got "
+            f"{None if anchors is None else tuple(anchors.shape)}"
+        )
     selecting = selector is not None and selector_weight > 0
     if selecting and (predecessors is None or predecessors.shape != labels.shape):
         raise ValueError(f"a selector needs predecessors [B, N, Bs] = {tuple(labels.shape)}")

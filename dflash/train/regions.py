@@ -14,12 +14,11 @@ embedding, the drafter's input projection, norms and rotary tables, label buildi
 chunks' sums; elementwise work over the step's tokens next to the regions' matmuls and attention.
 On one H100 with the user's drafter (5 layers at the Qwen3.6-27B width, 2 rows x 512 anchors,
 ``docs/results.md`` 2026-12-05) the first step came 84 s after the drafter was built regional and
-246 s as one graph, cold, and the later steps ran at 0.94x the one graph's speed, which repays
-its compile after about 4,000 steps of a run of tens of thousands (a resume is warm from
-``compile_cache.bin``). A third of that gap (14 of 39 ms a step) was the loss chunks'
-gradients gathered by one full-size add per chunk, eager between the regions; they are gathered
-in one ``cat`` now (on the CPU the ratio went from 0.93x to 0.99x). Until the GPU's ratio is
-measured again, the one graph stays the default.
+246 s as one graph, cold, and the drafter step then took 24 ms (5%) longer regional: the one graph
+repaid its compile after about 6,700 steps of a run of tens of thousands (a resume is warm from
+``compile_cache.bin``). 14 ms of those 24 were the loss chunks' gradients gathered by one
+full-size add per chunk, eager between the regions; they are gathered in one ``cat`` now. Until
+the GPU's ratio is measured again, the one graph stays the default.
 
 PyTorch's recipe for this: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html.
 """
