@@ -11,7 +11,8 @@ speculators measured eagle3 / DFlash drafters trained on FP8 hidden states of Qw
 many tokens as on bf16 ones. ``benchmarks/fp8_target.py`` measures the tapped states' deviation,
 FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's speed. Measured on
 an H100 (16 layers of the Qwen3.6-27B layout, ``docs/results.md``): this eager form runs the
-forward at 0.8-0.9x bf16's speed (two runs), since each activation is quantized in several kernels
+forward at 0.8-0.9x bf16's speed alone (two runs) and 0.68x inside a training run (0.91x end to
+end), since each activation is quantized in several kernels
 before its matmul (with every decoder layer compiled it draws level with bf16); what it gives is
 half the target's weight memory.
 
