@@ -18,7 +18,9 @@ On one H100 with the user's drafter (5 layers at the Qwen3.6-27B width, 2 rows x
 repaid its compile after about 6,700 steps of a run of tens of thousands (a resume is warm from
 ``compile_cache.bin``). 14 ms of those 24 were the loss chunks' gradients gathered by one
 full-size add per chunk, eager between the regions; they are gathered in one ``cat`` now. Until
-the GPU's ratio is measured again, the one graph stays the default.
+the GPU's ratio is measured again, the one graph stays the default. At the user's full shape on
+an H200 (4 rows, e5ac64f) the regional first step came 98 s cold, 58 s of it the target's first
+forward, and the drafter step then ran at 58.0% MFU.
 
 PyTorch's recipe for this: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html.
 """
