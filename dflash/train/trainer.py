@@ -229,8 +229,7 @@ class Trainer:
             logger.warning("--no-save: no checkpoint will be written, this run cannot be resumed or evaluated")
         logger.info(
             "drafter: %s, %d layer(s), %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d "
-            "replica(s) x %d micro-batch(es) x %d rows x %d tokens (%s); target threads %s, drafter threads %s "
-            "(process %d/%d)",
+            "replica(s) x %d micro-batch(es) x %d rows x %d tokens (%s); %s (process %d/%d)",
             architecture_name(drafter.config),
             drafter.config.num_hidden_layers,
             sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
@@ -243,8 +242,7 @@ class Trainer:
             config.batch_size,
             config.seq_len,
             "packed" if config.pack else "one conversation per row",
-            [s.name for s in self.layout.targets],
-            [s.name for s in self.layout.drafters],
+            self._layout_words(),
             self.process.rank,
             self.process.world_size,
         )
@@ -639,6 +637,15 @@ class Trainer:
     def _compute_dtype(self) -> torch.dtype:
         """What the drafter computes in: bf16 under CUDA autocast, float32 on CPU."""
         return torch.bfloat16 if self.layout.device_type == "cuda" else torch.float32
+
+    def _layout_words(self) -> str:
+        """The device layout for the start's log line: the threaded engine's threads, or the local
+        engine's one thread running the target's forward and then the drafter step."""
+        if self.threaded:
+            targets, drafters = ([s.name for s in slots] for slots in (self.layout.targets, self.layout.drafters))
+            return f"target threads {targets}, drafter threads {drafters}"
+        target, drafter = self.layout.targets[0].name, self.layout.drafters[0].name
+        return f"one thread: the target's forward on {target}, then the drafter step on {drafter}"
 
     def load_checkpoint(self) -> None:
         """Restore the latest checkpoint in ``out`` for an exact continuation.
