@@ -12,9 +12,10 @@ many tokens as on bf16 ones. ``benchmarks/fp8_target.py`` measures the tapped st
 FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's speed. Measured
 (``docs/results.md``): at the user's full Qwen3.6-27B shape on an H200 the forward runs at 0.96x
 bf16's speed inside a training run (0.98x end to end) and the peak is 22.6 GiB lower; at a
-16-layer cut on an H100, 0.8-0.9x alone and 0.68x in training. The matmuls take 3.4x less time,
+16-layer cut on an H100, 0.8-0.9x alone and 0.68x in training. The matmuls take half the time,
 but each activation is quantized eagerly in several kernels before its matmul (the same ops
-compiled ran 8.7-10.2x faster); what this form gives is half the target's weight memory.
+compiled ran 8.7-10.2x faster in an H100 benchmark of the ops alone); what this form gives is half
+the target's weight memory.
 
 FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) and
 torchao (``pip install -e '.[fp8]'``); :func:`fp8_problem` says what is missing before anything
