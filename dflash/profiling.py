@@ -4,11 +4,14 @@ the target's forward (:data:`TARGET_RANGE`) and the drafter's forward, loss and 
 (:data:`DRAFTER_RANGE`).
 
 CUPTI sees the kernels of every thread, so in the threaded layout the step's window also holds the
-target thread's forward of a batch ahead; ops are recorded in every thread too
+target thread's forwards of batches ahead; ops are recorded in every thread too
 (``profile_all_threads``, where torch has it). A kernel belongs to the innermost op that launched
 it; a stage table sums the kernels of the ops inside the stage's range, and those of the backward
-the autograd engine runs in its own CUDA thread while the range waits in ``backward()``. Writes a
-Chrome trace (Perfetto) beside the tables for the kernel-by-kernel view.
+the autograd engine runs in its own CUDA thread while the range waits in ``backward()``. What no
+range holds is a table of its own (:data:`OUTSIDE`: the optimizer, and in the threaded layout the
+part of a target forward whose range opened before the profiler started, which the profiler does
+not record), so the tables add up to the step. Writes a Chrome trace (Perfetto) beside the tables
+for the kernel-by-kernel view.
 
 On CUDA the tables are read from that trace, where each kernel names its launching op by
 ``External id``: torch 2.11's ``FunctionEvent.kernels`` gave some ops kernels that were not theirs.
@@ -38,6 +41,8 @@ DRAFTER_RANGE = "dflash.drafter_step"
 _STAGES = (TARGET_RANGE, DRAFTER_RANGE)
 #: The table of backward kernels outside any marked range (:func:`step_tables`).
 BACKWARD = "backward outside a marked step"
+#: The table of the rest: ops in no marked range and no backward (the optimizer's, say).
+OUTSIDE = "outside the marked ranges"
 #: The root op of every node the autograd engine runs.
 _ENGINE_ROOT = "autograd::engine::evaluate_function"
 
@@ -45,12 +50,16 @@ _ENGINE_ROOT = "autograd::engine::evaluate_function"
 #: their prefixes (``triton_tem`` templates hold flex_attention, and GEMMs under max-autotune),
 #: then SDPA's kernels before the cutlass GEMMs some of them are built from.
 KERNEL_KINDS = (
+    ("communication (NCCL)", ("nccl",)),
     ("flex_attention", ("flex_attention",)),
     ("compiled fused (inductor)", ("triton_poi", "triton_red", "triton_per")),
     ("matmul", ("triton_tem_fused_mm", "triton_tem_fused_addmm", "triton_tem_fused_bmm")),
     ("attention (SDPA)", ("fmha", "sdpa", "flash_fwd", "flash_bwd", "efficient_attention", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "scaled_mm", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("Gated DeltaNet (fla)", ("chunk_", "recompute_w_u", "solve_tril", "l2norm_fwd", "_inverse_kernel", "kkt")),
+    (
+        "Gated DeltaNet (fla)",
+        ("chunk_", "recompute_w_u", "solve_tril", "l2norm_fwd", "_inverse_kernel", "kkt", "causal_conv1d"),
+    ),
 )
 OTHER_KIND = "other (eager elementwise, norms, copies)"
 
@@ -85,7 +94,7 @@ def profiled_step(step: int, out: Path, devices: Iterable[torch.device]) -> Iter
     unit = f"GPU kernel time on {', '.join(map(str, cuda_devices))}" if cuda else "CPU time of ops (no GPU)"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace))  # gzipped: a 27B step's trace is hundreds of MB as text
+        prof.export_chrome_trace(str(trace))  # gzipped: a 27B step's trace is tens of MB as text
         if cuda:
             with gzip.open(trace, "rt") as f:
                 tables, ops = trace_tables(json.load(f)["traceEvents"])
@@ -108,12 +117,13 @@ def _all_threads():
 
 
 def step_tables(prof) -> dict[str, dict[str, float]]:
-    """A CPU run's milliseconds by op name (each op's own CPU time; a CPU run has no kernels):
+    """A CPU run's milliseconds by :func:`kernel_kind` of the op's name (each op's own CPU time; a
+    CPU run has no kernels):
 
     - ``"step"``: every op in the window, whichever thread ran it;
     - one table per marked stage (:data:`TARGET_RANGE`, :data:`DRAFTER_RANGE`): the ops run inside
       its range, and the backward nodes run meanwhile in another thread;
-    - :data:`BACKWARD`: backward nodes no marked range waited on.
+    - :data:`BACKWARD`: backward nodes no marked range waited on; :data:`OUTSIDE`: the rest.
     """
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name not in _STAGES]
     ranges = [e for e in prof.events() if e.name in _STAGES and e.device_type == torch.autograd.DeviceType.CPU]
@@ -121,8 +131,8 @@ def step_tables(prof) -> dict[str, dict[str, float]]:
     for event in events:
         ms = event.self_cpu_time_total / 1e3
         tables["step"][kernel_kind(event.name)] += ms
-        if (stage := _stage_of(event, ranges)) is not None:
-            tables.setdefault(stage, defaultdict(float))[kernel_kind(event.name)] += ms
+        stage = _stage_of(event, ranges) or OUTSIDE
+        tables.setdefault(stage, defaultdict(float))[kernel_kind(event.name)] += ms
     return {name: dict(table) for name, table in tables.items()}
 
 
@@ -135,8 +145,8 @@ def trace_tables(events: list[dict], top: int = 6) -> tuple[dict[str, dict[str, 
         - tables: milliseconds by kernel kind for ``"step"`` (every kernel, memcpy and memset in
           the window, whichever thread launched it); for each marked stage (the kernels of the ops
           inside its range, and of the backward nodes the autograd engine ran in its own thread
-          while a :data:`DRAFTER_RANGE` was open); and for :data:`BACKWARD` (backward nodes no
-          range waited on).
+          while a :data:`DRAFTER_RANGE` was open); for :data:`BACKWARD` (backward nodes no range
+          waited on); and for :data:`OUTSIDE` (the rest), so the tables add up to ``"step"``.
         - eager ops: per stage, the ``top`` ops whose kernels are :data:`OTHER_KIND` (eager
           elementwise work: what a fusion would remove), with their milliseconds, slowest first.
     """
@@ -147,10 +157,9 @@ def trace_tables(events: list[dict], top: int = 6) -> tuple[dict[str, dict[str, 
         kind, ms = kernel_kind(kernel["name"]), kernel.get("dur", 0) / 1e3
         tables["step"][kind] += ms
         name, stage = stage_of_op.get(kernel.get("args", {}).get("External id"), (None, None))
-        if stage is None:
-            continue
+        stage = stage or OUTSIDE
         tables.setdefault(stage, defaultdict(float))[kind] += ms
-        if kind == OTHER_KIND:
+        if kind == OTHER_KIND and stage != OUTSIDE:
             eager[stage][name] += ms
     ops = {stage: sorted(by_op.items(), key=lambda kv: -kv[1])[:top] for stage, by_op in eager.items()}
     return {name: dict(table) for name, table in tables.items()}, ops
@@ -168,24 +177,24 @@ def _stages_by_op(events: list[dict]) -> dict[int, tuple[str, str | None]]:
     drafter_spans = [(e["ts"], e["ts"] + e["dur"]) for e in ops if e["name"] == DRAFTER_RANGE]
     stages: dict[int, tuple[str, str | None]] = {}
     for thread in {e["tid"] for e in ops}:
-        enclosing: list[tuple[float, str | None, str]] = []  # (end, stage, root op's name), outermost first
+        enclosing: list[tuple[float, str | None]] = []  # (end, stage) of the ops open here, outermost first
         for op in sorted((e for e in ops if e["tid"] == thread), key=lambda e: (e["ts"], -e["dur"])):
             start, end = op["ts"], op["ts"] + op["dur"]
             while enclosing and enclosing[-1][0] <= start:
                 enclosing.pop()
-            stage, root = (enclosing[-1][1], enclosing[0][2]) if enclosing else (None, op["name"])
+            stage = enclosing[-1][1] if enclosing else None
             if op["name"] in _STAGES:
                 stage = op["name"]
-            elif stage is None and root.startswith(_ENGINE_ROOT):
+            elif stage is None and op["name"].startswith(_ENGINE_ROOT):
                 stage = DRAFTER_RANGE if any(s <= start and end <= e for s, e in drafter_spans) else BACKWARD
-            enclosing.append((end, stage, root))
+            enclosing.append((end, stage))
             if (op_id := op.get("args", {}).get("External id")) is not None:
                 stages[op_id] = (op["name"], stage)
     return stages
 
 
 def format_ops(ops: dict[str, list[tuple[str, float]]]) -> str:
-    """One line per stage of :func:`eager_ops`."""
+    """One line per stage of :func:`trace_tables`' eager ops."""
     return "".join(
         f"\n  {stage}, eager ops: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in slowest)
         for stage, slowest in ops.items()
