@@ -125,10 +125,10 @@ def step_tables(prof) -> dict[str, dict[str, float]]:
       its range, and the backward nodes run meanwhile in another thread;
     - :data:`BACKWARD`: backward nodes no marked range waited on; :data:`OUTSIDE`: the rest.
     """
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name not in _STAGES]
-    ranges = [e for e in prof.events() if e.name in _STAGES and e.device_type == torch.autograd.DeviceType.CPU]
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    ranges = [e for e in cpu if e.name in _STAGES]
     tables: dict[str, dict[str, float]] = {"step": defaultdict(float)}
-    for event in events:
+    for event in (e for e in cpu if e.name not in _STAGES):
         ms = event.self_cpu_time_total / 1e3
         tables["step"][kernel_kind(event.name)] += ms
         stage = _stage_of(event, ranges) or OUTSIDE
