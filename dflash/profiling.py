@@ -13,8 +13,8 @@ part of a target forward whose range opened before the profiler started, which t
 not record), so the tables add up to the step. Writes a Chrome trace (Perfetto) beside the tables
 for the kernel-by-kernel view.
 
-On CUDA the tables are read from that trace, where each kernel names its launching op by
-``External id``: torch 2.11's ``FunctionEvent.kernels`` gave some ops kernels that were not theirs.
+The tables are read from that trace, where each kernel names its launching op by ``External id``:
+torch 2.11's ``FunctionEvent.kernels`` gave some ops kernels that were not theirs.
 At the user's shape on an H200 its stage tables summed to 2,278 ms of kernels in a step of
 1,636 ms; the trace gives the target's forward 785 ms where they gave 1,188 ms
 (``docs/results.md``).
@@ -28,6 +28,7 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,12 +40,14 @@ TARGET_RANGE = "dflash.target_forward"
 #: The range around :func:`dflash.train.step.drafter_step` (forward, loss and backward).
 DRAFTER_RANGE = "dflash.drafter_step"
 _STAGES = (TARGET_RANGE, DRAFTER_RANGE)
-#: The table of backward kernels outside any marked range (:func:`step_tables`).
+#: The table of backward kernels outside any marked range (:func:`trace_tables`).
 BACKWARD = "backward outside a marked step"
 #: The table of the rest: ops in no marked range and no backward (the optimizer's, say).
 OUTSIDE = "outside the marked ranges"
 #: The root op of every node the autograd engine runs.
 _ENGINE_ROOT = "autograd::engine::evaluate_function"
+#: Trace categories of work on the GPU.
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 #: Kernel kinds by CUDA kernel names (CPU: op names), first match wins: inductor's kernels by
 #: their prefixes (``triton_tem`` templates hold flex_attention, and GEMMs under max-autotune),
@@ -95,11 +98,8 @@ def profiled_step(step: int, out: Path, devices: Iterable[torch.device]) -> Iter
     try:
         out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))  # gzipped: a 27B step's trace is tens of MB as text
-        if cuda:
-            with gzip.open(trace, "rt") as f:
-                tables, ops = trace_tables(json.load(f)["traceEvents"])
-        else:
-            tables, ops = step_tables(prof), {}
+        with gzip.open(trace, "rt") as f:
+            tables, ops = trace_tables(json.load(f)["traceEvents"], cuda)
         logger.info("step %d profile (%s): %s; trace %s", step, unit, format_tables(tables) + format_ops(ops), trace)
     except Exception:  # a diagnostic must not end the training run
         logger.exception("step %d profile: reading the profiler's results failed; training goes on", step)
@@ -116,81 +116,79 @@ def _all_threads():
         return None
 
 
-def step_tables(prof) -> dict[str, dict[str, float]]:
-    """A CPU run's milliseconds by :func:`kernel_kind` of the op's name (each op's own CPU time; a
-    CPU run has no kernels):
-
-    - ``"step"``: every op in the window, whichever thread ran it;
-    - one table per marked stage (:data:`TARGET_RANGE`, :data:`DRAFTER_RANGE`): the ops run inside
-      its range, and the backward nodes run meanwhile in another thread;
-    - :data:`BACKWARD`: backward nodes no marked range waited on; :data:`OUTSIDE`: the rest.
-    """
-    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    ranges = [e for e in cpu if e.name in _STAGES]
-    tables: dict[str, dict[str, float]] = {"step": defaultdict(float)}
-    for event in (e for e in cpu if e.name not in _STAGES):
-        ms = event.self_cpu_time_total / 1e3
-        tables["step"][kernel_kind(event.name)] += ms
-        stage = _stage_of(event, ranges) or OUTSIDE
-        tables.setdefault(stage, defaultdict(float))[kernel_kind(event.name)] += ms
-    return {name: dict(table) for name, table in tables.items()}
-
-
-def trace_tables(events: list[dict], top: int = 6) -> tuple[dict[str, dict[str, float]], dict[str, list]]:
-    """A CUDA step's kernel time from its Chrome trace's ``traceEvents`` (the profiler's export).
+def trace_tables(events: list[dict], cuda: bool, top: int = 6) -> tuple[dict[str, dict[str, float]], dict[str, list]]:
+    """A step's time from its Chrome trace's ``traceEvents`` (the profiler's export): on CUDA each
+    kernel, memcpy and memset by the op that launched it (its ``External id``); on a CPU run, which
+    has no kernels, each op's own CPU time.
 
     Returns:
         tuple: (tables, eager ops).
 
-        - tables: milliseconds by kernel kind for ``"step"`` (every kernel, memcpy and memset in
-          the window, whichever thread launched it); for each marked stage (the kernels of the ops
-          inside its range, and of the backward nodes the autograd engine ran in its own thread
-          while a :data:`DRAFTER_RANGE` was open); for :data:`BACKWARD` (backward nodes no range
-          waited on); and for :data:`OUTSIDE` (the rest), so the tables add up to ``"step"``.
-        - eager ops: per stage, the ``top`` ops whose kernels are :data:`OTHER_KIND` (eager
-          elementwise work: what a fusion would remove), with their milliseconds, slowest first.
+        - tables: milliseconds by :func:`kernel_kind` for ``"step"`` (everything in the window,
+          whichever thread ran it); for each marked stage (what the ops inside its range ran, and
+          the backward nodes the autograd engine ran in its own thread while a
+          :data:`DRAFTER_RANGE` was open); for :data:`BACKWARD` (backward nodes no range waited
+          on); and for :data:`OUTSIDE` (the rest), so the tables add up to ``"step"``.
+        - eager ops (CUDA only): per stage, the ``top`` ops whose kernels are :data:`OTHER_KIND`
+          (eager elementwise work: what a fusion would remove), with their milliseconds, slowest
+          first.
     """
-    stage_of_op = _stages_by_op(events)
+    ops = _ops_in_stages(events)
+    if cuda:
+        work = [
+            (kernel_kind(e["name"]), e.get("dur", 0) / 1e3, ops.get(e.get("args", {}).get("External id")))
+            for e in events
+            if e.get("cat") in _DEVICE_WORK
+        ]
+    else:
+        work = [(kernel_kind(op.name), op.self_ms, op) for op in ops.values() if op.name not in _STAGES]
     tables: dict[str, dict[str, float]] = {"step": defaultdict(float)}
     eager: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for kernel in (e for e in events if e.get("cat") in _DEVICE_WORK):
-        kind, ms = kernel_kind(kernel["name"]), kernel.get("dur", 0) / 1e3
+    for kind, ms, op in work:
         tables["step"][kind] += ms
-        name, stage = stage_of_op.get(kernel.get("args", {}).get("External id"), (None, None))
-        stage = stage or OUTSIDE
+        stage = (op.stage if op is not None else None) or OUTSIDE
         tables.setdefault(stage, defaultdict(float))[kind] += ms
-        if kind == OTHER_KIND and stage != OUTSIDE:
-            eager[stage][name] += ms
-    ops = {stage: sorted(by_op.items(), key=lambda kv: -kv[1])[:top] for stage, by_op in eager.items()}
-    return {name: dict(table) for name, table in tables.items()}, ops
+        if cuda and kind == OTHER_KIND and stage != OUTSIDE:
+            eager[stage][op.name] += ms
+    slowest = {stage: sorted(by_op.items(), key=lambda kv: -kv[1])[:top] for stage, by_op in eager.items()}
+    return {name: dict(table) for name, table in tables.items()}, slowest
 
 
-#: Trace categories of work on the GPU.
-_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+@dataclass(frozen=True)
+class _Op:
+    """An op of the trace: its name, the stage it ran in (None: none), its own time (ms, its
+    children's left out)."""
+
+    name: str
+    stage: str | None
+    self_ms: float
 
 
-def _stages_by_op(events: list[dict]) -> dict[int, tuple[str, str | None]]:
-    """Each op's ``External id`` -> (its name, the stage it ran in or None): the innermost marked
-    range around it in its thread; for an op under an autograd engine node, the drafter range open
-    meanwhile in any thread (:data:`BACKWARD` if none was)."""
+def _ops_in_stages(events: list[dict]) -> dict[int, _Op]:
+    """Each op by its ``External id``, with the innermost marked range around it in its thread; for
+    an op under an autograd engine node, the drafter range open meanwhile in any thread
+    (:data:`BACKWARD` if none was)."""
     ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e]
     drafter_spans = [(e["ts"], e["ts"] + e["dur"]) for e in ops if e["name"] == DRAFTER_RANGE]
-    stages: dict[int, tuple[str, str | None]] = {}
+    found: dict[int, tuple[str, str | None, float]] = {}  # op id -> (name, stage, duration in us)
+    children_us: dict[int, float] = defaultdict(float)
     for thread in {e["tid"] for e in ops}:
-        enclosing: list[tuple[float, str | None]] = []  # (end, stage) of the ops open here, outermost first
+        enclosing: list[tuple[float, str | None, int]] = []  # (end, stage, op id) of the ops open here, outermost first
         for op in sorted((e for e in ops if e["tid"] == thread), key=lambda e: (e["ts"], -e["dur"])):
-            start, end = op["ts"], op["ts"] + op["dur"]
+            start, end, op_id = op["ts"], op["ts"] + op["dur"], op.get("args", {}).get("External id")
             while enclosing and enclosing[-1][0] <= start:
                 enclosing.pop()
             stage = enclosing[-1][1] if enclosing else None
+            if enclosing:
+                children_us[enclosing[-1][2]] += op["dur"]
             if op["name"] in _STAGES:
                 stage = op["name"]
             elif stage is None and op["name"].startswith(_ENGINE_ROOT):
                 stage = DRAFTER_RANGE if any(s <= start and end <= e for s, e in drafter_spans) else BACKWARD
-            enclosing.append((end, stage))
-            if (op_id := op.get("args", {}).get("External id")) is not None:
-                stages[op_id] = (op["name"], stage)
-    return stages
+            enclosing.append((end, stage, op_id))
+            if op_id is not None:
+                found[op_id] = (op["name"], stage, op["dur"])
+    return {op_id: _Op(name, stage, (us - children_us[op_id]) / 1e3) for op_id, (name, stage, us) in found.items()}
 
 
 def format_ops(ops: dict[str, list[tuple[str, float]]]) -> str:
@@ -199,21 +197,6 @@ def format_ops(ops: dict[str, list[tuple[str, float]]]) -> str:
         f"\n  {stage}, eager ops: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in slowest)
         for stage, slowest in ops.items()
     )
-
-
-def _stage_of(event, ranges: list) -> str | None:
-    """The marked range ``event`` ran inside; for an op of a backward node the autograd engine ran
-    in another thread, the drafter range that waited on it (:data:`BACKWARD` if none did)."""
-    root = event
-    while root.name not in _STAGES and root.cpu_parent is not None:
-        root = root.cpu_parent
-    if root.name in _STAGES:
-        return root.name
-    if not root.name.startswith(_ENGINE_ROOT):
-        return None
-    start, end = root.time_range.start, root.time_range.end
-    waiting = (r for r in ranges if r.name == DRAFTER_RANGE and r.time_range.start <= start and end <= r.time_range.end)
-    return DRAFTER_RANGE if next(waiting, None) is not None else BACKWARD
 
 
 def format_tables(tables: dict[str, dict[str, float]]) -> str:

@@ -70,7 +70,7 @@ def test_a_profile_step_past_the_run_is_refused():
         TrainConfig(profile_step=-1)
 
 
-def test_a_backward_run_in_another_thread_counts_for_the_drafter_range_that_waits_on_it():
+def test_a_backward_run_in_another_thread_counts_for_the_drafter_range_that_waits_on_it(tmp_path):
     """On CUDA the autograd engine runs the backward in a device thread of its own; a thread that
     runs it while the drafter range waits stands in for it on the CPU."""
     from torch.profiler import ProfilerActivity, profile
@@ -83,12 +83,14 @@ def test_a_backward_run_in_another_thread_counts_for_the_drafter_range_that_wait
             engine.start()
             engine.join()
         (x @ w).sum().backward()  # a backward outside any marked range
-    events = prof.events()
-    ranges = [e for e in events if e.name == profiling.DRAFTER_RANGE]
-    relu_grads = [e for e in events if e.name == "aten::threshold_backward"]  # only in the first backward
-    assert relu_grads and all(e.thread != ranges[0].thread for e in relu_grads)
-    assert {profiling._stage_of(e, ranges) for e in relu_grads} == {profiling.DRAFTER_RANGE}
-    tables = profiling.step_tables(prof)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    (drafter,) = [e for e in events if e["name"] == profiling.DRAFTER_RANGE]
+    relu_grads = [e for e in events if e["name"] == "aten::threshold_backward"]  # only in the first backward
+    assert relu_grads and all(e["tid"] != drafter["tid"] for e in relu_grads)
+    ops = profiling._ops_in_stages(events)
+    assert {ops[e["args"]["External id"]].stage for e in relu_grads} == {profiling.DRAFTER_RANGE}
+    tables, _ = profiling.trace_tables(events, cuda=False)
     assert tables[profiling.DRAFTER_RANGE]["matmul"] > 0 and tables[profiling.BACKWARD]["matmul"] > 0, tables
 
 
@@ -133,7 +135,7 @@ def test_each_kernel_counts_for_the_stage_of_the_op_that_launched_it():
         ("kernel", "triton_poi_fused_0", 0, 600, 500, None),  # no launching op recorded
         ("overhead", "Command Buffer Full", 0, 60, 58000, None),  # a CUPTI stall, not GPU work
     )
-    tables, ops = profiling.trace_tables(events)
+    tables, ops = profiling.trace_tables(events, cuda=True)
     assert tables == {
         "step": {"matmul": 16.0, profiling.OTHER_KIND: 10.95, "compiled fused (inductor)": 0.5},
         profiling.TARGET_RANGE: {"matmul": 10.0, profiling.OTHER_KIND: 3.0},
@@ -146,7 +148,7 @@ def test_each_kernel_counts_for_the_stage_of_the_op_that_launched_it():
         profiling.DRAFTER_RANGE: [("aten::add_", 0.35)],
     }
     assert profiling.format_ops(ops).splitlines()[1] == f"  {profiling.TARGET_RANGE}, eager ops: aten::mul 3.0 ms"
-    assert profiling.trace_tables(random.Random(0).sample(events, len(events))) == (tables, ops)  # any order
+    assert profiling.trace_tables(random.Random(0).sample(events, len(events)), cuda=True) == (tables, ops)  # any order
 
 
 def test_a_real_steps_stages_fit_inside_their_gpu_spans():
@@ -158,7 +160,7 @@ def test_a_real_steps_stages_fit_inside_their_gpu_spans():
     path = Path(__file__).parents[1] / "data" / "h200_qwen36_27b_bf16_profile_step7.json.gz"
     with gzip.open(path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    tables, _ = profiling.trace_tables(events)
+    tables, _ = profiling.trace_tables(events, cuda=True)
     total = {name: sum(table.values()) for name, table in tables.items()}
     spans = {e["name"]: e["dur"] / 1e3 for e in events if e["cat"] == "gpu_user_annotation"}
     for stage in (profiling.TARGET_RANGE, profiling.DRAFTER_RANGE):
