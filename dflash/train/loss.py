@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.config import PAPER_GAMMA
+from dflash.config import MISSING_GOLD, PAPER_GAMMA
 from dflash.masks import previous_positions
 from dflash.train.selector_loss import selector_loss
 
@@ -122,6 +122,7 @@ def dflash_loss(
     selector_weight: float = 1.0,
     missing_gold: str = "exclude",
     chunk_fn=None,
+    selector_fn=None,
 ) -> LossOutput:
     """Chunked LM head + weighted loss over draft blocks.
 
@@ -173,6 +174,8 @@ def dflash_loss(
         missing_gold (str): ``"exclude"`` or ``"insert"`` (:func:`dflash.train.selector_loss.selector_loss`).
         chunk_fn (callable, optional): :func:`chunk_loss` or a compiled copy of it (the regional
             compile compiles one chunk and reuses it for all, :mod:`dflash.train.regions`).
+        selector_fn (callable, optional): :func:`dflash.train.selector_loss.selector_loss` or a
+            compiled copy of it.
 
     Returns:
         LossOutput
@@ -207,6 +210,8 @@ def dflash_loss(
     selecting = selector is not None and selector_weight > 0
     if selecting and (predecessors is None or predecessors.shape != labels.shape):
         raise ValueError(f"a selector needs predecessors [B, N, Bs] = {tuple(labels.shape)}")
+    if missing_gold not in MISSING_GOLD:
+        raise ValueError(f"missing_gold must be one of {MISSING_GOLD}, got {missing_gold!r}")
 
     rows = hidden.reshape(batch * num_blocks, block_size, hidden_size)
     labels = labels.reshape(batch * num_blocks, block_size)
@@ -214,14 +219,11 @@ def dflash_loss(
     weights = weights.to(device=hidden.device, dtype=torch.float32)
     teacher_rows = _teacher_rows(teacher_hidden, anchors, block_size) if soft else None
     chunk_fn = chunk_fn or chunk_loss
-    if selecting:
-        predecessors = predecessors.reshape(batch * num_blocks, block_size)
 
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
     weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
-    selector_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    drafter_sum = torch.zeros((), dtype=torch.float32, device=hidden.device) if selecting else None
+    slates: list[tuple[Tensor, Tensor, Tensor]] = []  # per chunk: candidates, their logits, slot weights
     # split, not a slice per chunk: autograd then gathers the chunks' gradients in one cat, where
     # each slice's backward would build a zero tensor of rows' full size and add it to the rest.
     chunks = zip(
@@ -229,32 +231,43 @@ def dflash_loss(
         labels.split(chunk_blocks),
         label_mask.split(chunk_blocks),
         teacher_rows.split(chunk_blocks) if soft else itertools.repeat(None),
-        predecessors.split(chunk_blocks) if selecting else itertools.repeat(None),
     )
-    for chunk_rows, chunk_labels, chunk_mask, chunk_teacher, chunk_predecessors in chunks:
-        objective, chunk_drafter, chunk_weight, chunk_correct, chunk_selector = chunk_fn(
+    for chunk_rows, chunk_labels, chunk_mask, chunk_teacher in chunks:
+        objective, chunk_weight, chunk_correct, *slate = chunk_fn(
             chunk_rows,
             lm_head_weight,
             chunk_labels,
             chunk_mask,
             weights,
             chunk_teacher,
-            selector if selecting else None,
-            chunk_predecessors,
             soft_label_weight=soft_label_weight,
             position_weighting=position_weighting,
             dpace_alpha=dpace_alpha,
-            selector_weight=selector_weight,
-            missing_gold=missing_gold,
+            top_k=selector.top_k if selecting else 0,
+            insert_gold=missing_gold == "insert",
         )
         loss_sum = loss_sum + objective
-        if selecting:
-            drafter_sum = drafter_sum + chunk_drafter
-        selector_sum = selector_sum + chunk_selector
         weight_sum = weight_sum + chunk_weight
         correct = correct + chunk_correct
+        slates.append(slate)
     total = label_mask.sum(0)
-    return LossOutput(loss_sum, weight_sum, correct, total, selector_sum, drafter_sum)
+    if not selecting:
+        zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        return LossOutput(loss_sum, weight_sum, correct, total, zero, None)
+    # The selector's loss over all blocks at once, outside the chunks: its codebooks' gradients
+    # are then formed once per micro-batch, not as a dense [V, r] tensor per chunk.
+    candidates, candidate_logits, slot_weights = (torch.cat(parts) for parts in zip(*slates))
+    selected = (selector_fn or selector_loss)(
+        selector,
+        rows,
+        candidates,
+        candidate_logits,
+        slot_weights,
+        labels,
+        predecessors.reshape(batch * num_blocks, block_size),
+    )
+    drafter_sum = loss_sum.detach()
+    return LossOutput(loss_sum + selector_weight * selected, weight_sum, correct, total, selected.detach(), drafter_sum)
 
 
 def chunk_loss(
@@ -264,25 +277,25 @@ def chunk_loss(
     label_mask: Tensor,
     weights: Tensor,
     teacher: Tensor | None,
-    selector,
-    predecessors: Tensor | None,
     *,
     soft_label_weight: float,
     position_weighting: str,
     dpace_alpha: float,
-    selector_weight: float,
-    missing_gold: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    top_k: int,
+    insert_gold: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One chunk of :func:`dflash_loss` (its arguments, cut to the chunk's C blocks): ``rows``
-    ``[C, Bs, H]``, ``labels``/``label_mask`` ``[C, Bs]``, ``teacher`` ``[C, Bs, H]`` or None,
-    ``predecessors`` ``[C, Bs]`` or None (with ``selector`` None: no selector loss).
+    ``[C, Bs, H]``, ``labels``/``label_mask`` ``[C, Bs]``, ``teacher`` ``[C, Bs, H]`` or None.
+    ``top_k`` > 0 (a DFlash2 selector's K) also picks each slot's candidates for
+    :func:`dflash.train.selector_loss.selector_loss`; ``insert_gold`` puts a slot's true token in
+    place of its last candidate where it is missing.
 
     Returns:
-        (objective, drafter loss, normaliser, correct ``[Bs]``, selector loss): float32 0-d
-        tensors but ``correct`` (int64); only the objective carries a gradient. Without a selector
-        the drafter loss is None (it is the objective: :class:`LossOutput`).
+        (loss sum, normaliser, correct ``[Bs]``, candidates int64 ``[C, Bs, K]``, their float32
+        logits ``[C, Bs, K]``, slot weights float32 ``[C, Bs]``): the loss sum and the candidates'
+        logits carry gradients to ``rows``; without ``top_k`` the candidates and logits are empty.
     """
-    objective, normaliser, correct, candidates, slot_weights = _FusedChunkLoss.apply(
+    objective, normaliser, correct, candidates, logits, slot_weights = _FusedChunkLoss.apply(
         rows,
         lm_head_weight,
         labels,
@@ -292,17 +305,10 @@ def chunk_loss(
         soft_label_weight,
         position_weighting,
         dpace_alpha,
-        selector.top_k if selector is not None else 0,
+        top_k,
+        insert_gold,
     )
-    drafter, selected = None, torch.zeros((), dtype=torch.float32, device=objective.device)
-    if selector is not None:
-        drafter = objective.detach()
-        selected = selector_loss(
-            selector, rows, lm_head_weight, candidates, labels, predecessors, slot_weights, missing_gold=missing_gold
-        )
-        objective = objective + selector_weight * selected
-        selected = selected.detach()
-    return objective, drafter, normaliser, correct, selected
+    return objective, normaliser, correct, candidates, logits, slot_weights
 
 
 def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
@@ -314,22 +320,39 @@ def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> T
 
 
 class _FusedChunkLoss(torch.autograd.Function):
-    """One chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs], the
-    ``top_k`` highest-logit tokens of each slot [C, Bs, top_k], the slot weights [C, Bs]), the
-    gradient with respect to ``hidden`` computed in forward and saved; backward scales it.
+    """One chunk of blocks: ``hidden`` [C, Bs, H] -> (loss sum, its normaliser, correct [Bs], and for
+    a selector each slot's candidates [C, Bs, K] with their float32 logits, the slot weights
+    [C, Bs]), the loss's gradient with respect to
+    ``hidden`` computed in forward and saved; backward scales it and adds the candidate logits'.
 
     With ``p`` the drafter's softmax, ``t`` the teacher's, ``a`` the soft-label weight and ``w`` the
     (detached) slot weight, the loss of a slot is ``w * ((1 - a) * CE + a * KL(t || p))``, whose
     gradient with respect to the logits is ``w * (p - (1 - a) * onehot(label) - a * t)``; through
-    the frozen head, ``dL/dhidden = (dL/dlogits) @ W``.
+    the frozen head, ``dL/dhidden = (dL/dlogits) @ W``. The candidates are the ``top_k`` highest of
+    the logits in ``hidden``'s dtype (their float32 copies order alike); a candidate logit's
+    gradient reaches ``hidden`` through its head row, gathered again in backward (``[C, Bs, K, H]``,
+    never kept).
     """
 
     @staticmethod
     def forward(
-        ctx, hidden, lm_head_weight, labels, label_mask, weights, teacher, soft_label_weight, weighting, alpha, top_k
+        ctx,
+        hidden,
+        lm_head_weight,
+        labels,
+        label_mask,
+        weights,
+        teacher,
+        soft_label_weight,
+        weighting,
+        alpha,
+        top_k,
+        insert_gold,
     ):
-        logits = (hidden @ lm_head_weight.t()).float()  # [C, Bs, V]
-        candidates = logits.topk(top_k, dim=-1).indices if top_k else labels.new_zeros(0)
+        head_logits = hidden @ lm_head_weight.t()  # [C, Bs, V], hidden's dtype
+        logits = head_logits.float()
+        candidates, candidate_logits = _candidates(head_logits, logits, labels, top_k, insert_gold)
+        del head_logits
         log_probs = F.log_softmax(logits, dim=-1)
         label_log_prob = log_probs.gather(-1, labels[..., None]).squeeze(-1)  # [C, Bs]
         token_loss = -label_log_prob
@@ -352,14 +375,35 @@ class _FusedChunkLoss(torch.autograd.Function):
         del logits, log_probs
         grad_logits.scatter_add_(-1, labels[..., None], torch.full_like(label_log_prob, -label_share)[..., None])
         grad_logits.mul_(slot_weights[..., None])
-        ctx.save_for_backward((grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype))
+        ctx.save_for_backward((grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype), candidates)
+        ctx.weight, ctx.top_k = lm_head_weight, top_k
+        ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(normaliser, correct, candidates, slot_weights)
-        return (slot_weights * token_loss).sum(), normaliser, correct, candidates, slot_weights
+        loss = (slot_weights * token_loss).sum()
+        return loss, normaliser, correct, candidates, candidate_logits, slot_weights
 
     @staticmethod
-    def backward(ctx, grad_loss, *_):
-        (grad_hidden,) = ctx.saved_tensors
-        return grad_loss * grad_hidden, None, None, None, None, None, None, None, None, None
+    def backward(ctx, grad_loss, _normaliser, _correct, _candidates, grad_candidate_logits, *_):
+        grad_hidden, candidates = ctx.saved_tensors
+        grad = None if grad_loss is None else grad_loss * grad_hidden
+        if ctx.top_k and grad_candidate_logits is not None:
+            rows = ctx.weight[candidates]  # [C, Bs, K, H]
+            from_candidates = torch.einsum("cbk,cbkh->cbh", grad_candidate_logits.to(rows.dtype), rows)
+            grad = from_candidates.to(grad_hidden.dtype) if grad is None else grad + from_candidates
+        return grad, None, None, None, None, None, None, None, None, None, None
+
+
+def _candidates(head_logits: Tensor, logits: Tensor, labels: Tensor, top_k: int, insert_gold: bool):
+    """Each slot's ``top_k`` candidates (int64 ``[C, Bs, K]``) by ``head_logits`` with their
+    float32 ``logits``, the true token put in place of the last candidate where it is missing if
+    ``insert_gold``; empty tensors for ``top_k`` 0."""
+    if not top_k:
+        return labels.new_zeros(0), logits.new_zeros(0)
+    candidates = head_logits.topk(top_k, dim=-1).indices
+    if insert_gold:
+        found = (candidates == labels[..., None]).any(-1)
+        candidates = torch.cat([candidates[..., :-1], torch.where(found, candidates[..., -1], labels)[..., None]], -1)
+    return candidates, logits.gather(-1, candidates)
 
 
 def _dpace_weights(label_log_prob: Tensor, label_mask: Tensor, alpha: float) -> Tensor:

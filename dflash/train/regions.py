@@ -34,6 +34,7 @@ from dflash.compile_watch import CompiledRegion
 from dflash.config import COMPILE_SCOPES
 from dflash.drafter.modeling_dflash import DFlashDecoderLayer
 from dflash.train.loss import chunk_loss
+from dflash.train.selector_loss import selector_loss
 from dflash.train.step import drafter_forward_loss
 
 #: The most graphs one region compiles per sequence length (dynamo's recompile limit counts per
@@ -62,14 +63,15 @@ class RegionalStep:
     def __init__(self, index: int, backend: str) -> None:
         self.layer = CompiledRegion("decoder layer", DFlashDecoderLayer.forward, index, backend)
         self.chunk = CompiledRegion("loss chunk", chunk_loss, index, backend)
+        self.selector = CompiledRegion("selector loss", selector_loss, index, backend)
 
     @property
     def regions(self) -> list[CompiledRegion]:
-        return [self.layer, self.chunk]
+        return [self.layer, self.chunk, self.selector]
 
     def __call__(self, drafter, *args, **kwargs):
         with self._compiled_layers(drafter):
-            return drafter_forward_loss(drafter, *args, chunk_fn=self.chunk, **kwargs)
+            return drafter_forward_loss(drafter, *args, chunk_fn=self.chunk, selector_fn=self.selector, **kwargs)
 
     @contextmanager
     def _compiled_layers(self, drafter):

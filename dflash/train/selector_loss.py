@@ -11,11 +11,15 @@ The choice, ``missing_gold``: a slot whose true token is not a candidate is left
 NeMo: serving can only select among the candidates) or gets it as the K-th candidate in place of
 the weakest (speculators). The selector's gradient also reaches the drafter through the logits
 and the hidden state, as in both trainers by default.
+
+The candidates and their logits come from the chunks of the drafter's loss, which compute the
+logits anyway (:func:`dflash.train.loss.chunk_loss`); the selector's loss then runs
+once over every block of the micro-batch, so its codebooks' gradients (``[V, r]`` each, dense: an
+embedding's gradient) are formed once per micro-batch rather than once per loss chunk.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -23,67 +27,32 @@ from torch import Tensor
 def selector_loss(
     selector,
     hidden: Tensor,
-    lm_head_weight: Tensor,
     candidates: Tensor,
+    candidate_logits: Tensor,
+    slot_weights: Tensor,
     labels: Tensor,
     predecessors: Tensor,
-    slot_weights: Tensor,
-    *,
-    missing_gold: str = "exclude",
 ) -> Tensor:
     """Weighted sum over slots of the selector's cross-entropy (module docstring).
+
+    A slot whose true token is not among its candidates counts for nothing (``exclude``); for
+    ``insert`` the candidates already hold it (:func:`dflash.train.loss.chunk_loss`).
 
     Args:
         selector (CandidateSelector): the drafter's.
         hidden (Tensor): ``[C, Bs, H]`` final drafter hidden states of C blocks.
-        lm_head_weight (Tensor): ``[V, H]`` the target's frozen LM head.
-        candidates (Tensor): int64 ``[C, Bs, K]``, each slot's top-K tokens by its logits.
+        candidates (Tensor): int64 ``[C, Bs, K]``, each slot's candidates (its top-K tokens by the
+            drafter's LM-head logits, the true token in place of the last where ``insert`` put it).
+        candidate_logits (Tensor): float32 ``[C, Bs, K]``, their logits, differentiable in the drafter.
+        slot_weights (Tensor): float32 ``[C, Bs]``, the slots' weights in the drafter's loss (0 where
+            unsupervised).
         labels (Tensor): int64 ``[C, Bs]``, the true token of each slot.
         predecessors (Tensor): int64 ``[C, Bs]``, the true token before each slot.
-        slot_weights (Tensor): float32 ``[C, Bs]``, the slots' weights in the drafter's loss (0
-            where unsupervised).
-        missing_gold (str): ``"exclude"`` or ``"insert"``.
 
     Returns:
-        Tensor: float32 scalar, differentiable in the selector, ``hidden`` and through it the drafter.
-
-    Raises:
-        ValueError: an unknown ``missing_gold``.
+        Tensor: float32 scalar, differentiable in the selector, ``hidden`` and ``candidate_logits``.
     """
-    if missing_gold not in ("exclude", "insert"):
-        raise ValueError(f"missing_gold must be 'exclude' or 'insert', got {missing_gold!r}")
-    found = (candidates == labels[..., None]).any(-1)
-    if missing_gold == "insert":
-        inserted = candidates.clone()
-        inserted[..., -1] = labels
-        candidates = inserted.where(~found[..., None], candidates)
-        found = torch.ones_like(found)
-    unary = _CandidateLogits.apply(hidden, lm_head_weight, candidates)
-    scores = selector.scores(hidden, unary, candidates, predecessors).float()
-    gold = (candidates == labels[..., None]).float().argmax(-1)
-    cross_entropy = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view_as(labels)
-    return (slot_weights * found * cross_entropy).sum()
-
-
-class _CandidateLogits(torch.autograd.Function):
-    """float32 ``[C, Bs, K]`` logits of each slot's K candidates from ``hidden`` ``[C, Bs, H]`` and the
-    frozen head ``weight`` ``[V, H]``, differentiable in ``hidden``. The candidates' head rows
-    (``[C, Bs, K, H]``, K times the hidden states) are gathered in forward and again in backward,
-    never kept: the chunked loss keeps nothing larger than the hidden states between its passes."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, candidates):
-        ctx.save_for_backward(candidates)
-        ctx.weight, ctx.hidden_dtype = weight, hidden.dtype
-        rows = weight[candidates]  # [C, Bs, K, H]
-        logits = torch.einsum("cbh,cbkh->cbk", hidden.to(rows.dtype), rows)
-        # A no-op .float() returns an alias of the intermediate, whose gradient torch 2.11's
-        # dynamo sends to the wrong output (pytorch/pytorch#180642).
-        return logits if logits.dtype == torch.float32 else logits.float()
-
-    @staticmethod
-    def backward(ctx, grad_logits):
-        (candidates,) = ctx.saved_tensors
-        rows = ctx.weight[candidates]
-        grad_hidden = torch.einsum("cbk,cbkh->cbh", grad_logits.to(rows.dtype), rows)
-        return grad_hidden.to(ctx.hidden_dtype), None, None
+    scores = selector.scores(hidden, candidate_logits, candidates, predecessors).float()
+    hit = candidates == labels[..., None]
+    cross_entropy = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
+    return (slot_weights * hit.any(-1) * cross_entropy.view_as(labels)).sum()

@@ -181,12 +181,14 @@ def drafter_forward_loss(
     selector_weight: float = 1.0,
     missing_gold: str = "exclude",
     chunk_fn=None,
+    selector_fn=None,
 ):
     """Draft blocks -> drafter -> chunked LM head + weighted loss (:func:`dflash.train.loss.dflash_loss`).
 
     Tensors in, a :class:`dflash.train.loss.LossOutput` out; the attention mask (BlockMask or dense) is
-    built by the caller, outside any compiled region. ``chunk_fn``: the loss chunk
-    (:func:`dflash.train.loss.chunk_loss` when None; a compiled region, :mod:`dflash.train.regions`).
+    built by the caller, outside any compiled region. ``chunk_fn`` and ``selector_fn``: the loss chunk
+    and DFlash2's selector loss (:func:`dflash.train.loss.chunk_loss`,
+    :func:`dflash.train.selector_loss.selector_loss` when None; compiled regions, :mod:`dflash.train.regions`).
     """
     block_size = drafter.config.block_size
     ids = draft_input_ids(input_ids, anchors, valid, block_size, mask_token_id)
@@ -211,6 +213,7 @@ def drafter_forward_loss(
         selector_weight=selector_weight,
         missing_gold=missing_gold,
         chunk_fn=chunk_fn,
+        selector_fn=selector_fn,
     )
 
 

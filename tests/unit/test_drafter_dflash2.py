@@ -16,6 +16,7 @@ from tiny import make_target, tiny_target_config, write_chat_data
 from dflash.drafter.files import CheckpointError, check_tensors, read_drafter_config
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.drafter.modeling_dflash import DFlashDraftConfig
+from dflash.train.loss import chunk_loss, dflash_loss
 from dflash.train.selector_loss import selector_loss
 
 #: z-lab/Qwen3.8-27B-DFlash2's config.json, field for field, at a tiny width and vocabulary.
@@ -174,24 +175,113 @@ def _loss_inputs(top_k: int = 6):
     labels = logits.argmin(-1)  # the least likely token: outside the top 6 of 64
     labels[0, 1] = candidates[0, 1, 2]  # one slot whose true token is a candidate
     predecessors = torch.randint(0, 64, (2, 4), generator=gen)
-    weights = torch.ones(2, 4)
-    return hidden, head, candidates, labels, predecessors, weights
+    weights = torch.ones(4)
+    return hidden, head, labels, predecessors, weights
+
+
+def _selected(selector, hidden, head, labels, predecessors, weights, *, insert_gold: bool):
+    """The selector's loss on the candidates a loss chunk picks for it."""
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    *_, candidates, logits, slot_weights = chunk_loss(
+        hidden, head, labels, mask, weights, None, **CHUNK_OPTIONS, top_k=selector.top_k, insert_gold=insert_gold
+    )
+    return candidates, selector_loss(selector, hidden, candidates, logits, slot_weights, labels, predecessors)
+
+
+CHUNK_OPTIONS = dict(soft_label_weight=0.0, position_weighting="decay", dpace_alpha=0.5)
 
 
 def test_the_selector_loss_counts_only_slots_it_can_select_unless_the_true_token_is_inserted():
     selector = create_and_randomize_selector()
-    hidden, head, candidates, labels, predecessors, weights = _loss_inputs()
+    hidden, head, labels, predecessors, weights = _loss_inputs()
+    candidates, excluded = _selected(selector, hidden, head, labels, predecessors, weights, insert_gold=False)
     found = (candidates == labels[..., None]).any(-1)
     assert found.sum() == 1
-    excluded = selector_loss(selector, hidden, head, candidates, labels, predecessors, weights * found)
-    alone = selector_loss(selector, hidden, head, candidates, labels, predecessors, weights)
-    assert torch.equal(excluded, alone) and excluded > 0  # a missing true token contributes nothing
-    inserted = selector_loss(selector, hidden, head, candidates, labels, predecessors, weights, missing_gold="insert")
+    only = torch.where(found, labels, candidates[..., 0])  # the other slots' true tokens made candidates...
+    _, alone = _selected(selector, hidden, head, only, predecessors, weights, insert_gold=False)
+    assert alone > excluded > 0  # ...count, where the missing ones counted nothing
+    inserted_candidates, inserted = _selected(selector, hidden, head, labels, predecessors, weights, insert_gold=True)
+    assert (inserted_candidates == labels[..., None]).any(-1).all()
+    assert torch.equal(inserted_candidates[..., :-1], candidates[..., :-1])
     assert inserted > excluded
     inserted.backward()
     assert hidden.grad.abs().sum() > 0 and selector.successor_codebook.grad[labels.flatten()].abs().sum() > 0
-    with pytest.raises(ValueError, match="missing_gold must be 'exclude' or 'insert'"):
-        selector_loss(selector, hidden, head, candidates, labels, predecessors, weights, missing_gold="swap")
+    blocks = dict(labels=labels[None], label_mask=torch.ones_like(labels[None], dtype=torch.bool))
+    with pytest.raises(ValueError, match="missing_gold must be one of"):
+        dflash_loss(
+            hidden.reshape(1, 8, 32),
+            head,
+            **blocks,
+            weights=weights,
+            selector=selector,
+            predecessors=predecessors[None],
+            missing_gold="swap",
+        )
+
+
+def test_the_selectors_codebooks_get_one_gradient_per_micro_batch_not_one_per_loss_chunk():
+    """Each codebook's gradient is a dense [V, r] tensor (an embedding's): formed per loss chunk it
+    cost 64 writes of 254 MB per micro-batch at the user's shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DenseCodebookGradients(TorchDispatchMode):
+        formed = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.embedding_dense_backward.default:
+                self.formed += 1
+            return out
+
+    selector = create_and_randomize_selector()
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, 6 * 4, 32, generator=gen, requires_grad=True)
+    head = torch.randn(64, 32, generator=gen)
+    labels = torch.randint(0, 64, (1, 6, 4), generator=gen)
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    out = dflash_loss(
+        hidden,
+        head,
+        labels,
+        mask,
+        torch.ones(4),
+        chunk_blocks=1,
+        selector=selector,
+        predecessors=labels,
+        missing_gold="insert",
+    )
+    with DenseCodebookGradients() as counter:
+        out.loss_sum.backward()
+    assert counter.formed == 2  # one per codebook for the 6 chunks
+    assert selector.predecessor_codebook.grad.abs().sum() > 0 and selector.successor_codebook.grad.abs().sum() > 0
+
+
+def test_the_selector_loss_does_not_depend_on_the_chunking():
+    selector = create_and_randomize_selector()
+    gen = torch.Generator().manual_seed(5)
+    hidden0 = torch.randn(2, 5 * 4, 32, generator=gen)
+    head = torch.randn(64, 32, generator=gen)
+    labels = torch.randint(0, 64, (2, 5, 4), generator=gen)
+
+    def run(chunk_blocks):
+        hidden = hidden0.clone().requires_grad_(True)
+        selector.zero_grad()
+        out = dflash_loss(
+            hidden,
+            head,
+            labels,
+            torch.ones_like(labels, dtype=torch.bool),
+            torch.ones(4),
+            chunk_blocks=chunk_blocks,
+            selector=selector,
+            predecessors=labels,
+            missing_gold="exclude",
+        )
+        out.loss_sum.backward()
+        return out.loss_sum.detach(), out.selector_sum, hidden.grad, selector.successor_codebook.grad.clone()
+
+    for ours, whole in zip(run(3), run(10)):
+        torch.testing.assert_close(ours, whole)
 
 
 def test_dflash_eval_of_a_dflash2_run_equals_greedy_decoding(tmp_path, capsys):
@@ -341,15 +431,13 @@ def test_a_shorter_block_drafts_as_the_head_of_a_whole_one():
 def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_backward():
     """At the user's shape the candidates' head rows are 16 x the hidden states (gigabytes at 512
     anchors): gathered again in backward, never saved; the gradient is the plain expression's."""
-    from dflash.train.selector_loss import _CandidateLogits
-
     gen = torch.Generator().manual_seed(6)
     hidden = torch.randn(3, 4, 16, generator=gen, requires_grad=True)
-    weight, candidates = torch.randn(50, 16, generator=gen), torch.randint(0, 50, (3, 4, 5), generator=gen)
+    weight, labels = torch.randn(50, 16, generator=gen), torch.randint(0, 50, (3, 4), generator=gen)
     grad = torch.randn(3, 4, 5, generator=gen)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        logits = _CandidateLogits.apply(hidden, weight, candidates)
+        *_, candidates, logits, _ = _chunk(hidden, weight, labels, top_k=5)
     assert max(saved) <= hidden.numel()
     (logits * grad).sum().backward()
     ours, hidden.grad = hidden.grad, None
@@ -357,23 +445,29 @@ def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_ba
     torch.testing.assert_close(ours, hidden.grad)
 
 
+def _chunk(hidden, weight, labels, *, top_k):
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    return chunk_loss(
+        hidden, weight, labels, mask, torch.ones(labels.shape[-1]), None, **CHUNK_OPTIONS, top_k=top_k, insert_gold=True
+    )
+
+
 def test_the_candidates_logits_compiled_in_float32_give_eagers_gradient():
     """torch 2.11's dynamo routed the gradient of an autograd.Function output that aliases an
-    intermediate (here a no-op ``.float()`` of float32 logits) to the wrong slot
-    (pytorch/pytorch#180642): a float32 compiled DFlash2 step trained on a wrong selector gradient."""
-    from dflash.train.selector_loss import _CandidateLogits
-
+    intermediate (a no-op ``.float()`` of float32 logits) to the wrong slot (pytorch/pytorch#180642):
+    a float32 compiled DFlash2 step trained on a wrong selector gradient."""
     gen = torch.Generator().manual_seed(7)
     hidden0 = torch.randn(3, 4, 16, generator=gen)
-    weight, candidates = torch.randn(40, 16, generator=gen), torch.randint(0, 40, (3, 4, 3), generator=gen)
+    weight, labels = torch.randn(40, 16, generator=gen), torch.randint(0, 40, (3, 4), generator=gen)
 
     def gradient(fn):
         hidden = hidden0.clone().requires_grad_(True)
-        fn(hidden, weight, candidates).square().sum().backward()
+        loss, _, _, _, logits, _ = fn(hidden, weight, labels, top_k=3)
+        (loss + logits.square().sum()).backward()
         return hidden.grad
 
-    compiled = torch.compile(_CandidateLogits.apply, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(gradient(compiled), gradient(_CandidateLogits.apply))
+    compiled = torch.compile(_chunk, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(gradient(compiled), gradient(_chunk))
 
 
 def test_an_arch_that_contradicts_the_init_from_drafter_is_refused(tmp_path):

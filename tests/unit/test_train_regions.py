@@ -28,7 +28,8 @@ def test_the_regional_step_equals_the_eager_step_and_compiles_once_per_kind(arch
     """Two layer graphs for 5 layers: the first layer, whose input needs no gradient, and the rest
     (SDPA's dense masks of full and sliding layers are tensors of one shape; flex_attention's
     BlockMasks differ in mask_mod, a third graph: CUDA, tests/integration/test_regions_cuda.py).
-    Two chunk graphs for 4 chunks: whole chunks and the shorter last one."""
+    Two chunk graphs for 4 chunks: whole chunks and the shorter last one. DFlash2's selector loss:
+    one graph, once per micro-batch."""
     eager_model = tiny_drafter(SLIDING_THEN_FULL, sliding_window=12, arch=arch).train()
     regional_model = copy.deepcopy(eager_model)
     heads = random_heads(eager_model.config)
@@ -46,9 +47,11 @@ def test_the_regional_step_equals_the_eager_step_and_compiles_once_per_kind(arch
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
         assert all("forward" not in vars(layer) for layer in regional_model.layers)  # eager outside a step
-    layer, chunk = regions
-    assert (layer.backend.compiles(), chunk.backend.compiles()) == (2, 2)
-    assert (layer.calls(), chunk.calls()) == (10, 8) and watch.healthy() and watch.compiles == 4
+    layer, chunk, selector = regions
+    selecting = int(arch == "dflash2")
+    assert (layer.backend.compiles(), chunk.backend.compiles(), selector.backend.compiles()) == (2, 2, selecting)
+    assert (layer.calls(), chunk.calls(), selector.calls()) == (10, 8, 2 * selecting)
+    assert watch.healthy() and watch.compiles == 4 + selecting
 
 
 def test_the_whole_step_scope_is_one_region_and_an_unknown_scope_is_refused():
