@@ -225,6 +225,11 @@ class TrainConfig:
     each compiled once and reused; the first layer, whose input needs no gradient, gets a graph of its own). On a
     2-core CPU with a 5-layer drafter and 32 loss chunks the first step came 3.75x sooner regional and the later
     steps ran 4-8% slower. Without compiling it has no effect (a warning says so)."""
+    compile_target: bool = True
+    """With --compile on, also compile the target's per-token work (each decoder layer's norms and MLP, a Gated
+    DeltaNet layer's projections around its kernels) as regions shared by every layer (dflash.target.compiled): the
+    elementwise work fuses, and an FP8 target quantizes each activation once, fused; --no-compile-target keeps
+    the target's forward eager."""
     slow_linear_attention: bool = False
     """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
     flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).

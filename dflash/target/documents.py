@@ -347,8 +347,37 @@ def linear_layers(model) -> dict[int, torch.nn.Module]:
     return mixers
 
 
-#: The segments (and kernels) of the packed forward running in this thread, if any.
+#: The segments, kernels and per-token work of the packed forward running in this thread, if any.
 _PACKED = ForwardOverride("dflash_packed_segments")
+
+
+def gated_deltanet_inputs(layer, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A Gated DeltaNet layer's per-token work before its conv: ``h`` ``[1, T, H]`` -> (the conv's
+    input ``[1, T, 2 * key_dim + value_dim]``, ``beta`` ``[1, T, HV]``, the decay ``g`` ``[1, T, HV]``
+    float32, the gate ``z`` ``[T * HV, head_v_dim]``), as transformers' ``Qwen3_5GatedDeltaNet.forward``."""
+    beta = layer.in_proj_b(h).sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(h).float() + layer.dt_bias)
+    z = layer.in_proj_z(h).reshape(-1, layer.head_v_dim)
+    return layer.in_proj_qkv(h), beta, g, z
+
+
+def gated_deltanet_output(layer, core: Tensor, z: Tensor, gated_norm: Callable) -> Tensor:
+    """A Gated DeltaNet layer's per-token work after its delta rule: the gated norm of each head of
+    ``core`` ``[T * HV, head_v_dim]`` by ``z`` (``gated_norm``: :attr:`LinearAttentionKernels.gated_norm`),
+    then ``out_proj``: ``[T, H]``."""
+    return layer.out_proj(gated_norm(layer.norm, core, z).reshape(-1, layer.value_dim))
+
+
+@dataclass(frozen=True)
+class PerTokenWork:
+    """What runs a Gated DeltaNet layer's per-token work around its kernels: :func:`gated_deltanet_inputs`
+    and :func:`gated_deltanet_output` themselves, or compiled regions of them (:mod:`dflash.target.compiled`)."""
+
+    inputs: Callable = gated_deltanet_inputs
+    output: Callable = gated_deltanet_output
+
+
+EAGER = PerTokenWork()
 
 
 def install_segmented_forward(mixers: Iterable[torch.nn.Module]) -> None:
@@ -360,18 +389,26 @@ def install_segmented_forward(mixers: Iterable[torch.nn.Module]) -> None:
         _PACKED.install(mixer, _segmented)
 
 
-def _segmented(mixer, packed: tuple[Segments, LinearAttentionKernels], own_forward, *args, **kwargs):
-    return _gated_deltanet_forward(mixer, *args, segments=packed[0], kernels=packed[1], **kwargs)
+def _segmented(mixer, packed: tuple[Segments, LinearAttentionKernels, PerTokenWork], own_forward, *args, **kwargs):
+    return _gated_deltanet_forward(mixer, *args, segments=packed[0], kernels=packed[1], work=packed[2], **kwargs)
 
 
-def linear_layers_apart(segments: Segments, kernels: LinearAttentionKernels) -> AbstractContextManager[None]:
+def linear_layers_apart(
+    segments: Segments, kernels: LinearAttentionKernels, work: PerTokenWork = EAGER
+) -> AbstractContextManager[None]:
     """Within the block, in this thread, mixers given :func:`install_segmented_forward` run over
-    ``segments`` (:func:`_gated_deltanet_forward`) with ``kernels``."""
-    return _PACKED.active((segments, kernels))
+    ``segments`` (:func:`_gated_deltanet_forward`) with ``kernels``, their per-token work run by ``work``."""
+    return _PACKED.active((segments, kernels, work))
 
 
 def _gated_deltanet_forward(
-    layer, hidden_states: Tensor, *args, segments: Segments, kernels: LinearAttentionKernels, **kwargs
+    layer,
+    hidden_states: Tensor,
+    *args,
+    segments: Segments,
+    kernels: LinearAttentionKernels,
+    work: PerTokenWork,
+    **kwargs,
 ) -> Tensor:
     """transformers' Qwen3.5 Gated DeltaNet forward (``Qwen3_5GatedDeltaNet.forward``, no cache) on
     ``hidden_states`` ``[B, S, H]`` with its conv and recurrence restarted at each segment start.
@@ -379,14 +416,10 @@ def _gated_deltanet_forward(
     (padding is a segment of its own)."""
     batch, seq_len, _ = hidden_states.shape
     h = hidden_states.reshape(1, batch * seq_len, -1)
-    weight = layer.conv1d.weight.squeeze(1)
-    mixed = kernels.conv(layer.in_proj_qkv(h), weight, layer.conv1d.bias, layer.activation, segments)
+    qkv, beta, g, z = work.inputs(layer, h)
+    mixed = kernels.conv(qkv, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation, segments)
     q, k, v = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     q, k = (t.reshape(1, batch * seq_len, -1, layer.head_k_dim) for t in (q, k))
     v = v.reshape(1, batch * seq_len, -1, layer.head_v_dim)
-    beta = layer.in_proj_b(h).sigmoid()
-    g = -layer.A_log.float().exp() * F.softplus(layer.in_proj_a(h).float() + layer.dt_bias)
     core = kernels.delta_rule(q, k, v, g, beta, segments)
-    z = layer.in_proj_z(h).reshape(-1, layer.head_v_dim)
-    core = kernels.gated_norm(layer.norm, core.reshape(-1, layer.head_v_dim), z).reshape(batch, seq_len, -1)
-    return layer.out_proj(core)
+    return work.output(layer, core.reshape(-1, layer.head_v_dim), z, kernels.gated_norm).reshape(batch, seq_len, -1)

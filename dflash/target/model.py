@@ -23,6 +23,7 @@ import torch
 
 from dflash import masks
 from dflash.target import documents
+from dflash.target.compiled import TargetRegions
 from dflash.target.files import TargetLoadError, read_target_config, require_transformers_for
 from dflash.target.layer_skip import LayerSkip
 from dflash.target.taps import check_taps
@@ -73,6 +74,14 @@ class Target:
                 f"for a target with {self.num_layers} decoder layers"
             )
         self._layer_skip = self._skip_past_taps()
+        self._regions: TargetRegions | None = None
+
+    def compile_regions(self, index: int, backend: str = "inductor") -> list:
+        """From now on, :meth:`capture` runs the per-token work of the decoder layers compiled
+        (:mod:`dflash.target.compiled`); ``index`` numbers this target among the process's. Returns
+        the regions (:class:`dflash.compile_watch.CompiledRegion`), for compile accounting."""
+        self._regions = TargetRegions(self.model, index, backend)
+        return self._regions.regions
 
     def _skip_past_taps(self) -> LayerSkip | None:
         layers = getattr(self.model.get_decoder(), "layers", None)
@@ -172,6 +181,7 @@ class Target:
         """
         input_ids = input_ids.to(self.device)
         attention_mask, apart = None, contextlib.nullcontext()
+        regions = self._regions
         if document_ids is not None:
             # Linear layers always take the segmented route, one set of kernels for every batch
             # (a batch of one-document rows would otherwise compile and autotune transformers'
@@ -180,7 +190,8 @@ class Target:
             if self._linear_mixers:
                 width = self.config.get_text_config().linear_conv_kernel_dim
                 segments = documents.Segments.of(document_ids, self.device, conv_width=width)
-                apart = documents.linear_layers_apart(segments, self._linear_kernels)
+                work = regions.work if regions is not None else documents.EAGER
+                apart = documents.linear_layers_apart(segments, self._linear_kernels, work)
             several = bool(document_ids.max() > 0)
             document_ids = document_ids.to(self.device)
             if position_ids is None:
@@ -193,7 +204,8 @@ class Target:
             position_ids = position_ids.to(self.device)
         skip = self._layer_skip
         shallow = skip.skipping() if skip and not last_hidden else contextlib.nullcontext()
-        with apart, shallow:
+        compiled = regions.active() if regions is not None else contextlib.nullcontext()
+        with compiled, apart, shallow:
             out = self.decoder_forward(input_ids, position_ids=position_ids, attention_mask=attention_mask)
         return TargetStates(self.select(out.hidden_states), out.hidden_states[-1] if last_hidden else None)
 

@@ -195,6 +195,9 @@ class Trainer:
         ]
         if config.target_dtype == "fp8":  # everything the run asks of the target, replies included
             _to_fp8(targets)
+        if self.compiled and config.compile_target:
+            for index, target in enumerate(targets):
+                target.compile_regions(index)
         if self._regenerates:
             source = self.out / REGENERATED_NAME
             conversations = self._regenerated(targets, conversations)
