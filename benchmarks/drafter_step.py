@@ -1,0 +1,301 @@
+"""The drafter step alone, DFlash against DFlash2 (and other variants) side by side, at a public
+target's width, from synthetic target states: step time, drafter tok/s, MFU, memory, and where
+the GPU time goes.
+
+    python benchmarks/drafter_step.py --shape qwen3.6-27b --batch-size 2           # one H100 / H200
+    python benchmarks/drafter_step.py --shape qwen3.6-27b --runs dflash,dflash2,dflash2:selector_loss_weight=0
+    python benchmarks/drafter_step.py --tiny                                         # CPU smoke test
+
+Each run (``--runs``: an architecture, optionally with ``:field=value,...`` of ``dflash train``'s
+config) builds the drafter ``dflash train`` builds for a random-weight target of ``--shape``
+(:func:`dflash.run.drafter_shape.resolve_drafter_shape`: the published shape for Qwen3.5/3.6),
+its replica with the trainer's fused AdamW and compiled step (``--compile-scope``), and runs
+``--warmup`` untimed then ``--steps`` timed optimizer steps of the trainer's own
+:func:`~dflash.train.step.drafter_step` on one synthetic micro-batch (random tokens, every token
+supervised, random tapped states), in a fresh interpreter per run so each has its own memory
+peak. No target forward runs: the target's frozen embedding and LM head are random tensors.
+
+Printed per run: ms per step, drafter tok/s (context tokens per second, as the trainer's
+``drafter step`` figure), TFLOP/s and MFU (the trainer's FLOP count), the memory that stays
+between steps (weights, gradients, optimizer state) and the step's peak above it (activations and
+transients), then each run's ratio to the first. ``--profile`` adds, per run, one profiled step's
+GPU time by kernel kind (:mod:`dflash.profiling`) and its costliest kernels and launching ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections import defaultdict
+from pathlib import Path
+
+RESULT_TAG = "RESULT "
+
+
+def parse_run(spec: str) -> tuple[str, dict]:
+    """``dflash2:selector_loss_weight=0,loss_chunk_blocks=8`` -> ("dflash2", {field: value}); values
+    are read as Python literals where they parse, else kept as strings."""
+    import ast
+
+    arch, _, rest = spec.partition(":")
+    fields = {}
+    for item in filter(None, rest.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--runs: {item!r} in {spec!r} is not field=value")
+        try:
+            fields[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            fields[name] = value
+    return arch, fields
+
+
+def child(args) -> dict:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from packing_e2e import write_target
+
+    from dflash.compile_watch import DynamoWarnings
+    from dflash.config import TrainConfig
+    from dflash.data.batches import Batch
+    from dflash.devices import Slot
+    from dflash.drafter.model import DFlashDraftModel, drafter_config
+    from dflash.masks import sample_anchors
+    from dflash.profiling import profiled_step
+    from dflash.run.drafter_shape import resolve_drafter_shape
+    from dflash.target.model import TargetStates
+    from dflash.train.flops import detect_peak_tflops, drafter_step_flops
+    from dflash.train.replica import build_replicas, optimizer_step
+    from dflash.train.step import LossSettings, TargetBatch, drafter_step
+
+    arch, fields = parse_run(args.run)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with tempfile.TemporaryDirectory(prefix="drafter_step_") as tmp:
+        target_dir = write_target(Path(tmp) / "target", args.shape)
+        config = TrainConfig(
+            target=str(target_dir),
+            arch=arch,
+            block_size=args.block_size,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            max_anchors=args.max_anchors,
+            num_draft_layers=args.draft_layers,
+            compile_scope=args.compile_scope,
+            steps=1,
+            **fields,
+        )
+        config = resolve_drafter_shape(config)
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(target_dir)
+    text = getattr(text, "text_config", text)
+    layer_ids = config.target_layer_ids or _default_taps(text.num_hidden_layers, config.num_target_layers)
+    drafter_cfg = drafter_config(config, text, target_layer_ids=layer_ids, mask_token_id=text.vocab_size - 1)
+    torch.manual_seed(args.seed)
+    attention = "flex_attention" if cuda else "sdpa"
+    model = DFlashDraftModel._from_config(drafter_cfg, attn_implementation=attention, dtype=torch.float32).train()
+    settings = LossSettings.from_config(config, drafter_cfg.mask_token_id)
+    vocab, hidden = text.vocab_size, text.hidden_size
+    heads = types.SimpleNamespace(
+        device=device,
+        embed_tokens=torch.nn.Embedding(vocab, hidden).to(device, dtype).requires_grad_(False),
+        lm_head=torch.nn.Linear(hidden, vocab, bias=False).to(device, dtype).requires_grad_(False),
+    )
+    (replica,) = build_replicas(
+        model,
+        [Slot(str(device), device)],
+        [heads],
+        types.SimpleNamespace(lr=1e-4, weight_decay=0.0),
+        settings,
+        compiled=cuda and args.compile,
+        warnings=DynamoWarnings(),
+        scope=config.compile_scope,
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab - 1, (args.batch_size, args.seq_len), generator=gen)
+    loss_mask = torch.ones(args.batch_size, args.seq_len, dtype=torch.bool)
+    anchors, valid = sample_anchors(loss_mask, args.max_anchors, generator=gen)
+    width = len(layer_ids) * hidden
+    context = torch.randn(args.batch_size, args.seq_len, width, generator=gen).to(device, dtype)
+    host = Batch(ids, loss_mask, torch.full((args.batch_size,), args.seq_len))
+    on_device = [t.to(device) for t in (ids, loss_mask, host.position_ids, host.document_ids)]
+    batch = TargetBatch(*on_device, TargetStates(context, None), host.num_tokens)
+    anchors, valid = anchors.to(device), valid.to(device)
+
+    def step() -> None:
+        stats = drafter_step(
+            replica.step_fn,
+            replica.model,
+            replica.heads,
+            batch,
+            anchors,
+            valid,
+            settings=settings,
+            position_weight=replica.position_weight,
+        )
+        replica.flat.stats.add_(stats)
+        optimizer_step([replica], lr=1e-4, grad_clip=1.0)
+        replica.flat.zero_()
+
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    begin = time.perf_counter()
+    step()
+    sync()
+    first_step_s = time.perf_counter() - begin
+    for _ in range(args.warmup - 1):
+        step()
+    sync()
+    resident = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    begin = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    seconds = (time.perf_counter() - begin) / args.steps
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    pairs = replica.model.attention_pairs(anchors, valid, batch.document_ids)
+    flops = drafter_step_flops(
+        replica.model,
+        draft_tokens=int(valid.sum()) * args.block_size,
+        context_tokens=args.batch_size * args.seq_len,
+        visible_pairs=int(pairs),
+    )
+    peak_tflops = detect_peak_tflops(device) or 0.0
+    result = {
+        "run": args.run,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "first_step_s": first_step_s,
+        "ms": 1e3 * seconds,
+        "tok_s": host.num_tokens / seconds,
+        "tflops": flops / seconds / 1e12,
+        "mfu_pct": 100 * flops / seconds / 1e12 / peak_tflops if peak_tflops else None,
+        "resident_gib": resident / 2**30,
+        "peak_gib": peak / 2**30,
+        "recompiles": replica.watch.summary().get("unexpected_recompiles"),
+    }
+    if args.profile:
+        out = Path(args.profile_dir or tempfile.mkdtemp(prefix="drafter_step_trace_"))
+        with profiled_step(0, out, [device]):
+            step()
+        trace = out / "profile_step0.json.gz"
+        name = args.run.replace(":", "_").replace(",", "_").replace("=", "-")
+        trace = trace.rename(out / f"{name}.json.gz")
+        result["profile"] = top_work(trace, args.top)
+    return result
+
+
+def _default_taps(layers: int, count: int) -> list[int]:
+    from dflash.target.taps import default_target_layer_ids
+
+    return default_target_layer_ids(layers, count)
+
+
+def top_work(trace: Path, top: int) -> dict:
+    """GPU milliseconds of one profiled step by kernel kind, by kernel name and by launching op."""
+    from dflash.profiling import kernel_kind
+
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    op_names = {
+        e["args"]["External id"]: e["name"]
+        for e in events
+        if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
+    }
+    kinds, kernels, ops = defaultdict(float), defaultdict(float), defaultdict(float)
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        ms = e.get("dur", 0) / 1e3
+        kinds[kernel_kind(e["name"])] += ms
+        kernels[e["name"][:90]] += ms
+        ops[op_names.get(e.get("args", {}).get("External id"), "?")[:90]] += ms
+    ranked = lambda d: sorted(((k, round(v, 2)) for k, v in d.items()), key=lambda kv: -kv[1])
+    return {"kinds": ranked(kinds), "kernels": ranked(kernels)[:top], "ops": ranked(ops)[:top]}
+
+
+def run_child(args, spec: str) -> dict:
+    argv = [sys.executable, __file__, "--child", spec, *sys.argv[1:]]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.child_timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if proc.returncode or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"run {spec!r} failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len(RESULT_TAG) :])
+
+
+def print_results(results: list[dict]) -> None:
+    base = results[0]
+    print(
+        f"{'run':<44}{'params M':>10}{'first s':>9}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s':>9}{'MFU %':>7}"
+        f"{'resident GiB':>14}{'peak GiB':>10}{'vs first':>10}{'peak +GiB':>10}"
+    )
+    for r in results:
+        mfu = "n/a" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}"
+        print(
+            f"{r['run']:<44}{r['parameters'] / 1e6:>10.1f}{r['first_step_s']:>9.1f}{r['ms']:>9.1f}"
+            f"{r['tok_s']:>9.0f}{r['tflops']:>9.1f}{mfu:>7}{r['resident_gib']:>14.2f}{r['peak_gib']:>10.2f}"
+            f"{r['tok_s'] / base['tok_s']:>9.3f}x{r['peak_gib'] - base['peak_gib']:>+10.2f}"
+        )
+    for r in results:
+        if "profile" not in r:
+            continue
+        p = r["profile"]
+        print(f"\n{r['run']}: one step's GPU time by kind: " + ", ".join(f"{k} {ms:.1f}" for k, ms in p["kinds"]))
+        print("  kernels: " + "; ".join(f"{k} {ms:.1f}" for k, ms in p["kernels"]))
+        print("  ops: " + "; ".join(f"{k} {ms:.1f}" for k, ms in p["ops"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3.6-27b", help="target shape (benchmarks/shapes.py)")
+    p.add_argument("--runs", default="dflash,dflash2", help="comma list of ARCH[:field=value,...]; ';' separates runs")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--max-anchors", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=None, help="default: the trainer's rule for the target")
+    p.add_argument("--compile-scope", choices=("step", "regional"), default="regional")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="profile one more step per run")
+    p.add_argument("--profile-dir", default=None, help="where the runs' traces go")
+    p.add_argument("--top", type=int, default=12, help="kernels and ops listed per profile")
+    p.add_argument("--child-timeout", type=float, default=900)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.shape, args.device, args.compile = "tiny", "cpu", False
+        args.seq_len, args.batch_size, args.max_anchors, args.block_size, args.steps = 128, 2, 8, 8, 2
+    if args.child:
+        args.run = args.child
+        result = child(args)
+        print(RESULT_TAG + json.dumps(result), flush=True)
+        return 0
+    specs = args.runs.split(";") if ";" in args.runs else args.runs.split(",")
+    specs = [s for s in specs if s]
+    results = []
+    for spec in specs:
+        results.append(run_child(args, spec))
+        print(f"{spec}: {results[-1]['ms']:.1f} ms/step, peak {results[-1]['peak_gib']:.2f} GiB", flush=True)
+    print_results(results)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
