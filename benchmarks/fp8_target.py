@@ -3,26 +3,29 @@ side in one run on the same rows: how far the tapped hidden states move, and how
 
     python benchmarks/fp8_target.py --shape qwen3.6-27b --layers 16       # one H200
     python benchmarks/fp8_target.py --shape qwen3-8b --layers 36 --rows 8
-    python benchmarks/fp8_target.py --compile      # also with each decoder layer compiled
+    python benchmarks/fp8_target.py --compile      # also with the per-token work compiled (--compile)
 
 A random-weight target of a public shape (``benchmarks/shapes.py``), cut to its first ``--layers``
-layers and tapped as the trainer taps a target of that depth, is built once in fp32 on the GPU.
-The same rows (the embedded chat corpus, tokenized and cut into ``--rows`` rows of ``--seq-len``
-tokens) go through it three times: fp32, then the same weights cast to bf16, then bf16 with the
-linear layers in FP8. Printed per tapped layer: the relative L2 deviation (``||x - ref|| / ||ref||``
-over the layer's states) of bf16 and of FP8 from fp32, and of FP8 from bf16; the deviation that
-matters is FP8's next to bf16's own, since bf16 is what drafters are trained on today. Then the
-forward's tokens/s in bf16 and in FP8 (median of ``--repeats`` timed forwards after a warm-up)
-and their ratio; with ``--compile``, also with every decoder layer compiled (inductor), as torchao's
-float8 inference recipe runs, so each activation's quantization can fuse into the op before it
-(the eager forward quantizes in separate kernels). Random weights lack the outlier channels of
-trained ones, which is where FP8's per-row scales lose most: read the deviations as a floor.
+layers and tapped as the trainer taps a target of that depth, is built once in fp32 on the GPU. The
+same rows (the embedded chat corpus, tokenized and cut into ``--rows`` rows of ``--seq-len`` tokens,
+each row packed with documents of log-normal lengths as ``target_profile.py`` lays them out, so the
+trainer's packed forward runs) go through it three times: fp32, then the same weights cast to bf16,
+then bf16 with the linear layers in FP8. Printed per tapped layer: the relative L2 deviation (``||x
+- ref|| / ||ref||`` over the layer's states) of bf16 and of FP8 from fp32, and of FP8 from bf16; the
+deviation that matters is FP8's next to bf16's own, since bf16 is what drafters are trained on
+today. Then the forward's tokens/s in bf16 and in FP8 (median of ``--repeats`` timed forwards after
+a warm-up) and their ratio; with ``--compile``, also with the target's per-token work compiled as
+the trainer compiles it (:mod:`dflash.target.compiled`: norms, MLPs and the Gated DeltaNet
+projections as regions), so each activation's quantization fuses into the op before it (the eager
+forward quantizes in separate kernels), with each form's packing bar: the largest difference of a
+later document's tapped states in a packed row from the document captured alone. Random weights lack
+the outlier channels of trained ones, which is where FP8's per-row scales lose most: read the
+deviations as a floor.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -33,9 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, dense_text_config, hybrid_text_config
+from target_profile import later_document_difference, packed_documents
 
 from dflash.assets import default_data_dir, default_target_dir
-from dflash.compile_watch import raise_recompile_limit
 from dflash.target.fp8 import fp8_problem, quantize_target
 from dflash.target.model import Target
 from dflash.target.taps import check_taps
@@ -67,35 +70,27 @@ def build_target(shape: str, layers: int, seed: int) -> Target:
     return Target(model, check_taps(layers, layer_ids=None, num_captured=5))
 
 
-def tapped(target: Target, rows: torch.Tensor) -> torch.Tensor:
-    """float32 ``[K, rows, S, H]``: each tapped layer's states."""
-    states = target.capture(rows, last_hidden=False).context.float()
+def tapped(target: Target, rows: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """float32 ``[K, rows, S, H]``: each tapped layer's states, captured as the trainer captures packed rows."""
+    states = target.capture(rows, document_ids=document_ids, last_hidden=False).context.float()
     return states.view(*states.shape[:2], len(target.layer_ids), -1).permute(2, 0, 1, 3)
 
 
-def tokens_per_s(target: Target, rows: torch.Tensor, repeats: int) -> float:
+def tokens_per_s(target: Target, rows: torch.Tensor, document_ids: torch.Tensor, repeats: int) -> float:
     times = []
-    for _ in range(repeats + 1):  # the first is the warm-up
+    for _ in range(repeats + 2):  # the first two are the warm-up (compiles, autotuning)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        target.capture(rows, last_hidden=False)
+        target.capture(rows, document_ids=document_ids, last_hidden=False)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return rows.numel() / statistics.median(times[1:])
+    return rows.numel() / statistics.median(times[2:])
 
 
-@contextlib.contextmanager
-def compiled_layers(target: Target):
-    """Within the block every decoder layer's forward is compiled (inductor, one graph per layer)."""
-    layers = target.model.get_decoder().layers
-    raise_recompile_limit(4 * len(layers) + 8)  # the layers share one code object: a cache entry each
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward  # back to the class's forward
+def packing_bar(target: Target, rows: torch.Tensor, document_ids: torch.Tensor) -> float:
+    """The largest |packed - alone| of a later document's tapped states (target_profile.py's bar)."""
+    capture = lambda: target.capture(rows, document_ids=document_ids, last_hidden=False).context
+    return later_document_difference(capture, target, rows, document_ids)
 
 
 def deviation(states: torch.Tensor, reference: torch.Tensor) -> list[float]:
@@ -111,26 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="also time each forward with its layers compiled")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time each forward with its per-token work compiled"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     if not torch.cuda.is_available() or (problem := fp8_problem(device)):
         raise SystemExit(f"fp8_target.py: {problem if torch.cuda.is_available() else 'needs a CUDA GPU'}")
     rows = corpus_rows(args.rows, args.seq_len).to(device)
+    document_ids = packed_documents(args.rows, args.seq_len, seed=args.seed)
     target = build_target(args.shape, args.layers, args.seed)
-    fp32 = tapped(target, rows)
+    fp32 = tapped(target, rows, document_ids)
     target.model.to(torch.bfloat16)
-    bf16 = tapped(target, rows)
-    rates = {"bf16": tokens_per_s(target, rows, args.repeats)}
-    if args.compile:
-        with compiled_layers(target):
-            rates["bf16 compiled"] = tokens_per_s(target, rows, args.repeats)
+    bf16 = tapped(target, rows, document_ids)
+    compiled = Target(target.model, target.layer_ids)
+    compiled.compile_regions(index=0)
+    forms = {"bf16": target} | ({"bf16 compiled": compiled} if args.compile else {})
+    rates = {name: tokens_per_s(t, rows, document_ids, args.repeats) for name, t in forms.items()}
+    bars = {name: packing_bar(t, rows, document_ids) for name, t in forms.items()}
     report = quantize_target(target.model)
-    fp8 = tapped(target, rows)
-    rates["FP8"] = tokens_per_s(target, rows, args.repeats)
-    if args.compile:
-        with compiled_layers(target):
-            rates["FP8 compiled"] = tokens_per_s(target, rows, args.repeats)
+    fp8 = tapped(target, rows, document_ids)
+    forms = {"FP8": target} | ({"FP8 compiled": compiled} if args.compile else {})
+    rates |= {name: tokens_per_s(t, rows, document_ids, args.repeats) for name, t in forms.items()}
+    bars |= {name: packing_bar(t, rows, document_ids) for name, t in forms.items()}
 
     print(
         f"{args.shape}, first {args.layers} layers (random weights), {args.rows} rows x {args.seq_len} tokens of the "
@@ -145,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         f"target forward, tok/s (median of {args.repeats}): "
         + ", ".join(f"{name} {rate:,.0f} ({rate / rates['bf16']:.2f}x bf16)" for name, rate in rates.items())
     )
+    print("packing bar, later documents vs alone, max |diff|: " + ", ".join(f"{n} {b:.4f}" for n, b in bars.items()))
     return 0
 
 
