@@ -439,31 +439,86 @@ class GroupedDynamicConv(nn.Module):
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
         """``sublayer`` (a function of ``[B, Q, H]``) between the two sides; ``x`` ``[B, Q, H]`` with
-        Q a whole number of draft blocks."""
+        Q a whole number of draft blocks. Both sides compute in the dtype of the coefficients
+        (bf16 under autocast, as the served bf16 drafter computes)."""
         dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, -1))
-        inner = sublayer(self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]))
-        return self._convolve(inner, dynamic[..., 1, :, :], self.base_kernel[1])
+        inner = sublayer(self._convolve(x.to(dynamic.dtype), dynamic[..., 0, :, :], self.base_kernel[0]))
+        return self._convolve(inner.to(dynamic.dtype), dynamic[..., 1, :, :], self.base_kernel[1])
 
     def _convolve(self, z: Tensor, dynamic: Tensor, base: Tensor) -> Tensor:
         """One side: ``z`` [B, Q, H], ``dynamic`` [B, Q, k, G], ``base`` [k, H]. Q is whole blocks,
         or one block shorter than ``block_size`` (a verify width near the token budget, or a
         drafter served at a smaller width)."""
-        batch, q_len, hidden = z.shape
-        groups = hidden // self.group_size
+        q_len = z.shape[1]
         length = self.block_size if q_len % self.block_size == 0 else q_len
         if length > self.block_size:
             raise ValueError(
                 f"{q_len} draft tokens are neither whole blocks of {self.block_size} nor one shorter block"
             )
-        blocks = z.view(batch, q_len // length, length, groups, self.group_size)
-        dynamic = dynamic.reshape(*blocks.shape[:3], self.kernel_size, groups, 1)
+        return _BlockConvolution.apply(z, dynamic, base, length, self.group_size)
+
+
+def _in_blocks(t: Tensor, length: int, group_size: int) -> Tensor:
+    """``[B, Q, H]`` as ``[B, Q / length, length, H / g, g]``."""
+    batch, q_len, hidden = t.shape
+    return t.view(batch, q_len // length, length, hidden // group_size, group_size)
+
+
+def _back(blocks: Tensor, tap: int) -> Tensor:
+    """``blocks`` ``[B, N, L, G, g]`` read ``tap`` slots back within each block, zero before its start."""
+    return blocks if tap == 0 else F.pad(blocks[:, :, :-tap], (0, 0, 0, 0, tap, 0))
+
+
+def _ahead(blocks: Tensor, tap: int) -> Tensor:
+    """``blocks`` read ``tap`` slots ahead within each block, zero past its end (the adjoint of :func:`_back`)."""
+    return blocks if tap == 0 else F.pad(blocks[:, :, tap:], (0, 0, 0, 0, 0, tap))
+
+
+class _BlockConvolution(torch.autograd.Function):
+    """One side of :class:`GroupedDynamicConv` over draft blocks of ``length`` slots:
+    ``y[t, c] = sum_j (base[j, c] + dynamic[t, j, c // g]) * z[t - j, c]``, in ``z``'s dtype.
+
+    Written out so that backward keeps only its inputs (``z`` ``[B, Q, H]``, ``dynamic``
+    ``[B, Q, k, G]``, ``base`` ``[k, H]``): autograd of the taps kept every shifted copy of ``z``,
+    some in float32, about 8 more ``[Q, H]`` tensors per layer than DFlash (7.6 GiB at the user's
+    shape, 2 rows x 512 anchors). Backward: ``dz[t - j] += coefficient[t, j] * dy[t]``,
+    ``d base[j, c] = sum_t z[t - j, c] dy[t, c]``, ``d dynamic[t, j, G] = sum_(c in G) z[t - j, c] dy[t, c]``
+    (sums in float32).
+    """
+
+    @staticmethod
+    def forward(ctx, z, dynamic, base, length, group_size):
+        ctx.save_for_backward(z, dynamic, base)
+        ctx.length, ctx.group_size = length, group_size
+        blocks = _in_blocks(z, length, group_size)
+        groups, taps = blocks.shape[3], base.shape[0]
+        dynamic = dynamic.reshape(*blocks.shape[:3], taps, groups, 1)
         out = torch.zeros_like(blocks)
-        for tap in range(self.kernel_size):
-            # Tap j reads j slots back within the block (zero before the block's start).
-            shifted = blocks if tap == 0 else F.pad(blocks[:, :, :-tap], (0, 0, 0, 0, tap, 0))
-            out = out + base[tap].view(groups, self.group_size).to(z.dtype) * shifted
+        for tap in range(taps):
+            shifted = _back(blocks, tap)
+            out = out + base[tap].view(groups, group_size).to(z.dtype) * shifted
             out = torch.addcmul(out, dynamic[:, :, :, tap], shifted)  # z-lab's order of the two terms
         return out.view_as(z)
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, dynamic, base = ctx.saved_tensors
+        blocks = _in_blocks(z, ctx.length, ctx.group_size)
+        grad_blocks = _in_blocks(grad, ctx.length, ctx.group_size)
+        groups, taps = blocks.shape[3], base.shape[0]
+        coefficients = dynamic.reshape(*blocks.shape[:3], taps, groups, 1)
+        grad_z = torch.zeros_like(blocks)
+        grad_base, grad_dynamic = [], []
+        for tap in range(taps):
+            coefficient = base[tap].view(groups, ctx.group_size).to(z.dtype) + coefficients[:, :, :, tap]
+            grad_z = grad_z + _ahead(coefficient * grad_blocks, tap)
+            # z[t - tap] dy[t] at the slots t >= tap, by slicing: a shifted copy of z like forward's
+            # would be shared with it, and kept for backward.
+            products = blocks[:, :, : blocks.shape[2] - tap].float() * grad_blocks[:, :, tap:].float()
+            grad_dynamic.append(F.pad(products.sum(-1), (0, 0, tap, 0)))
+            grad_base.append(products.sum((0, 1, 2)).flatten())
+        grad_dynamic = torch.stack(grad_dynamic, dim=3).view_as(dynamic).to(dynamic.dtype)
+        return grad_z.view_as(z), grad_dynamic, torch.stack(grad_base).to(base.dtype), None, None
 
 
 class CandidateSelector(nn.Module):

@@ -521,3 +521,37 @@ def test_the_logged_drafter_loss_does_not_move_with_the_selectors_weight():
         for weight in (1.0, 1e9)
     ]
     assert torch.equal(outs[0].drafter_sum, outs[1].drafter_sum) and outs[0].selector_sum > 0
+
+
+@pytest.mark.parametrize("q_len", [12, 3])  # three blocks of 4, or one block shorter than 4
+def test_the_block_convolution_is_the_taps_spelled_out_and_its_gradient_autograds(q_len):
+    from dflash.drafter.modeling_dflash import GroupedDynamicConv
+
+    conv = GroupedDynamicConv(hidden_size=8, kernel_size=2, group_size=4, block_size=4).double()
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        conv.base_kernel.normal_(generator=gen)
+    z = torch.randn(2, q_len, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    dynamic = torch.randn(2, q_len, 2, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    base = conv.base_kernel[0]
+    length = min(q_len, 4)
+    spelled = torch.zeros_like(z)
+    for t in range(q_len):
+        for j in range(2):
+            if t % length >= j:  # j slots back, within t's block
+                coefficient = base[j] + dynamic[:, t, j].repeat_interleave(4, dim=-1)
+                spelled[:, t] = spelled[:, t] + coefficient * z[:, t - j]
+    torch.testing.assert_close(conv._convolve(z, dynamic, base), spelled)
+    assert torch.autograd.gradcheck(lambda *a: conv._convolve(*a), (z, dynamic, base))
+
+
+def test_the_block_convolution_keeps_only_its_inputs_for_backward():
+    from dflash.drafter.modeling_dflash import GroupedDynamicConv
+
+    conv = GroupedDynamicConv(hidden_size=8, kernel_size=2, group_size=4, block_size=4)
+    z = torch.randn(2, 8, 8, requires_grad=True)
+    dynamic = torch.randn(2, 8, 2, 2, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        conv._convolve(z, dynamic, conv.base_kernel[0])
+    assert len(saved) == 3 and saved[0] is z and saved[1] is dynamic

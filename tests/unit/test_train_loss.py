@@ -227,3 +227,19 @@ def test_bad_options_raise():
         L.dflash_loss(hidden, weight, labels, label_mask, w, position_weighting="dpace", dpace_alpha=1.5)
     with pytest.raises(ValueError, match="labels/label_mask"):
         L.dflash_loss(hidden, weight, labels[:, :-1], label_mask[:, :-1], w)
+
+
+@pytest.mark.parametrize("vocab, k, block", [(4096, 16, 512), (1000, 16, 64), (300, 7, 32), (40, 16, 8), (20, 5, 8)])
+def test_top_k_by_blocks_equals_topk(vocab, k, block):
+    from dflash.train.loss import top_k_indices
+
+    gen = torch.Generator().manual_seed(vocab)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 5, vocab, generator=gen).to(dtype)
+        x[0, 0, -3:] = 50.0  # the largest entries in the last, partial block
+        x[1, 1, : 2 * k] = torch.linspace(10, 20, 2 * k).to(dtype)  # all in the first blocks
+        ours = top_k_indices(x, k, block)
+        want = x.topk(k, dim=-1)
+        torch.testing.assert_close(x.gather(-1, ours), want.values, rtol=0, atol=0)  # the same values, in order
+        if dtype == torch.float32:  # ties only among the planted 50s, all chosen: the same tokens
+            assert torch.equal(ours.sort(-1).values, want.indices.sort(-1).values)
