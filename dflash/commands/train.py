@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import signal
+import sys
 import types
 import typing
 from pathlib import Path
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "epochs" in values and "steps" not in values:
         values["steps"] = None  # --epochs alone means "train by epochs"
+    trainer = None
     try:
         if values.get("resume"):
             values = _resumed_values(values)
@@ -188,6 +190,16 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _resume_hint(values.get("out", TrainConfig.out), "interrupted")
         return 128 + signal.SIGINT
+    except Exception as error:
+        if "torch" not in sys.modules:
+            raise
+        from dflash.run.out_of_memory import advice, out_of_memory_error
+
+        oom = out_of_memory_error(error)
+        if oom is None:
+            raise
+        logger.error("%s", advice(config, oom, trainer.step if trainer is not None and trainer.step else None))
+        return 1
     if not trainer.is_main:  # rank 0 speaks for the job
         return 0
     if not metrics:

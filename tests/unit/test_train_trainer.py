@@ -565,3 +565,26 @@ def test_resuming_a_finished_run_says_so_before_anything_loads(assets, tmp_path,
     assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 0
     assert f"nothing to train: {run} is already at step 3 of 3" in capsys.readouterr().out
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000003"]  # nothing written
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_out_of_memory_ends_with_the_flags_that_reduce_memory_not_a_traceback(
+    assets, tmp_path, monkeypatch, capsys, caplog, threaded
+):
+    import dflash.train.step
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.37 GiB. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(dflash.train.step, "_drafter_step", out_of_memory)
+    inputs = ["--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path / "run")]
+    flags = ["--steps", "2", "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48"]
+    flags += ["--batch-size", "4", "--max-anchors", "4", "--no-progress"]
+    if threaded:
+        flags += ["--target-devices", "cpu", "--drafter-devices", "cpu"]
+    assert main(["train", *inputs, *flags]) == 1
+    err = capsys.readouterr().err + caplog.text
+    assert "Traceback" not in err
+    assert "out of GPU memory in step 1 (an allocation of 2.37 GiB failed)" in caplog.text
+    assert "--batch-size 2 --grad-accum 2: half the rows per micro-batch" in caplog.text
+    assert "--max-anchors 2" in caplog.text and "--target-dtype fp8" in caplog.text
