@@ -219,12 +219,12 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto (cuda if visible)."""
     compile: str = "auto"
     """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
-    compile_scope: str = "step"
-    """What a compiled step compiles: `step` (the whole forward and loss as one graph: every layer and loss chunk
-    lowered anew, so the first step's compile grows with them) or `regional` (one decoder layer and one loss chunk,
-    each compiled once and reused; the first layer, whose input needs no gradient, gets a graph of its own). On a
-    2-core CPU with a 5-layer drafter and 32 loss chunks the first step came 3.75x sooner regional and the later
-    steps ran 4-8% slower. Without compiling it has no effect (a warning says so)."""
+    compile_scope: str = "regional"
+    """What a compiled step compiles: `regional` (one decoder layer, one loss chunk and DFlash2's selector loss,
+    each compiled once and reused for every layer and chunk; the first layer, whose input needs no gradient, gets a
+    graph of its own) or `step` (the whole forward and loss as one graph: every layer and loss chunk lowered anew, so
+    the first step's compile grows with them: minutes at the user's shape). Regional's first step came 2.9x sooner
+    on an H100 and its later steps ran as fast (docs/results.md). Without compiling it has no effect."""
     compile_target: bool = True
     """With --compile on, also compile the target's per-token work (each decoder layer's norms and MLP, a Gated
     DeltaNet layer's projections around its kernels) as regions shared by every layer (dflash.target.compiled): the

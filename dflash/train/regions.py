@@ -1,26 +1,25 @@
-"""What of the drafter step ``torch.compile`` compiles: the whole step, or one decoder layer and
-one loss chunk reused for all (regional compilation, ``--compile-scope``).
+"""What of the drafter step ``torch.compile`` compiles: one decoder layer, one loss chunk and
+DFlash2's selector loss, each reused for all (regional compilation), or the whole step
+(``--compile-scope``).
 
-``step`` (the default): :func:`~dflash.train.step.drafter_forward_loss` is one dynamo graph. Dynamo unrolls
-every decoder layer and every chunk of the LM head + loss into it, and inductor lowers each copy,
-so the first step's compile grows with layers x chunks: at the user's shape (4 rows x 512 anchors
-per micro-batch, 16 blocks per chunk) that is 5 layers and 128 chunks.
+``regional`` (the default): the decoder layer's forward, one loss chunk
+(:func:`dflash.train.loss.chunk_loss`) and DFlash2's selector loss
+(:func:`dflash.train.selector_loss.selector_loss`) are compiled as regions of their own; every
+layer and every chunk calls them, so each compiles once per kind of call (:data:`GRAPHS_PER_SHAPE`)
+however many layers and chunks there are. What stays eager is the glue around them: the
+draft-token embedding, the drafter's input projection, norms and rotary tables, label building,
+and the chunks' sums; elementwise work over the step's tokens next to the regions' matmuls and
+attention. On one H100 with the user's drafter (5 layers at the Qwen3.6-27B width, 2 rows x 512
+anchors, ``docs/results.md`` 2026-12-05) the first step came 84 s after the drafter was built
+regional and 246 s as one graph, cold; the drafter step then took 24 ms (5%) longer regional, 14 ms
+of which were the loss chunks' gradients gathered by one full-size add per chunk, eager between
+the regions (gathered in one ``cat`` since). At the user's full shape on an H200 (4 rows, e5ac64f)
+the regional step ran at 58.0% MFU, against 56.8% for the one graph 129 commits earlier.
 
-``regional``: the decoder layer's forward and one loss chunk
-(:func:`dflash.train.loss.chunk_loss`) are compiled as regions of their own; every layer and every
-chunk calls them, so each compiles once per kind of call (:data:`GRAPHS_PER_SHAPE`) however many
-layers and chunks there are. What stays eager is the glue around them: the draft-token
-embedding, the drafter's input projection, norms and rotary tables, label building, and the
-chunks' sums; elementwise work over the step's tokens next to the regions' matmuls and attention.
-On one H100 with the user's drafter (5 layers at the Qwen3.6-27B width, 2 rows x 512 anchors,
-``docs/results.md`` 2026-12-05) the first step came 84 s after the drafter was built regional and
-246 s as one graph, cold, and the drafter step then took 24 ms (5%) longer regional: the one graph
-repaid its compile after about 6,700 steps of a run of tens of thousands (a resume is warm from
-``compile_cache.bin``). 14 ms of those 24 were the loss chunks' gradients gathered by one
-full-size add per chunk, eager between the regions; they are gathered in one ``cat`` now. Until
-the GPU's ratio is measured again, the one graph stays the default. At the user's full shape on
-an H200 (4 rows, e5ac64f) the regional first step came 98 s cold, 58 s of it the target's first
-forward, and the drafter step then ran at 58.0% MFU.
+``step``: :func:`~dflash.train.step.drafter_forward_loss` is one dynamo graph. Dynamo unrolls every
+decoder layer and every chunk of the LM head + loss into it, and inductor lowers each copy, so the
+first step's compile grows with layers x chunks: at the user's shape (4 rows x 512 anchors per
+micro-batch, 16 blocks per chunk) that is 5 layers and 128 chunks, minutes.
 
 PyTorch's recipe for this: https://docs.pytorch.org/tutorials/recipes/regional_compilation.html.
 """

@@ -153,7 +153,7 @@ class Trainer:
         _seed_everything(config.seed)
         device = self.layout.targets[0].device
         self.compiled = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
-        if not self.compiled and config.compile_scope != "step":
+        if not self.compiled and config.compile_scope != TrainConfig.defaults()["compile_scope"]:
             logger.warning(
                 "--compile-scope %s has no effect: the drafter step runs eagerly (--compile %s on %s); pass "
                 "--compile on to compile it",

@@ -441,8 +441,11 @@ def test_no_save_trains_without_writing_a_checkpoint(assets, tmp_path, caplog):
 
 def test_a_compile_scope_without_compiling_is_warned(assets, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        Trainer(settle(_config(assets, tmp_path, compile="off", compile_scope="regional")))
-    assert "--compile-scope regional has no effect: the drafter step runs eagerly (--compile off on cpu)" in caplog.text
+        Trainer(settle(_config(assets, tmp_path / "default", compile="off")))
+    assert "has no effect" not in caplog.text  # the default scope, not asked for
+    with caplog.at_level(logging.WARNING):
+        Trainer(settle(_config(assets, tmp_path / "asked", compile="off", compile_scope="step")))
+    assert "--compile-scope step has no effect: the drafter step runs eagerly (--compile off on cpu)" in caplog.text
 
 
 def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets, tmp_path, caplog):
