@@ -22,8 +22,10 @@ import torch
 from transformers import Qwen3Config
 
 from dflash import masks
+from dflash.config import TrainConfig
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
-from dflash.train.loss import dflash_loss, position_weights
+from dflash.train.loss import dflash_loss
+from dflash.train.loss_settings import LossSettings
 
 
 def build(args, dtype):
@@ -71,9 +73,14 @@ def batch(args, model, dtype, seed):
     )
 
 
-def step(model, lm_head, weights, b, attention_mask, chunk_blocks):
+def loss_settings(args) -> LossSettings:
+    """``dflash train``'s default loss settings at this block size."""
+    return LossSettings.from_config(TrainConfig(), block_size=args.block_size, mask_token_id=args.vocab - 1)
+
+
+def step(model, lm_head, weights, b, attention_mask, settings):
     hidden = model(b["draft_embeds"], b["target_hidden"], b["anchors"], b["valid"], attention_mask=attention_mask)
-    out = dflash_loss(hidden, lm_head, b["labels"], b["label_mask"], weights, chunk_blocks=chunk_blocks)
+    out = dflash_loss(hidden, lm_head, b["labels"], b["label_mask"], weights, settings)
     return out.loss_sum / out.weight_sum
 
 
@@ -96,7 +103,8 @@ def main() -> int:
     # 1. fp32 correctness: compiled flex vs eager SDPA.
     model = build(args, torch.float32)
     lm_head = torch.randn(args.vocab, args.hidden, device=args.device) * 0.02
-    weights = position_weights(args.block_size, device=args.device)
+    settings = loss_settings(args)
+    weights = settings.position_weight(args.device)
     b = batch(args, model, torch.float32, seed=1)
     bm = model.build_attention_mask(b["anchors"], b["valid"], args.seq_len)
     counters.clear()
@@ -113,12 +121,14 @@ def main() -> int:
 
     if train:
         compiled_step = torch.compile(step)
-        loss = compiled_step(model, lm_head, weights, b, bm, 16)
+        loss = compiled_step(model, lm_head, weights, b, bm, settings)
         loss.backward()
         flex_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
         model.set_attn_implementation("sdpa")
-        ref = step(model, lm_head, weights, b, model.build_attention_mask(b["anchors"], b["valid"], args.seq_len), 16)
+        ref = step(
+            model, lm_head, weights, b, model.build_attention_mask(b["anchors"], b["valid"], args.seq_len), settings
+        )
         ref.backward()
         model.set_attn_implementation("flex_attention")
         gerr = max(
@@ -153,7 +163,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
             mask = model.build_attention_mask(bb["anchors"], bb["valid"], args.seq_len)
-            compiled_step(model, lm_head, weights, bb, mask, 16).backward()
+            compiled_step(model, lm_head, weights, bb, mask, settings).backward()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - start) / (len(batches) - 1) * 1e3
         print(

@@ -40,6 +40,7 @@ import torch
 from transformers import Qwen3Config
 
 from dflash.compile_watch import DynamoWarnings, raise_recompile_limit
+from dflash.config import TrainConfig
 from dflash.data.batches import Batch
 from dflash.devices import Slot
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
@@ -47,9 +48,9 @@ from dflash.masks import sample_anchors
 from dflash.target.model import TargetStates
 from dflash.train.flops import detect_peak_tflops, drafter_step_flops
 from dflash.train.jobs import Job
-from dflash.train.loss import DPACE_ALPHA
+from dflash.train.loss_settings import LossSettings
 from dflash.train.replica import build_replicas, optimizer_step
-from dflash.train.step import LossSettings, TargetBatch, drafter_step
+from dflash.train.step import TargetBatch, drafter_step
 from dflash.train.threaded import Control, DrafterWorker, Inbox, Prefetched, run_drafters
 
 SIZES = {
@@ -122,15 +123,7 @@ def build(devices: list[torch.device], s: dict, compiled: bool, backend: str, wa
     torch.manual_seed(0)
     attention = "flex_attention" if devices[0].type == "cuda" else "sdpa"
     model = DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
-    settings = LossSettings(
-        mask_token_id=config.mask_token_id,
-        block_size=s["block"],
-        gamma=None,
-        soft_label_weight=0.0,
-        position_weighting="decay",
-        dpace_alpha=DPACE_ALPHA,
-        chunk_blocks=16,
-    )
+    settings = LossSettings.from_config(TrainConfig(), block_size=s["block"], mask_token_id=config.mask_token_id)
     slots = [Slot(f"{d.type}:{i}", d) for i, d in enumerate(devices)]
     optimizer_config = types.SimpleNamespace(lr=1e-4, weight_decay=0.0)
     replicas = build_replicas(

@@ -73,8 +73,9 @@ def child(args) -> dict:
     from dflash.run.drafter_shape import resolve_drafter_shape
     from dflash.target.model import TargetStates
     from dflash.train.flops import detect_peak_tflops, drafter_step_flops
+    from dflash.train.loss_settings import LossSettings
     from dflash.train.replica import build_replicas, optimizer_step
-    from dflash.train.step import LossSettings, TargetBatch, drafter_step
+    from dflash.train.step import TargetBatch, drafter_step
 
     arch, fields = parse_run(args.run)
     device = torch.device(args.device)
@@ -104,7 +105,9 @@ def child(args) -> dict:
     torch.manual_seed(args.seed)
     attention = "flex_attention" if cuda else "sdpa"
     model = DFlashDraftModel._from_config(drafter_cfg, attn_implementation=attention, dtype=torch.float32).train()
-    settings = LossSettings.from_config(config, drafter_cfg.mask_token_id)
+    settings = LossSettings.from_config(
+        config, block_size=drafter_cfg.block_size, mask_token_id=drafter_cfg.mask_token_id
+    )
     vocab, hidden = text.vocab_size, text.hidden_size
     heads = types.SimpleNamespace(
         device=device,

@@ -21,11 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.train.loss import dflash_loss, position_weights
+from dflash.config import TrainConfig
+from dflash.train.loss import dflash_loss
+from dflash.train.loss_settings import LossSettings
 
 
-def checkpointed_loss(hidden, weight, labels, label_mask, slot_weights, chunk_blocks):
+def checkpointed_loss(hidden, weight, labels, label_mask, slot_weights, settings):
     """The baseline: decay-weighted CE per chunk of blocks, each chunk under checkpoint."""
+    chunk_blocks = settings.chunk_blocks
     rows, bs = hidden.shape[0] * hidden.shape[1] // slot_weights.shape[0], slot_weights.shape[0]
     hidden = hidden.reshape(rows, bs, -1)
     labels, label_mask = labels.reshape(rows, bs), label_mask.reshape(rows, bs)
@@ -42,8 +45,8 @@ def checkpointed_loss(hidden, weight, labels, label_mask, slot_weights, chunk_bl
     return total
 
 
-def fused_loss(hidden, weight, labels, label_mask, slot_weights, chunk_blocks):
-    return dflash_loss(hidden, weight, labels, label_mask, slot_weights, chunk_blocks=chunk_blocks).loss_sum
+def fused_loss(hidden, weight, labels, label_mask, slot_weights, settings):
+    return dflash_loss(hidden, weight, labels, label_mask, slot_weights, settings).loss_sum
 
 
 def time_backward(fn, hidden, args, *, repeats: int, device) -> tuple[float, torch.Tensor]:
@@ -77,8 +80,9 @@ def main() -> int:
     labels = torch.randint(0, vocab, (1, rows // bs, bs), generator=gen, device=device)
     label_mask = torch.rand(1, rows // bs, bs, generator=gen, device=device) < 0.9
     label_mask[..., 0] = False
-    slot_weights = position_weights(bs, device=device)
-    inputs = (weight, labels, label_mask, slot_weights, args.chunk_blocks)
+    config = TrainConfig(loss_chunk_blocks=args.chunk_blocks)  # dflash train's loss otherwise
+    settings = LossSettings.from_config(config, block_size=bs, mask_token_id=0)
+    inputs = (weight, labels, label_mask, settings.position_weight(device), settings)
     results = {}
     for name, fn in (("checkpointed", checkpointed_loss), ("fused", fused_loss)):
         if device.type == "cuda":

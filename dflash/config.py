@@ -17,6 +17,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 from functools import cache
+from typing import Literal, get_args
 
 # Saved absolute, so train_config.json and a resume from another directory name the same files.
 INPUT_PATHS = ("target", "data", "init_from", "eval_data")
@@ -31,7 +32,8 @@ PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 #: Drafter architectures (``--arch``).
 ARCHS = ("dflash", "dflash2")
 #: What DFlash2's selector loss does with a slot whose true token is not a candidate (``--selector-missing-gold``).
-MISSING_GOLD = ("exclude", "insert")
+MissingGold = Literal["exclude", "insert"]
+MISSING_GOLD = get_args(MissingGold)
 #: ``--compile-scope`` (:mod:`dflash.train.regions`).
 COMPILE_SCOPES = ("regional", "step")
 #: ``--target-dtype`` (:mod:`dflash.target.fp8`).

@@ -255,22 +255,28 @@ def micro_batch(drafter, seed: int, device="cpu", dtype=torch.float32):
     return target, anchors.to(device), valid.to(device)
 
 
-def step_settings(soft_label_weight: float = 0.0):
-    """:class:`dflash.train.step.LossSettings` for :func:`tiny_drafter`: chunks of 4 blocks, gamma 2,
-    DFlash2's selector at weight 0.5 with ``insert``."""
-    from dflash.train.loss import DPACE_ALPHA
-    from dflash.train.step import LossSettings
+def loss_settings(*, block_size: int, mask_token_id: int = 0, **flags):
+    """:class:`dflash.train.loss_settings.LossSettings` as ``dflash train`` builds it from
+    :class:`dflash.config.TrainConfig`'s defaults and ``flags`` (config field names: ``gamma``,
+    ``loss_chunk_blocks``, ``dpace``, ``selector_missing_gold`` ...): the tests write no defaults of their own."""
+    from dflash.config import TrainConfig
+    from dflash.train.loss_settings import LossSettings
 
-    return LossSettings(
-        mask_token_id=63,
+    config = TrainConfig(**flags)
+    return LossSettings.from_config(config, block_size=block_size, mask_token_id=mask_token_id)
+
+
+def step_settings(soft_label_weight: float = 0.0):
+    """:func:`loss_settings` for :func:`tiny_drafter`: chunks of 4 blocks, gamma 2, DFlash2's selector
+    at weight 0.5 with ``insert``."""
+    return loss_settings(
         block_size=4,
+        mask_token_id=63,
         gamma=2.0,
+        loss_chunk_blocks=4,
         soft_label_weight=soft_label_weight,
-        position_weighting="decay",
-        dpace_alpha=DPACE_ALPHA,
-        chunk_blocks=4,
-        selector_weight=0.5,
-        missing_gold="insert",
+        selector_loss_weight=0.5,
+        selector_missing_gold="insert",
     )
 
 

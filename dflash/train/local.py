@@ -18,8 +18,9 @@ from dflash.target.model import Target
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
 from dflash.train.jobs import JobSource
+from dflash.train.loss_settings import LossSettings
 from dflash.train.replica import DrafterReplica, load_replica_state, optimizer_step
-from dflash.train.step import LossSettings, StatsLayout, drafter_step, produce_target_states
+from dflash.train.step import StatsLayout, drafter_step, produce_target_states
 
 
 class _Clock:

@@ -25,54 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.config import MISSING_GOLD, PAPER_GAMMA
 from dflash.masks import previous_positions
+from dflash.train.loss_settings import LossSettings
 from dflash.train.selector_loss import selector_loss
-
-POSITION_WEIGHTINGS = ("decay", "dpace")
-
-#: Confidence smoothing of D-PACE: SpecForge ``dpace_alpha`` and speculators ``--dpace-alpha`` default.
-DPACE_ALPHA = 0.5
-
-
-def default_gamma(block_size: int) -> float:
-    """Decay constant gamma of the paper for ``block_size`` (7 for 16, 5 for 10, 4 for 8).
-
-    Raises:
-        ValueError: for a block size the paper gives no gamma for; pass gamma explicitly then.
-    """
-    if block_size not in PAPER_GAMMA:
-        raise ValueError(
-            f"no published gamma for block_size={block_size} (known: {sorted(PAPER_GAMMA)}); pass gamma explicitly"
-        )
-    return PAPER_GAMMA[block_size]
-
-
-def position_weights(
-    block_size: int, gamma: float | None = None, *, device: torch.device | str | None = None
-) -> Tensor:
-    """Per-slot loss weights ``w_0 = 0``, ``w_k = exp(-(k - 1) / gamma)`` for k >= 1.
-
-    Args:
-        block_size (int): Bs.
-        gamma (float, optional): decay constant (> 0); None uses :func:`default_gamma`.
-        device: where to create the tensor.
-
-    Returns:
-        Tensor: float32 ``[Bs]``.
-
-    Raises:
-        ValueError: ``gamma <= 0`` or ``block_size < 2``.
-    """
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
-    gamma = default_gamma(block_size) if gamma is None else gamma
-    if gamma <= 0:
-        raise ValueError(f"gamma must be > 0, got {gamma}")
-    k = torch.arange(block_size, dtype=torch.float32, device=device)
-    weights = torch.exp(-(k - 1) / gamma)
-    weights[0] = 0.0
-    return weights
 
 
 @dataclass
@@ -110,42 +65,38 @@ def dflash_loss(
     labels: Tensor,
     label_mask: Tensor,
     weights: Tensor,
+    settings: LossSettings,
     *,
-    chunk_blocks: int = 16,
-    position_weighting: str = "decay",
-    dpace_alpha: float = DPACE_ALPHA,
-    soft_label_weight: float = 0.0,
     teacher_hidden: Tensor | None = None,
     anchors: Tensor | None = None,
     selector=None,
     predecessors: Tensor | None = None,
-    selector_weight: float = 1.0,
-    missing_gold: str = "exclude",
     chunk_fn=None,
     selector_fn=None,
 ) -> LossOutput:
     """Chunked LM head + weighted loss over draft blocks.
 
     Per supervised slot (``label_mask``) the token loss is
-    ``(1 - a) * CE(drafter, label) + a * KL(target || drafter)`` with ``a = soft_label_weight``;
+    ``(1 - a) * CE(drafter, label) + a * KL(target || drafter)`` with ``a = settings.soft_label_weight``;
     it is multiplied by the slot's weight and summed. Logits are computed in the dtype of
     ``hidden`` and upcast to float32 for softmax/CE.
 
-    Position weighting:
+    Position weighting (``settings.position_weighting``):
 
-    - ``"decay"``: ``weights[k]`` (use :func:`position_weights`).
+    - ``"decay"``: ``weights[k]`` (:func:`dflash.train.loss_settings.position_weights`).
     - ``"dpace"``: D-PACE (arXiv 2605.18810), as SpecForge (``OnlineDFlashModel._dpace_weight``)
       and speculators (``losses.dpace_loss_decay``) define it alike. With ``q_i`` the drafter's
-      probability of the label at slot i (detached), each supervised slot's confidence is
-      smoothed, ``c_i = (1 - alpha) * q_i + alpha``, and an unsupervised slot passes through
-      (``c_i = 1``); slot k of a block gets ``w_k = sum_{j >= k, j supervised} prod_{i <= j} c_i``
-      (0 where unsupervised): the expected accepted length's sensitivity to slot k, so training
-      focuses on the slots that currently limit acceptance. ``weights`` is ignored except for its
-      length. The returned weight sum is the number of supervised slots (speculators divides by
-      it; SpecForge by the batch size), so the loss is a mean over supervised slots.
+      probability of the label at slot i (detached) and ``alpha = settings.dpace_alpha``, each
+      supervised slot's confidence is smoothed, ``c_i = (1 - alpha) * q_i + alpha``, and an
+      unsupervised slot passes through (``c_i = 1``); slot k of a block gets
+      ``w_k = sum_{j >= k, j supervised} prod_{i <= j} c_i`` (0 where unsupervised): the
+      expected accepted length's sensitivity to slot k, so training focuses on the slots that
+      currently limit acceptance. ``weights`` is ignored except for its length. The returned
+      weight sum is the number of supervised slots (speculators divides by it; SpecForge by the
+      batch size), so the loss is a mean over supervised slots.
 
-    Memory and work: each chunk of ``chunk_blocks`` blocks computes its logits, loss and the
-    gradient of the loss with respect to its hidden states at once (:class:`_FusedChunkLoss`);
+    Memory and work: each chunk of ``settings.chunk_blocks`` blocks computes its logits, loss and
+    the gradient of the loss with respect to its hidden states at once (:class:`_FusedChunkLoss`);
     only that gradient (``[C, Bs, H]``) is kept for backward, never logits (peak
     ``chunk_blocks * Bs * V`` floats, x3-4 for softmax and gradient). The LM head is frozen, so no
     weight gradient is formed. The gradient flows to ``hidden`` only.
@@ -155,23 +106,19 @@ def dflash_loss(
         lm_head_weight (Tensor): ``[V, H]`` frozen target LM head weight.
         labels (Tensor): int64 ``[B, N, Bs]`` (:func:`dflash.masks.build_labels`).
         label_mask (Tensor): bool ``[B, N, Bs]``.
-        weights (Tensor): float ``[Bs]`` per-slot weights (:func:`position_weights`).
-        chunk_blocks (int): blocks per chunk (>= 1); a chunk holds ``chunk_blocks * Bs`` rows.
-        position_weighting (str): ``"decay"`` or ``"dpace"``.
-        dpace_alpha (float): D-PACE confidence smoothing in [0, 1] (:data:`DPACE_ALPHA`).
-        soft_label_weight (float): a in [0, 1]; > 0 needs ``teacher_hidden`` and ``anchors``.
+        weights (Tensor): float ``[Bs]`` per-slot weights (:meth:`LossSettings.position_weight`).
+        settings (LossSettings): chunk size, position weighting, soft-label and selector weights,
+            the missing-gold rule; ``soft_label_weight > 0`` needs ``teacher_hidden`` and ``anchors``.
         teacher_hidden (Tensor, optional): ``[B, S, H]`` the verifier's last hidden state (the
             input of its ``lm_head``, after the final norm). Slot k of the block anchored at a is
             matched to the target's next-token distribution at position ``a + k - 1``, the
             distribution the target verifies ``x[a + k]`` with.
         anchors (Tensor, optional): int64 ``[B, N]``, needed with ``teacher_hidden``.
-        selector (CandidateSelector, optional): a DFlash2 drafter's; adds ``selector_weight`` times
+        selector (CandidateSelector, optional): a DFlash2 drafter's; adds ``settings.selector_weight`` times
             its loss (:func:`dflash.train.selector_loss.selector_loss`, with each slot's weight) to
             the loss sum, the normaliser unchanged (SpecForge's normalisation).
         predecessors (Tensor, optional): int64 ``[B, N, Bs]``, the true token before each slot
             (slot k of anchor a: ``x[a + k - 1]``); needed with ``selector``.
-        selector_weight (float): >= 0.
-        missing_gold (str): ``"exclude"`` or ``"insert"`` (:func:`dflash.train.selector_loss.selector_loss`).
         chunk_fn (callable, optional): :func:`chunk_loss` or a compiled copy of it (the regional
             compile compiles one chunk and reuses it for all, :mod:`dflash.train.regions`).
         selector_fn (callable, optional): :func:`dflash.train.selector_loss.selector_loss` or a
@@ -181,7 +128,7 @@ def dflash_loss(
         LossOutput
 
     Raises:
-        ValueError: on inconsistent shapes or options.
+        ValueError: on inconsistent shapes.
     """
     batch, q_len, hidden_size = hidden.shape
     block_size = weights.shape[0]
@@ -193,25 +140,15 @@ def dflash_loss(
         )
     if q_len != num_blocks * block_size:
         raise ValueError(f"hidden has {q_len} rows, not a multiple of block size {block_size}")
-    if position_weighting not in POSITION_WEIGHTINGS:
-        raise ValueError(f"position_weighting must be one of {POSITION_WEIGHTINGS}, got {position_weighting!r}")
-    if chunk_blocks < 1:
-        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
-    if not 0.0 <= dpace_alpha <= 1.0:
-        raise ValueError(f"dpace_alpha must be in [0, 1], got {dpace_alpha}")
-    if not 0.0 <= soft_label_weight <= 1.0:
-        raise ValueError(f"soft_label_weight must be in [0, 1], got {soft_label_weight}")
-    soft = soft_label_weight > 0.0
+    soft = settings.soft_label_weight > 0.0
     if soft and (teacher_hidden is None or anchors is None or anchors.shape != (batch, num_blocks)):
         raise ValueError(
             f"soft_label_weight > 0 needs teacher_hidden [B, S, H] and anchors [B, N] = {(batch, num_blocks)}, got "
             f"{None if anchors is None else tuple(anchors.shape)}"
         )
-    selecting = selector is not None and selector_weight > 0
+    selecting = selector is not None and settings.selector_weight > 0
     if selecting and (predecessors is None or predecessors.shape != labels.shape):
         raise ValueError(f"a selector needs predecessors [B, N, Bs] = {tuple(labels.shape)}")
-    if missing_gold not in MISSING_GOLD:
-        raise ValueError(f"missing_gold must be one of {MISSING_GOLD}, got {missing_gold!r}")
 
     rows = hidden.reshape(batch * num_blocks, block_size, hidden_size)
     labels = labels.reshape(batch * num_blocks, block_size)
@@ -226,6 +163,7 @@ def dflash_loss(
     slates: list[tuple[Tensor, Tensor, Tensor]] = []  # per chunk: candidates, their logits, slot weights
     # split, not a slice per chunk: autograd then gathers the chunks' gradients in one cat, where
     # each slice's backward would build a zero tensor of rows' full size and add it to the rest.
+    chunk_blocks = settings.chunk_blocks
     chunks = zip(
         rows.split(chunk_blocks),
         labels.split(chunk_blocks),
@@ -240,11 +178,8 @@ def dflash_loss(
             chunk_mask,
             weights,
             chunk_teacher,
-            soft_label_weight=soft_label_weight,
-            position_weighting=position_weighting,
-            dpace_alpha=dpace_alpha,
+            settings,
             top_k=selector.top_k if selecting else 0,
-            insert_gold=missing_gold == "insert",
         )
         loss_sum = loss_sum + objective
         weight_sum = weight_sum + chunk_weight
@@ -267,7 +202,8 @@ def dflash_loss(
         predecessors.reshape(batch * num_blocks, block_size),
     )
     drafter_sum = loss_sum.detach()
-    return LossOutput(loss_sum + selector_weight * selected, weight_sum, correct, total, selected.detach(), drafter_sum)
+    objective = loss_sum + settings.selector_weight * selected
+    return LossOutput(objective, weight_sum, correct, total, selected.detach(), drafter_sum)
 
 
 def chunk_loss(
@@ -277,18 +213,15 @@ def chunk_loss(
     label_mask: Tensor,
     weights: Tensor,
     teacher: Tensor | None,
+    settings: LossSettings,
     *,
-    soft_label_weight: float,
-    position_weighting: str,
-    dpace_alpha: float,
     top_k: int,
-    insert_gold: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One chunk of :func:`dflash_loss` (its arguments, cut to the chunk's C blocks): ``rows``
     ``[C, Bs, H]``, ``labels``/``label_mask`` ``[C, Bs]``, ``teacher`` ``[C, Bs, H]`` or None.
     ``top_k`` > 0 (a DFlash2 selector's K) also picks each slot's candidates for
-    :func:`dflash.train.selector_loss.selector_loss`; ``insert_gold`` puts a slot's true token in
-    place of its last candidate where it is missing.
+    :func:`dflash.train.selector_loss.selector_loss`; ``settings.missing_gold`` ``insert`` puts a
+    slot's true token in place of its last candidate where it is missing.
 
     Returns:
         (loss sum, normaliser, correct ``[Bs]``, candidates int64 ``[C, Bs, K]``, their float32
@@ -302,11 +235,11 @@ def chunk_loss(
         label_mask,
         weights,
         teacher,
-        soft_label_weight,
-        position_weighting,
-        dpace_alpha,
+        settings.soft_label_weight,
+        settings.position_weighting,
+        settings.dpace_alpha,
         top_k,
-        insert_gold,
+        settings.missing_gold == "insert",
     )
     return objective, normaliser, correct, candidates, logits, slot_weights
 

@@ -16,8 +16,9 @@ import torch
 
 from dflash.compile_watch import DynamoWarnings, StepWatch
 from dflash.distributed import FlatGradients, sum_replicas
+from dflash.train.loss_settings import LossSettings
 from dflash.train.regions import compile_step
-from dflash.train.step import LossSettings, StatsLayout, drafter_forward_loss
+from dflash.train.step import StatsLayout, drafter_forward_loss
 
 ADAM_BETAS = (0.9, 0.95)
 

@@ -26,70 +26,8 @@ from dflash.data.batches import Batch
 from dflash.masks import build_labels, draft_input_ids, previous_positions
 from dflash.profiling import DRAFTER_RANGE, TARGET_RANGE, marked
 from dflash.target.model import Target, TargetStates
-from dflash.train.loss import dflash_loss, position_weights
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """How the drafter loss is computed; built once from the training config
-    (:meth:`from_config`) and shared by every engine and thread.
-
-    Args:
-        mask_token_id (int): the draft mask slot's token id (an existing target embedding row).
-        block_size (int): Bs.
-        gamma (float | None): decay of the position weights (None: the paper's value for Bs).
-        soft_label_weight (float): weight of the KL to the target's distribution, in [0, 1].
-        position_weighting (str): ``decay`` or ``dpace``.
-        dpace_alpha (float): D-PACE confidence smoothing (used with ``dpace``).
-        chunk_blocks (int): draft blocks per chunk of the LM head + loss.
-        selector_weight (float): DFlash2: weight of the selector's loss (:mod:`dflash.train.selector_loss`).
-        missing_gold (str): DFlash2: ``exclude`` or ``insert``.
-    """
-
-    mask_token_id: int
-    block_size: int
-    gamma: float | None
-    soft_label_weight: float
-    position_weighting: str
-    dpace_alpha: float
-    chunk_blocks: int
-    selector_weight: float = 1.0
-    missing_gold: str = "exclude"
-
-    @classmethod
-    def from_config(cls, config, mask_token_id: int) -> LossSettings:
-        return cls(
-            mask_token_id=mask_token_id,
-            block_size=config.block_size,
-            gamma=config.gamma,
-            soft_label_weight=config.soft_label_weight,
-            position_weighting="dpace" if config.dpace else "decay",
-            dpace_alpha=config.dpace_alpha,
-            chunk_blocks=config.loss_chunk_blocks,
-            selector_weight=config.selector_loss_weight,
-            missing_gold=config.selector_missing_gold,
-        )
-
-    @property
-    def needs_last_hidden(self) -> bool:
-        """Soft labels read the target's last hidden state; otherwise it is never moved."""
-        return self.soft_label_weight > 0
-
-    def position_weight(self, device: torch.device) -> torch.Tensor:
-        """float32 ``[Bs]`` slot weights on ``device`` (:func:`dflash.train.loss.position_weights`)."""
-        return position_weights(self.block_size, self.gamma, device=device)
-
-    def loss_kwargs(self) -> dict:
-        """Keyword arguments of :func:`drafter_forward_loss`."""
-        return dict(
-            mask_token_id=self.mask_token_id,
-            soft_label_weight=self.soft_label_weight,
-            position_weighting=self.position_weighting,
-            dpace_alpha=self.dpace_alpha,
-            chunk_blocks=self.chunk_blocks,
-            selector_weight=self.selector_weight,
-            missing_gold=self.missing_gold,
-        )
+from dflash.train.loss import dflash_loss
+from dflash.train.loss_settings import LossSettings
 
 
 class StatsLayout:
@@ -172,26 +110,21 @@ def drafter_forward_loss(
     anchors,
     valid,
     attention_mask,
+    settings: LossSettings,
     *,
-    mask_token_id: int,
-    soft_label_weight: float,
-    position_weighting: str,
-    dpace_alpha: float,
-    chunk_blocks: int,
-    selector_weight: float = 1.0,
-    missing_gold: str = "exclude",
     chunk_fn=None,
     selector_fn=None,
 ):
     """Draft blocks -> drafter -> chunked LM head + weighted loss (:func:`dflash.train.loss.dflash_loss`).
 
-    Tensors in, a :class:`dflash.train.loss.LossOutput` out; the attention mask (BlockMask or dense) is
-    built by the caller, outside any compiled region. ``chunk_fn`` and ``selector_fn``: the loss chunk
-    and DFlash2's selector loss (:func:`dflash.train.loss.chunk_loss`,
-    :func:`dflash.train.selector_loss.selector_loss` when None; compiled regions, :mod:`dflash.train.regions`).
+    Tensors and the run's :class:`LossSettings` in, a :class:`dflash.train.loss.LossOutput` out; the
+    attention mask (BlockMask or dense) is built by the caller, outside any compiled region.
+    ``chunk_fn`` and ``selector_fn``: the loss chunk and DFlash2's selector loss
+    (:func:`dflash.train.loss.chunk_loss`, :func:`dflash.train.selector_loss.selector_loss` when
+    None; compiled regions, :mod:`dflash.train.regions`).
     """
     block_size = drafter.config.block_size
-    ids = draft_input_ids(input_ids, anchors, valid, block_size, mask_token_id)
+    ids = draft_input_ids(input_ids, anchors, valid, block_size, settings.mask_token_id)
     embeds = F.embedding(ids, embed_weight)  # the target's frozen embedding, [B, N*Bs, H]
     hidden = drafter(embeds, context, anchors, valid, attention_mask, position_ids=position_ids)
     labels, label_mask = build_labels(input_ids, loss_mask, anchors, valid, block_size, document_ids)
@@ -202,16 +135,11 @@ def drafter_forward_loss(
         labels,
         label_mask,
         position_weight,
-        chunk_blocks=chunk_blocks,
-        position_weighting=position_weighting,
-        dpace_alpha=dpace_alpha,
-        soft_label_weight=soft_label_weight,
-        teacher_hidden=last_hidden if soft_label_weight > 0 else None,
+        settings,
+        teacher_hidden=last_hidden if settings.needs_last_hidden else None,
         anchors=anchors,
         selector=selector,
         predecessors=previous_tokens(input_ids, anchors, block_size) if selector is not None else None,
-        selector_weight=selector_weight,
-        missing_gold=missing_gold,
         chunk_fn=chunk_fn,
         selector_fn=selector_fn,
     )
@@ -272,7 +200,7 @@ def _drafter_step(step_fn, drafter, heads, batch, anchors, valid, settings, posi
             anchors,
             valid,
             attention_mask,
-            **settings.loss_kwargs(),
+            settings,
         )
     out.loss_sum.backward()
     pairs = drafter.attention_pairs(anchors, valid, batch.document_ids)

@@ -32,8 +32,9 @@ from dflash.target.model import Target
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
 from dflash.train.jobs import Job, JobSource
+from dflash.train.loss_settings import LossSettings
 from dflash.train.replica import DrafterReplica, load_replica_state, optimizer_step
-from dflash.train.step import LossSettings, StatsLayout, TargetBatch, drafter_step, produce_target_states
+from dflash.train.step import StatsLayout, TargetBatch, drafter_step, produce_target_states
 
 logger = logging.getLogger(__name__)
 

@@ -59,10 +59,10 @@ from dflash.train.engine import StepEngine
 from dflash.train.flops import detect_peak_tflops
 from dflash.train.jobs import JobSource, seq_len_schedule
 from dflash.train.local import LocalEngine
+from dflash.train.loss_settings import LossSettings
 from dflash.train.metrics import MetricsLog, Throughput, progress_postfix
 from dflash.train.regions import GRAPHS_PER_SHAPE
 from dflash.train.replica import build_replicas
-from dflash.train.step import LossSettings
 from dflash.train.threaded import ThreadedEngine
 
 logger = logging.getLogger(__name__)
@@ -217,7 +217,9 @@ class Trainer:
         if config.save and self.is_main:  # before the steps a failed first save would lose
             check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
         self.eval_target = targets[0]
-        self.settings = LossSettings.from_config(config, drafter.config.mask_token_id)
+        self.settings = LossSettings.from_config(
+            config, block_size=drafter.config.block_size, mask_token_id=drafter.config.mask_token_id
+        )
         self.dynamo_warnings = DynamoWarnings()
         self.total_steps = self._total_steps()
         _warn_if_warmup_is_the_run(config, self.total_steps)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny import make_target, tiny_target_config, write_chat_data
+from tiny import loss_settings, make_target, tiny_target_config, write_chat_data
 
 from dflash.drafter.files import CheckpointError, check_tensors, read_drafter_config
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
@@ -182,13 +182,16 @@ def _loss_inputs(top_k: int = 6):
 def _selected(selector, hidden, head, labels, predecessors, weights, *, insert_gold: bool):
     """The selector's loss on the candidates a loss chunk picks for it."""
     mask = torch.ones_like(labels, dtype=torch.bool)
+    settings = _settings(selector_missing_gold="insert" if insert_gold else "exclude")
     *_, candidates, logits, slot_weights = chunk_loss(
-        hidden, head, labels, mask, weights, None, **CHUNK_OPTIONS, top_k=selector.top_k, insert_gold=insert_gold
+        hidden, head, labels, mask, weights, None, settings, top_k=selector.top_k
     )
     return candidates, selector_loss(selector, hidden, candidates, logits, slot_weights, labels, predecessors)
 
 
-CHUNK_OPTIONS = dict(soft_label_weight=0.0, position_weighting="decay", dpace_alpha=0.5)
+def _settings(**flags):
+    """The loss settings of a run with block size 4 (the inputs here), gamma 2 and ``flags``."""
+    return loss_settings(block_size=4, gamma=2.0, **flags)
 
 
 def test_the_selector_loss_counts_only_slots_it_can_select_unless_the_true_token_is_inserted():
@@ -206,17 +209,6 @@ def test_the_selector_loss_counts_only_slots_it_can_select_unless_the_true_token
     assert inserted > excluded
     inserted.backward()
     assert hidden.grad.abs().sum() > 0 and selector.successor_codebook.grad[labels.flatten()].abs().sum() > 0
-    blocks = dict(labels=labels[None], label_mask=torch.ones_like(labels[None], dtype=torch.bool))
-    with pytest.raises(ValueError, match="missing_gold must be one of"):
-        dflash_loss(
-            hidden.reshape(1, 8, 32),
-            head,
-            **blocks,
-            weights=weights,
-            selector=selector,
-            predecessors=predecessors[None],
-            missing_gold="swap",
-        )
 
 
 def test_the_selectors_codebooks_get_one_gradient_per_micro_batch_not_one_per_loss_chunk():
@@ -245,10 +237,9 @@ def test_the_selectors_codebooks_get_one_gradient_per_micro_batch_not_one_per_lo
         labels,
         mask,
         torch.ones(4),
-        chunk_blocks=1,
+        _settings(loss_chunk_blocks=1, selector_missing_gold="insert"),
         selector=selector,
         predecessors=labels,
-        missing_gold="insert",
     )
     with DenseCodebookGradients() as counter:
         out.loss_sum.backward()
@@ -272,10 +263,9 @@ def test_the_selector_loss_does_not_depend_on_the_chunking():
             labels,
             torch.ones_like(labels, dtype=torch.bool),
             torch.ones(4),
-            chunk_blocks=chunk_blocks,
+            _settings(loss_chunk_blocks=chunk_blocks, selector_missing_gold="exclude"),
             selector=selector,
             predecessors=labels,
-            missing_gold="exclude",
         )
         out.loss_sum.backward()
         return out.loss_sum.detach(), out.selector_sum, hidden.grad, selector.successor_codebook.grad.clone()
@@ -437,7 +427,7 @@ def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_ba
     grad = torch.randn(3, 4, 5, generator=gen)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        *_, candidates, logits, _ = _chunk(hidden, weight, labels, top_k=5)
+        *_, candidates, logits, _ = _chunk(hidden, weight, labels, _settings(selector_missing_gold="insert"), top_k=5)
     assert max(saved) <= hidden.numel()
     (logits * grad).sum().backward()
     ours, hidden.grad = hidden.grad, None
@@ -445,11 +435,9 @@ def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_ba
     torch.testing.assert_close(ours, hidden.grad)
 
 
-def _chunk(hidden, weight, labels, *, top_k):
+def _chunk(hidden, weight, labels, settings, *, top_k):
     mask = torch.ones_like(labels, dtype=torch.bool)
-    return chunk_loss(
-        hidden, weight, labels, mask, torch.ones(labels.shape[-1]), None, **CHUNK_OPTIONS, top_k=top_k, insert_gold=True
-    )
+    return chunk_loss(hidden, weight, labels, mask, torch.ones(labels.shape[-1]), None, settings, top_k=top_k)
 
 
 def test_the_candidates_logits_compiled_in_float32_give_eagers_gradient():
@@ -460,9 +448,11 @@ def test_the_candidates_logits_compiled_in_float32_give_eagers_gradient():
     hidden0 = torch.randn(3, 4, 16, generator=gen)
     weight, labels = torch.randn(40, 16, generator=gen), torch.randint(0, 40, (3, 4), generator=gen)
 
+    settings = _settings(selector_missing_gold="insert")
+
     def gradient(fn):
         hidden = hidden0.clone().requires_grad_(True)
-        loss, _, _, _, logits, _ = fn(hidden, weight, labels, top_k=3)
+        loss, _, _, _, logits, _ = fn(hidden, weight, labels, settings, top_k=3)
         (loss + logits.square().sum()).backward()
         return hidden.grad
 
@@ -498,27 +488,16 @@ def test_selector_flags_on_a_dflash_drafter_are_refused(tmp_path):
 def test_the_logged_drafter_loss_does_not_move_with_the_selectors_weight():
     """The drafter's own loss is summed apart: subtracting weight x selector from the objective
     would cancel at a large weight (a negative cross-entropy in the log)."""
-    from dflash.train.loss import dflash_loss, position_weights
-
     selector = create_and_randomize_selector()
     gen = torch.Generator().manual_seed(7)
     hidden, head = torch.randn(1, 8, 32, generator=gen), torch.randn(64, 32, generator=gen)
     labels = torch.randint(0, 64, (1, 2, 4), generator=gen)
     mask = torch.ones(1, 2, 4, dtype=torch.bool)
     mask[..., 0] = False
+    settings = [_settings(selector_loss_weight=weight, selector_missing_gold="insert") for weight in (1.0, 1e9)]
     outs = [
-        dflash_loss(
-            hidden,
-            head,
-            labels,
-            mask,
-            position_weights(4, 2.0),
-            selector=selector,
-            predecessors=labels,
-            selector_weight=weight,
-            missing_gold="insert",
-        )
-        for weight in (1.0, 1e9)
+        dflash_loss(hidden, head, labels, mask, s.position_weight("cpu"), s, selector=selector, predecessors=labels)
+        for s in settings
     ]
     assert torch.equal(outs[0].drafter_sum, outs[1].drafter_sum) and outs[0].selector_sum > 0
 

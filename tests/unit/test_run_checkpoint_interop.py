@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from tiny import make_tokenizer
+from tiny import loss_settings, make_tokenizer
 
 from dflash import masks
 from dflash.drafter.hf_config import rope_parameters_of
@@ -30,7 +30,7 @@ from dflash.drafter.mask_token import UNUSED_ROW, resolve_mask_token_id
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.run.checkpoint import MASTER_WEIGHTS_KEY, load_training_state, resume_weights, save_checkpoint
 from dflash.target.model import load_target
-from dflash.train.loss import dflash_loss, position_weights
+from dflash.train.loss import dflash_loss
 
 ROPE_THETA, VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1e6, 512, 32, 4, 2, 8, 64
 TARGET_LAYERS, DRAFT_LAYERS, BLOCK = 36, 2, 4
@@ -86,7 +86,8 @@ def trained(tmp_path_factory):
         ids = masks.draft_input_ids(input_ids, anchors, valid, BLOCK, mask_id)
         hidden = drafter(F.embedding(ids, target.embed_tokens.weight), context, anchors, valid)
         labels, label_mask = masks.build_labels(input_ids, loss_mask, anchors, valid, BLOCK)
-        out = dflash_loss(hidden, target.lm_head.weight, labels, label_mask, position_weights(BLOCK, 2.0))
+        settings = loss_settings(block_size=BLOCK, gamma=2.0)
+        out = dflash_loss(hidden, target.lm_head.weight, labels, label_mask, settings.position_weight("cpu"), settings)
         optimizer.zero_grad()
         (out.loss_sum / out.weight_sum).backward()
         optimizer.step()

@@ -7,11 +7,22 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import loss_settings
 
 from dflash import masks
 from dflash.train import loss as L
 
 B, N, BS, H, V, S = 2, 5, 4, 16, 40, 22
+
+
+def _settings(**flags):
+    """The loss settings of a run with block size BS, gamma 2 and ``flags`` (TrainConfig field names)."""
+    return loss_settings(block_size=BS, gamma=2.0, **flags)
+
+
+def _loss(hidden, weight, labels, label_mask, **flags):
+    settings = _settings(**flags)
+    return L.dflash_loss(hidden, weight, labels, label_mask, settings.position_weight("cpu"), settings)
 
 
 def _inputs(seed: int = 0):
@@ -52,37 +63,18 @@ def _reference(
     return (w * token).sum(), normaliser, correct
 
 
-def test_position_weights_and_default_gamma():
-    w = L.position_weights(16)
-    assert w[0] == 0 and w[1] == 1
-    torch.testing.assert_close(w[1:], torch.exp(-torch.arange(15.0) / 7.0))
-    torch.testing.assert_close(L.position_weights(8)[1:], torch.exp(-torch.arange(7.0) / 4.0))
-    torch.testing.assert_close(L.position_weights(4, gamma=2.0), torch.tensor([0, 1, math.exp(-0.5), math.exp(-1)]))
-    with pytest.raises(ValueError, match="pass gamma explicitly"):
-        L.position_weights(12)
-    with pytest.raises(ValueError, match="gamma"):
-        L.position_weights(4, gamma=0.0)
-
-
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 100])
 @pytest.mark.parametrize("mode", ["decay", "soft", "dpace"])
 def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
     hidden, weight, labels, label_mask, anchors, teacher = _inputs()
-    slot_weights = L.position_weights(BS, gamma=2.0)
     soft = 0.3 if mode == "soft" else 0.0
     alpha = 0.3
+    settings = _settings(
+        loss_chunk_blocks=chunk_blocks, dpace=mode == "dpace", dpace_alpha=alpha, soft_label_weight=soft
+    )
+    slot_weights = settings.position_weight("cpu")
     out = L.dflash_loss(
-        hidden,
-        weight,
-        labels,
-        label_mask,
-        slot_weights,
-        chunk_blocks=chunk_blocks,
-        position_weighting="dpace" if mode == "dpace" else "decay",
-        dpace_alpha=alpha,
-        soft_label_weight=soft,
-        teacher_hidden=teacher,
-        anchors=anchors,
+        hidden, weight, labels, label_mask, slot_weights, settings, teacher_hidden=teacher, anchors=anchors
     )
     (grad,) = torch.autograd.grad(out.loss_sum, hidden)
 
@@ -123,13 +115,14 @@ def test_soft_labels_against_an_exact_teacher_give_zero_kl():
             for k in range(1, BS):
                 if label_mask[b, n, k]:
                     teacher[b, int(anchors[b, n]) + k - 1] = hidden[b, n * BS + k].detach()
+    settings = _settings(soft_label_weight=1.0)
     out = L.dflash_loss(
         hidden,
         weight,
         labels,
         label_mask,
-        L.position_weights(BS, 2.0),
-        soft_label_weight=1.0,
+        settings.position_weight("cpu"),
+        settings,
         teacher_hidden=teacher,
         anchors=anchors,
     )
@@ -146,7 +139,7 @@ def test_chunks_never_save_full_logits_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = L.dflash_loss(hidden, weight, labels, label_mask, L.position_weights(BS, 2.0), chunk_blocks=1)
+        out = _loss(hidden, weight, labels, label_mask, loss_chunk_blocks=1)
     out.loss_sum.backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
     assert saved, "the hook saw nothing: the test would not detect saved logits"
@@ -161,7 +154,7 @@ def test_the_backward_gathers_the_chunks_gradients_once_not_once_per_chunk():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     hidden, weight, labels, label_mask, _, _ = _inputs()
-    out = L.dflash_loss(hidden, weight, labels, label_mask, L.position_weights(BS, 2.0), chunk_blocks=1)
+    out = _loss(hidden, weight, labels, label_mask, loss_chunk_blocks=1)
     full_shapes = {tuple(hidden.shape), (B * N, BS, H)}
     written = []
 
@@ -192,11 +185,12 @@ def test_dpace_weights_pin_specforge_and_speculators():
     """
     probs = torch.tensor([[0.9, 0.5, 0.3, 0.2, 0.4]])
     mask = torch.tensor([[False, True, False, True, True]])
-    w = L._dpace_weights(probs.log(), mask, L.DPACE_ALPHA)
+    alpha = _settings().dpace_alpha  # --dpace-alpha's default, SpecForge's and speculators'
+    assert alpha == 0.5
+    w = L._dpace_weights(probs.log(), mask, alpha)
     torch.testing.assert_close(w, torch.tensor([[0.0, 1.515, 0.0, 0.765, 0.315]]))
     w = L._dpace_weights(probs.log(), mask, 0.2)
     torch.testing.assert_close(w, torch.tensor([[0.0, 0.92832, 0.0, 0.32832, 0.11232]]))
-    assert L.DPACE_ALPHA == 0.5
 
 
 def test_dpace_loss_is_a_mean_over_supervised_slots():
@@ -205,28 +199,24 @@ def test_dpace_loss_is_a_mean_over_supervised_slots():
     lm_head = torch.zeros(3, 2)  # uniform logits: every label has probability 1/3, CE = log 3
     labels = torch.zeros(1, 1, 5, dtype=torch.long)
     mask = torch.tensor([[[False, True, False, True, True]]])
-    out = L.dflash_loss(hidden, lm_head, labels, mask, torch.ones(5), position_weighting="dpace")
+    settings = loss_settings(block_size=5, gamma=2.0, dpace=True)
+    out = L.dflash_loss(hidden, lm_head, labels, mask, torch.ones(5), settings)
     c = 0.5 / 3 + 0.5
     weights = (c + c**2 + c**3) + (c**2 + c**3) + c**3
     torch.testing.assert_close(out.loss_sum, torch.tensor(math.log(3) * weights))
     assert out.weight_sum == 3
 
 
-def test_bad_options_raise():
+def test_bad_inputs_raise():
     hidden, weight, labels, label_mask, anchors, teacher = _inputs()
-    w = L.position_weights(BS, 2.0)
+    soft = _settings(soft_label_weight=0.5)
+    w = soft.position_weight("cpu")
     with pytest.raises(ValueError, match="teacher_hidden"):
-        L.dflash_loss(hidden, weight, labels, label_mask, w, soft_label_weight=0.5)
+        L.dflash_loss(hidden, weight, labels, label_mask, w, soft)
     with pytest.raises(ValueError, match=r"anchors \[B, N\] = \(2, 5\), got \(2, 3\)"):
-        L.dflash_loss(
-            hidden, weight, labels, label_mask, w, soft_label_weight=0.5, teacher_hidden=teacher, anchors=anchors[:, :3]
-        )
-    with pytest.raises(ValueError, match="position_weighting"):
-        L.dflash_loss(hidden, weight, labels, label_mask, w, position_weighting="linear")
-    with pytest.raises(ValueError, match="dpace_alpha"):
-        L.dflash_loss(hidden, weight, labels, label_mask, w, position_weighting="dpace", dpace_alpha=1.5)
+        L.dflash_loss(hidden, weight, labels, label_mask, w, soft, teacher_hidden=teacher, anchors=anchors[:, :3])
     with pytest.raises(ValueError, match="labels/label_mask"):
-        L.dflash_loss(hidden, weight, labels[:, :-1], label_mask[:, :-1], w)
+        L.dflash_loss(hidden, weight, labels[:, :-1], label_mask[:, :-1], w, _settings())
 
 
 @pytest.mark.parametrize("vocab, k, block", [(4096, 16, 512), (1000, 16, 64), (300, 7, 32), (40, 16, 8), (20, 5, 8)])
