@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import json
 import math
 import os
 import re
@@ -40,24 +39,6 @@ COMPILE_SCOPES = ("regional", "step")
 TARGET_DTYPES = ("auto", "fp8")
 #: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
 SAVE_DTYPES = ("auto", "bfloat16", "float16", "float32")
-#: The run's flags, written by the trainer into --out; read back by --resume and dflash eval.
-SAVED_CONFIG_NAME = "train_config.json"
-
-
-def read_saved_config(run_dir: str | os.PathLike) -> dict:
-    """The flags saved in ``run_dir/train_config.json``; {} if there is none.
-
-    Raises:
-        ValueError: the file is not valid JSON (the message names it).
-    """
-    path = os.path.join(run_dir, SAVED_CONFIG_NAME)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); fix or delete it, or pass the flags explicitly") from None
 
 
 def absolute_path(path: str) -> str:

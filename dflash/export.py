@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from dflash.assets import default_target_dir
-from dflash.config import read_saved_config
 from dflash.drafter.files import DRAFTER_FILES, check_tensors, read_drafter_config
 from dflash.drafter.modeling_dflash import DFLASH2_FIELDS
 from dflash.run import acceptance_log
 from dflash.run.checkpoint import write_drafter_files
+from dflash.run.layout import ACCEPTANCE_NAME, SAVED_CONFIG_NAME, read_saved_config, run_of
 from dflash.run.step_dirs import find_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} already exists and is not empty; choose a new directory (nothing was written)")
     step_dir = find_checkpoint(run, files=DRAFTER_FILES)
-    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
+    run_dir = run_of(step_dir)
     source = (run_dir or step_dir).resolve()
     if out.resolve().is_relative_to(source):
         raise ValueError(
@@ -100,7 +100,7 @@ def _trained_target(run_dir: Path | None) -> str:
     target = read_saved_config(run_dir).get("target") if run_dir is not None else None
     if target:
         return target
-    if run_dir is not None and (run_dir / "train_config.json").is_file():
+    if run_dir is not None and (run_dir / SAVED_CONFIG_NAME).is_file():
         return str(default_target_dir())  # trained on the embedded default target
     return "TARGET"
 
@@ -161,7 +161,7 @@ transformers: `AutoModel.from_pretrained({str(out.resolve())!r}, trust_remote_co
 
 def _measured(step_dir: Path) -> str:
     """The acceptance kept for this checkpoint in its run's acceptance.json, in words."""
-    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir
+    run_dir = run_of(step_dir) or step_dir
     found = acceptance_log.latest_for(run_dir, step_dir.name)
     if found is None:
         return (
@@ -172,7 +172,7 @@ def _measured(step_dir: Path) -> str:
         logger.warning(
             "%s: the acceptance kept for %s was measured while %d/%d speculative outputs differed from greedy "
             "decoding in float32; the README does not quote it",
-            run_dir / acceptance_log.LOG_NAME,
+            run_dir / ACCEPTANCE_NAME,
             step_dir.name,
             found["mismatches"],
             found["num_prompts"],

@@ -16,13 +16,12 @@ from pathlib import Path
 
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.commands import COMMON, positive
-from dflash.config import SAVED_CONFIG_NAME, read_saved_config
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
 from dflash.devices import check_cpu_threads, resolve_device
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
 from dflash.files import check_weight_files
 from dflash.run import acceptance_log
-from dflash.run.layout import CHECKPOINTS_DIR
+from dflash.run.layout import SAVED_CONFIG_NAME, read_saved_config, run_of, saved_steps
 from dflash.run.lock import training_holder
 from dflash.run.step_dirs import find_checkpoint
 from dflash.target.files import context_length, load_tokenizer, read_target_config, require_transformers_for
@@ -259,15 +258,10 @@ def _run_config(drafter: Path) -> tuple[Path, dict] | None:
     Raises:
         ValueError: the run's train_config.json is not valid JSON.
     """
-    runs = [drafter]
-    if drafter.name == "checkpoints":
-        runs.append(drafter.parent)
-    if drafter.parent.name == "checkpoints":
-        runs.append(drafter.parent.parent)
-    for run in runs:
-        if (run / SAVED_CONFIG_NAME).is_file():
-            return run / SAVED_CONFIG_NAME, read_saved_config(run)
-    return None
+    run = run_of(drafter)
+    if run is None or not (run / SAVED_CONFIG_NAME).is_file():
+        return None
+    return run / SAVED_CONFIG_NAME, read_saved_config(run)
 
 
 def _note_training_in_progress(found: tuple[Path, dict] | None) -> None:
@@ -291,7 +285,7 @@ def _refuse_a_run_without_checkpoint(found: tuple[Path, dict] | None) -> None:
     if found is None:
         return
     run = found[0].parent
-    if any(p.is_dir() and "." not in p.name for p in (run / CHECKPOINTS_DIR).glob("step_*")):
+    if saved_steps(run):
         return
     every = found[1].get("save_every")
     when = f"every {every} steps (--save-every) and at its end" if every else "at its end"

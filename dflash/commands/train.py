@@ -20,8 +20,9 @@ import typing
 from pathlib import Path
 
 from dflash.commands import COMMON
-from dflash.config import TrainConfig, field_docs, read_saved_config
+from dflash.config import TrainConfig, field_docs
 from dflash.drafter.files import CheckpointError
+from dflash.run.layout import checkpoints_dir, read_saved_config
 from dflash.run.lock import run_lock
 from dflash.run.preflight import refuse_existing_run
 from dflash.run.resume import resumed_values
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     saved = (
-        f"drafter saved in {trainer.out / 'checkpoints'} (evaluate with: dflash eval --drafter "
+        f"drafter saved in {checkpoints_dir(trainer.out)} (evaluate with: dflash eval --drafter "
         f"{shlex.quote(str(trainer.out))})"
         if trainer.config.save
         else "nothing saved (--no-save)"

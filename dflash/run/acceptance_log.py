@@ -14,10 +14,9 @@ import logging
 from pathlib import Path
 
 from dflash.files import atomic_write_bytes
+from dflash.run.layout import ACCEPTANCE_NAME
 
 logger = logging.getLogger(__name__)
-
-LOG_NAME = "acceptance.json"
 
 
 def entry(report, prompts, *, checkpoint: str | None, source: str) -> dict:
@@ -41,7 +40,7 @@ def entry(report, prompts, *, checkpoint: str | None, source: str) -> dict:
 
 def record(run_dir: str | Path, measurement: dict) -> None:
     """Append ``measurement`` to ``run_dir/acceptance.json`` (written atomically)."""
-    path = Path(run_dir) / LOG_NAME
+    path = Path(run_dir) / ACCEPTANCE_NAME
     log = read(run_dir)
     log.append(measurement)
     atomic_write_bytes(path, (json.dumps({"measurements": log}, indent=2) + "\n").encode())
@@ -50,7 +49,7 @@ def record(run_dir: str | Path, measurement: dict) -> None:
 def read(run_dir: str | Path) -> list[dict]:
     """The measurements of ``run_dir``, oldest first; [] when there is none (a warning when the
     file cannot be read: the next :func:`record` starts it again)."""
-    path = Path(run_dir) / LOG_NAME
+    path = Path(run_dir) / ACCEPTANCE_NAME
     if not path.exists():
         return []
     try:

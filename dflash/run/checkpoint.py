@@ -29,7 +29,8 @@ from dflash.config import SAVE_DTYPES
 from dflash.drafter.files import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
 from dflash.drafter.hf_config import MODELING_FILE, modeling_source, portable_config
 from dflash.files import atomic_write_bytes, fsync_dir
-from dflash.run.step_dirs import LATEST_NAME, MANIFEST_NAME, complete_steps, step_dir_name, write_manifest
+from dflash.run.layout import LATEST_NAME, MANIFEST_NAME, checkpoints_dir, step_dir_name, step_dirs
+from dflash.run.step_dirs import write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def save_checkpoint(
         master = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
         training_state = {**training_state, MASTER_WEIGHTS_KEY: master}
 
-    root = Path(out_dir) / "checkpoints"
+    root = checkpoints_dir(out_dir)
     name = step_dir_name(step)
     tmp, final = root / f"{name}.tmp", root / name
     try:
@@ -244,7 +245,7 @@ def _write_failure(root: Path, step: int, error: OSError) -> str:
         fix = "free space on that disk (or pass another --out)"
     else:
         fix = f"make {root} writable (or pass another --out)"
-    steps = complete_steps(root) if root.is_dir() else []
+    steps = step_dirs(root)
     kept = f"the previous checkpoint {steps[-1].name} is intact" if steps else "no earlier checkpoint was saved"
     code = errno.errorcode.get(error.errno, error.errno)
     return (
@@ -261,7 +262,7 @@ def _export(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    steps = complete_steps(root)
+    steps = step_dirs(root)
     for old in steps[:-keep_last]:
         shutil.rmtree(old)
 

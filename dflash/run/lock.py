@@ -32,9 +32,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from dflash.run.layout import LOCK_NAME
 
-LOCK_NAME = "train.lock"
+logger = logging.getLogger(__name__)
 
 
 class RunLockError(ValueError):

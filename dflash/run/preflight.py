@@ -24,12 +24,12 @@ import tempfile
 from pathlib import Path
 
 from dflash.assets import default_data_dir, default_target_dir
-from dflash.config import TrainConfig, read_saved_config
+from dflash.config import TrainConfig
 from dflash.data.chats import read_conversations
 from dflash.devices import check_cpu_threads, parse_layout, resolve_device
-from dflash.drafter.files import CheckpointError
+from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.files import check_weight_files
-from dflash.run.layout import check_out_location
+from dflash.run.layout import check_out_location, checkpoints_dir, read_saved_config, run_of, saved_steps
 from dflash.run.resume import check_resume_config
 from dflash.run.step_dirs import find_checkpoint
 from dflash.target.files import (
@@ -172,8 +172,8 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
     """
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
-    if (out / "config.json").is_file() and not (out / "checkpoints").is_dir():
-        run = out.parent.parent if out.parent.name == "checkpoints" else out.parent
+    if (out / CONFIG_NAME).is_file() and not checkpoints_dir(out).is_dir():
+        run = run_of(out) or out.parent
         raise ValueError(
             f"--out {out} is a checkpoint (a step directory), not a run directory; pass the run's --out "
             f"(here probably {run}); --resume continues from its newest checkpoint"
@@ -187,7 +187,7 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
     refuse_existing_run(out, resume=resume)
     check_out_location(out, allow_nonempty=allow_nonempty)
     if resume:
-        journals = sorted(out.glob("*.partial")) if not (out / "checkpoints").is_dir() else []
+        journals = sorted(out.glob("*.partial")) if not checkpoints_dir(out).is_dir() else []
         if journals:  # dflash.data.regenerate's journals of a run stopped before its first checkpoint
             raise CheckpointError(
                 f"{out} has no checkpoint yet, only the replies regenerated before the run stopped "
@@ -203,7 +203,7 @@ def refuse_existing_run(out: Path, *, resume: bool) -> None:
     Raises:
         ValueError: ``out`` already holds checkpoints and ``resume`` is off.
     """
-    steps = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    steps = saved_steps(out)
     if steps and not resume:
         raise ValueError(
             f"{out} already holds a training run (up to {steps[-1].name}); pass --resume to continue "

@@ -1,7 +1,7 @@
-"""The step directories of a run (``<out>/checkpoints/step_N``): their names, the newest complete one,
-and their files checked against the manifest, without torch (``dflash train`` finds a run's checkpoint
-while it settles its config, before anything heavy is imported; :mod:`dflash.run.checkpoint` writes and
-reads them).
+"""The step directories of a run (``<out>/checkpoints/step_N``, named and listed by
+:mod:`dflash.run.layout`): the newest complete one, and their files checked against the manifest,
+without torch (``dflash train`` finds a run's checkpoint while it settles its config, before anything
+heavy is imported; :mod:`dflash.run.checkpoint` writes and reads them).
 
 Layout under ``<out>/checkpoints/``::
 
@@ -33,21 +33,9 @@ from pathlib import Path
 
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.files import sha256_file
+from dflash.run.layout import CHECKPOINTS_DIR, LATEST_NAME, MANIFEST_NAME, checkpoints_dir, step_dirs
 
 logger = logging.getLogger(__name__)
-
-MANIFEST_NAME = "manifest.json"
-LATEST_NAME = "latest"
-
-
-def step_dir_name(step: int) -> str:
-    """Name of the step directory of ``step`` under ``checkpoints/`` (``step_00000300``)."""
-    return f"step_{step:08d}"
-
-
-def complete_steps(root: Path) -> list[Path]:
-    """The step directories in ``root``, oldest first; never a half-written ``step_N.tmp``."""
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 def write_manifest(step_dir: Path, names: Sequence[str]) -> None:
@@ -83,8 +71,8 @@ def find_checkpoint(path: str | Path, *, verify: bool = True, files: Sequence[st
         raise CheckpointError(
             f"{path}: does not exist; pass a run directory (--out of dflash train) or a step_N directory"
         )
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if checkpoints_dir(path).is_dir():
+        path = checkpoints_dir(path)
     latest_file = path / LATEST_NAME
     picked = True
     if latest_file.is_file():
@@ -98,13 +86,13 @@ def find_checkpoint(path: str | Path, *, verify: bool = True, files: Sequence[st
             path = _newest_complete_step(
                 path, f"{latest_file} names {latest or 'nothing readable'}, which does not exist"
             )
-    elif not (path / CONFIG_NAME).is_file() and list(path.glob("step_*")):
+    elif not (path / CONFIG_NAME).is_file() and step_dirs(path):
         path = _newest_complete_step(path, f"{latest_file} is missing")
     else:
         picked = False  # the caller named the step directory itself
     if not (path / CONFIG_NAME).is_file():
         raise CheckpointError(
-            f"{path}: no checkpoint here (no {CONFIG_NAME}, no checkpoints/latest); "
+            f"{path}: no checkpoint here (no {CONFIG_NAME}, no {CHECKPOINTS_DIR}/{LATEST_NAME}); "
             "pass a run directory (--out of dflash train) or a step_N directory"
         )
     if verify and not verify_checkpoint(path, files=files, picked=picked):
@@ -123,7 +111,7 @@ def _newest_complete_step(root: Path, problem: str) -> Path:
     Raises:
         CheckpointError: no step directory in ``root``.
     """
-    steps = complete_steps(root)
+    steps = step_dirs(root)
     if not steps:
         raise CheckpointError(
             f"{problem}, and no other step directory is left in {root}; "

@@ -32,7 +32,7 @@ import torch
 from dflash import profiling, watchdog
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.compile_watch import DynamoWarnings
-from dflash.config import SAVED_CONFIG_NAME, TrainConfig
+from dflash.config import TrainConfig
 from dflash.data.batches import build_loader
 from dflash.data.chats import read_conversations
 from dflash.data.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
@@ -48,10 +48,17 @@ from dflash.files import sha256_file
 from dflash.patching.importhook import active_finder
 from dflash.progress_logging import log_above_progress_bars
 from dflash.run import acceptance_log, checkpoint, compile_cache
-from dflash.run.layout import REGENERATED_NAME, TOKENS_DIR, check_free_space, checkpoint_bytes
+from dflash.run.layout import (
+    REGENERATED_NAME,
+    SAVED_CONFIG_NAME,
+    TOKENS_DIR,
+    check_free_space,
+    checkpoint_bytes,
+    step_dir_name,
+)
 from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
-from dflash.run.step_dirs import find_checkpoint, step_dir_name
+from dflash.run.step_dirs import find_checkpoint
 from dflash.signals import Stopped, StopRequest
 from dflash.target.files import context_length, load_tokenizer
 from dflash.target.model import load_target

@@ -15,7 +15,8 @@ import textwrap
 
 import pytest
 
-from dflash.run.lock import LOCK_NAME, RunLockError, run_lock
+from dflash.run.layout import LOCK_NAME
+from dflash.run.lock import RunLockError, run_lock
 
 HOLD = textwrap.dedent("""\
     import logging, sys
@@ -122,7 +123,7 @@ def test_processes_taking_turns_never_hold_it_at_once(tmp_path):
 
 def test_eval_says_when_the_run_is_still_training(tmp_path, caplog):
     from dflash.commands.evaluate import _note_training_in_progress, _run_config
-    from dflash.config import SAVED_CONFIG_NAME
+    from dflash.run.layout import SAVED_CONFIG_NAME
     from dflash.run.lock import training_holder
 
     out = tmp_path / "run"

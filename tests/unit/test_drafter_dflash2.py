@@ -321,7 +321,7 @@ def test_init_from_a_published_dflash2_directory_keeps_its_architecture(tmp_path
     from transformers import AutoConfig
 
     from dflash.cli import main
-    from dflash.config import read_saved_config
+    from dflash.run.layout import read_saved_config
 
     target, data = make_target(tmp_path / "target", num_layers=5), write_chat_data(tmp_path / "chats.jsonl")
     config = create_drafter_config(

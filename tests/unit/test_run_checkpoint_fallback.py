@@ -13,7 +13,8 @@ from tiny import make_target, write_chat_data
 
 from dflash.drafter.files import CheckpointError
 from dflash.run.checkpoint import save_checkpoint
-from dflash.run.step_dirs import MANIFEST_NAME, find_checkpoint
+from dflash.run.layout import MANIFEST_NAME
+from dflash.run.step_dirs import find_checkpoint
 
 
 def _save(out, step):

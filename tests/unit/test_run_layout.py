@@ -1,17 +1,30 @@
 """``--out``: an empty one, one inside another run (``<run>/checkpoints``) and a non-empty directory
 that is not a run are refused before anything loads (the last unless ``--allow-nonempty-out``); a
 disk that cannot hold the next checkpoint is refused at start with the sizes, not found at the
-first save, and one that cannot hold ``--keep-last`` of them is warned about."""
+first save, and one that cannot hold ``--keep-last`` of them is warned about. The run's file names
+are written in dflash/run/layout.py only, which lists a run's steps and finds the run of a directory."""
 
+import ast
 import logging
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 from tiny import inputs_config, training_inputs
 
+import dflash
 import dflash.run.layout
 from dflash.config import TrainConfig
-from dflash.run.layout import CHECKPOINT_OVERHEAD, checkpoint_bytes
+from dflash.run.layout import (
+    CHECKPOINT_OVERHEAD,
+    LATEST_NAME,
+    SAVED_CONFIG_NAME,
+    checkpoint_bytes,
+    checkpoints_dir,
+    holds_run,
+    run_of,
+    saved_steps,
+)
 from dflash.run.preflight import validate_inputs
 from dflash.run.settle import settle
 from dflash.train.trainer import Trainer
@@ -85,3 +98,51 @@ def test_a_disk_that_holds_fewer_than_keep_last_checkpoints_is_warned_about(tmp_
     ) in caplog.text
     assert "or pass --keep-last 1" in caplog.text
     assert checkpoint_bytes(10**9, export_itemsize=2) == 14 * 10**9 + CHECKPOINT_OVERHEAD  # bf16: fp32 master kept
+
+
+def _string_constants(tree):
+    """The string literals of a module, its docstrings left out."""
+    documented = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, documented) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node
+
+
+def test_a_run_file_name_is_written_in_the_layout_only():
+    """``"checkpoints"`` was written 13 times beside ``CHECKPOINTS_DIR``: one rename and the run's
+    readers and writers disagree."""
+    names = {v for k, v in vars(dflash.run.layout).items() if k.isupper() and isinstance(v, str)}
+    assert {"checkpoints", "latest", "train_config.json", "manifest.json", "train.lock"} <= names
+    package = Path(dflash.__file__).parent
+    layout = Path(dflash.run.layout.__file__)
+    written = [
+        f"{path.relative_to(package)}:{node.lineno} {node.value!r}"
+        for path in package.rglob("*.py")
+        if path != layout
+        for node in _string_constants(ast.parse(path.read_text()))
+        if node.value in names
+    ]
+    assert not written
+
+
+def test_the_steps_and_the_run_of_a_directory(tmp_path):
+    run = tmp_path / "run"
+    checkpoints = checkpoints_dir(run)
+    for name in ("step_00000002", "step_00000010", "step_00000011.tmp"):
+        (checkpoints / name).mkdir(parents=True)
+    (checkpoints / LATEST_NAME).write_text("step_00000010\n")
+    (checkpoints / "step_00000003").write_text("a file, not a step directory")
+    assert [p.name for p in saved_steps(run)] == ["step_00000002", "step_00000010"]
+    for inside in (run, checkpoints, checkpoints / "step_00000010", checkpoints / "step_00000011.tmp"):
+        assert run_of(inside) == run
+    shipped = tmp_path / "shipped" / "my-dflash"
+    shipped.mkdir(parents=True)
+    assert run_of(shipped) is None and saved_steps(shipped) == [] and not holds_run(shipped)
+    (tmp_path / "young").mkdir()
+    (tmp_path / "young" / SAVED_CONFIG_NAME).write_text("{}")  # a run before its first checkpoint
+    assert run_of(tmp_path / "young") == tmp_path / "young"

@@ -15,7 +15,8 @@ from dflash.drafter.files import WEIGHTS_NAME, CheckpointError
 from dflash.drafter.hf_config import MODELING_FILE
 from dflash.evaluate import load_drafter
 from dflash.run.checkpoint import STATE_NAME
-from dflash.run.step_dirs import MANIFEST_NAME, find_checkpoint
+from dflash.run.layout import MANIFEST_NAME
+from dflash.run.step_dirs import find_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 from tiny import make_target, record_losses, train_config, write_chat_data
 
 from dflash.run import acceptance_log
+from dflash.run.layout import step_dir_name
 from dflash.run.settle import settle
-from dflash.run.step_dirs import step_dir_name
 from dflash.train.trainer import Trainer
 
 
