@@ -18,7 +18,7 @@ a warm-up) and their ratio; with ``--compile``, also with the target's per-token
 the trainer compiles it (:mod:`dflash.target.compiled`: norms, MLPs and the Gated DeltaNet
 projections as regions), so each activation's quantization fuses into the op before it (the eager
 forward quantizes in separate kernels), with each form's packing bar: the largest difference of a
-later document's tapped states in a packed row from the document captured alone. Random weights lack
+later document's tapped states in a packed row from the document captured alone in a row of its own. Random weights lack
 the outlier channels of trained ones, which is where FP8's per-row scales lose most: read the
 deviations as a floor.
 """
@@ -36,8 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, dense_text_config, hybrid_text_config
-from target_profile import later_document_difference, packed_documents
+from target_profile import packed_documents
 
+from dflash import masks
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.target.fp8 import fp8_problem, quantize_target
 from dflash.target.model import Target
@@ -88,9 +89,25 @@ def tokens_per_s(target: Target, rows: torch.Tensor, document_ids: torch.Tensor,
 
 
 def packing_bar(target: Target, rows: torch.Tensor, document_ids: torch.Tensor) -> float:
-    """The largest |packed - alone| of a later document's tapped states (target_profile.py's bar)."""
-    capture = lambda: target.capture(rows, document_ids=document_ids, last_hidden=False).context
-    return later_document_difference(capture, target, rows, document_ids)
+    """The largest |packed - alone| of a later document's tapped states, each document captured alone
+    as a row of its own (itself, then padding) through the same forward: one shape for every
+    document, so a compiled form compares with itself (captured at its own length, each document
+    would recompile the regions until dynamo's limit sent the rest to the eager forward)."""
+    packed = target.capture(rows, document_ids=document_ids, last_hidden=False).context.float()
+    starts = masks.document_starts(document_ids)
+    worst = 0.0
+    for row in range(rows.shape[0]):
+        begins = (starts[row] == torch.arange(rows.shape[1])).nonzero().squeeze(1).tolist() + [rows.shape[1]]
+        for begin, end in zip(begins[1:], begins[2:]):
+            if document_ids[row, begin] < 0:
+                break
+            alone_ids = torch.zeros_like(rows[row : row + 1])
+            alone_ids[0, : end - begin] = rows[row, begin:end]
+            alone_documents = torch.full_like(document_ids[row : row + 1], -1)
+            alone_documents[0, : end - begin] = 0
+            alone = target.capture(alone_ids, document_ids=alone_documents, last_hidden=False).context.float()
+            worst = max(worst, (packed[row, begin:end] - alone[0, : end - begin]).abs().max().item())
+    return worst
 
 
 def deviation(states: torch.Tensor, reference: torch.Tensor) -> list[float]:
