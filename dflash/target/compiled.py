@@ -27,13 +27,17 @@ The regions run only inside :meth:`TargetRegions.active`, in the thread that ent
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import contextlib
+import logging
+from collections.abc import Iterator
 
 import torch
 
 from dflash.compile_watch import CompiledRegion, raise_recompile_limit
 from dflash.target import documents
 from dflash.target.layer_skip import ForwardOverride
+
+logger = logging.getLogger(__name__)
 
 #: The regions' modules run their region while the calling thread is inside :meth:`TargetRegions.active`.
 _REGIONS = ForwardOverride("dflash_target_regions")
@@ -57,6 +61,7 @@ class TargetRegions:
     def __init__(self, model, index: int, backend: str = "inductor") -> None:
         self._by_function: dict = {}
         self._index, self._backend = index, backend
+        self._warned: set[str] = set()
         for layer in model.get_decoder().layers:
             for part in ("input_layernorm", "post_attention_layernorm", "mlp"):
                 module = getattr(layer, part, None)
@@ -77,11 +82,26 @@ class TargetRegions:
     def regions(self) -> list[CompiledRegion]:
         return list(self._by_function.values())
 
-    def active(self) -> AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
         """In this thread, until exit, the layers' norms and MLPs run compiled; pass :attr:`work`
-        to :func:`dflash.target.documents.linear_layers_apart` for the Gated DeltaNet layers."""
+        to :func:`dflash.target.documents.linear_layers_apart` for the Gated DeltaNet layers. A
+        region that ran eagerly (dynamo gave up on it) is logged once."""
         raise_recompile_limit(RECOMPILE_LIMIT)
-        return _REGIONS.active(self)
+        with _REGIONS.active(self):
+            yield
+        for region in self.regions:
+            _, runs, calls = region.counts()
+            if runs < calls and region.name not in self._warned:
+                self._warned.add(region.name)
+                logger.warning(
+                    "%s: %d of its %d calls in this thread ran eagerly, not compiled (dynamo gave up on it: the "
+                    "recompile limit %d, or code it cannot compile); the target's forward is slower, not different",
+                    region.name,
+                    calls - runs,
+                    calls,
+                    RECOMPILE_LIMIT,
+                )
 
     def run(self, module: torch.nn.Module, *args, **kwargs):
         return self._by_function[type(module).forward](module, *args, **kwargs)

@@ -78,3 +78,19 @@ def test_another_thread_runs_the_layers_eagerly_meanwhile(hybrid_dir):
         return [region.counts() for region in regions]  # counted per thread
 
     assert in_thread(decode) == [(0, 0, 0)] * len(regions)
+
+
+def test_a_region_dynamo_gives_up_on_is_logged_once(dense_dir, caplog, monkeypatch):
+    import torch._dynamo.config
+
+    import dflash.target.compiled
+
+    monkeypatch.setattr(dflash.target.compiled, "RECOMPILE_LIMIT", 1)
+    target, _ = _target(dense_dir, backend="aot_eager")
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING"):
+        target.capture(torch.arange(1, 9)[None])
+        assert "ran eagerly" not in caplog.text
+        target.capture(torch.arange(1, 12)[None])  # another shape: a recompile past the limit
+        target.capture(torch.arange(1, 14)[None])
+    assert caplog.text.count("target Qwen3MLP: ") == 1
+    assert "target Qwen3MLP: 4 of its 8 calls in this thread ran eagerly" in caplog.text
