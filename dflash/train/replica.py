@@ -61,9 +61,20 @@ class DrafterReplica:
 def build_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
     """Fused AdamW over the trainable parameters (one kernel per step, CPU and CUDA; it also takes
     the step's gradient scale, see :func:`optimizer_step`); the learning rate is set every step by
-    the trainer's schedule."""
+    the trainer's schedule.
+
+    Its moments are allocated here, as zeros at step 0 (what AdamW's first step would create), not
+    in the first step: their memory (twice the trainable weights, 15 GiB for the user's 1.9B-parameter
+    DFlash2 drafter) then counts from the start, so a run that cannot fit runs out of memory in step
+    1, not after a first step (and its compile) in step 2."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=config.lr, betas=ADAM_BETAS, weight_decay=config.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=ADAM_BETAS, weight_decay=config.weight_decay, fused=True)
+    zeros = {
+        index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        for index, p in enumerate(params)
+    }
+    optimizer.load_state_dict({"state": zeros, "param_groups": optimizer.state_dict()["param_groups"]})
+    return optimizer
 
 
 def _heads_on(device: torch.device, targets) -> Heads:

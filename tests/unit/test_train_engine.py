@@ -243,3 +243,16 @@ def test_step_accuracy_divides_the_counts_summed_over_micro_batches():
     assert read_step_stats(stats, torch.tensor(0.0), layout)["acc"] == [0.25, 0.75]
     none = torch.zeros(StatsLayout(2).size)
     assert read_step_stats(none, torch.tensor(0.0), StatsLayout(2))["acc"] == [0.0]
+
+
+def test_the_optimizers_moments_take_their_memory_before_the_first_step():
+    """A run too big for its GPU should fail in step 1, not after a first step and its compile."""
+    import types
+
+    from dflash.train.replica import build_optimizer
+
+    model = torch.nn.Linear(8, 3)
+    optimizer = build_optimizer(model, types.SimpleNamespace(lr=0.1, weight_decay=0.0))
+    for p in model.parameters():
+        state = optimizer.state[p]
+        assert state["exp_avg"].shape == p.shape and not state["exp_avg"].any() and float(state["step"]) == 0
