@@ -9,13 +9,14 @@ most of that forward; Hopper's FP8 tensor cores run them at twice bf16's peak. P
 FP8 targets (SpecForge's Qwen3.8-27B recipe serves the target in FP8 through SGLang), and
 speculators measured eagle3 / DFlash drafters trained on FP8 hidden states of Qwen3-8B to accept as
 many tokens as on bf16 ones. ``benchmarks/fp8_target.py`` measures the tapped states' deviation,
-FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's speed. Measured
-(``docs/results.md``): at the user's full Qwen3.6-27B shape on an H200 the forward runs at 0.96x
-bf16's speed inside a training run (0.98x end to end) and the peak is 22.6 GiB lower; at a
-16-layer cut on an H100, 0.8-0.9x alone and 0.68x in training. The matmuls take half the time,
-but each activation is quantized eagerly in several kernels before its matmul (the same ops
-compiled ran 8.7-10.2x faster in an H100 benchmark of the ops alone); what this form gives is half
-the target's weight memory.
+FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's speed. The matmuls
+take half bf16's time, but eagerly each activation is quantized in several kernels before its
+matmul, once per layer that reads it, so the eager FP8 forward is slower than bf16's (0.88-0.91x at a
+16-layer cut of Qwen3.6-27B on an H100); with the target's per-token work compiled
+(:mod:`dflash.target.compiled`, on under ``--compile``) the quantization fuses into the op before
+and the FP8 forward ran 1.57-1.71x the eager bf16 one, 1.31x the compiled bf16 one inside training
+(``docs/results.md``, 2026-12-06). It also halves the target's weight memory (22.6 GiB less peak
+at the user's full shape).
 
 FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) and
 torchao (``pip install -e '.[fp8]'``); :func:`fp8_problem` says what is missing before anything
