@@ -123,6 +123,8 @@ def serving_readme(config, *, out: Path, target: str, step_dir: Path, dtype: tor
         what = "A DFlash2 drafter (DFlash with grouped dynamic convolutions and a top-K candidate selector)"
         taps, group, rank, top_k = (config.dflash2_value(name) for name in DFLASH2_FIELDS)
         extra = f"\n- convolutions of {taps} taps, {group} channels per coefficient; selector rank {rank}, top {top_k}"
+    if config.transforms:
+        extra += f"\n- logit and embedding transforms (z-lab's `dflash_config` fields): {json.dumps(config.transforms)}"
     return f"""# {out.name}
 
 {what} for `{target}`,
@@ -146,7 +148,7 @@ vLLM (it ignores `block_size`: `num_speculative_tokens` = block size - 1 = {bloc
   --speculative-config {shlex.quote(speculative)}
 ```
 
-SGLang (drafts `--speculative-num-draft-tokens` = block size = {block} tokens per step):
+SGLang (drafts `--speculative-num-draft-tokens` = block size = {block} tokens per step){_sglang_caveat(config)}:
 
 ```bash
 python -m sglang.launch_server --model-path {target_path} \\
@@ -157,6 +159,23 @@ python -m sglang.launch_server --model-path {target_path} \\
 transformers: `AutoModel.from_pretrained({str(out.resolve())!r}, trust_remote_code=True)`;
 `dflash eval --drafter {draft_path} --target {target_path}` measures it again.
 """
+
+
+def _sglang_caveat(config) -> str:
+    """What SGLang serves differently from this drafter, for the README (and the log)."""
+    if "input_embedding_scale" not in config.transforms:
+        return ""
+    # SGLang 0.5.19's DFlash worker scales the block's embeddings only by a factor the target model
+    # defines (get_dflash_noise_embedding_scale), never by the drafter's input_embedding_scale.
+    logger.warning(
+        "dflash_config.input_embedding_scale %s: SGLang 0.5.19 does not apply it (vLLM 0.34 and z-lab's reference do); "
+        "serve this drafter with vLLM",
+        config.dflash_config["input_embedding_scale"],
+    )
+    return (
+        ", but not as trained: SGLang 0.5.19 does not apply this drafter's `input_embedding_scale` "
+        "(vLLM 0.34 does); serve it with vLLM"
+    )
 
 
 def _measured(step_dir: Path) -> str:

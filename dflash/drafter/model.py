@@ -259,7 +259,8 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
 
         Args:
             draft_embeds (Tensor): ``[B, N*Bs, H]``, the target's ``embed_tokens`` applied to
-                :func:`dflash.masks.draft_input_ids` (floating dtype of the drafter).
+                :func:`dflash.masks.draft_input_ids` (floating dtype of the drafter); the drafter
+                multiplies them by ``dflash_config.input_embedding_scale`` when the config sets one.
             target_hidden (Tensor): ``[B, S, K*H]``, the K tapped target layers concatenated on the
                 feature axis in ``target_layer_ids`` order (HF ``hidden_states[k + 1]`` for id k).
             anchors (Tensor): int64 ``[B, N]`` block anchors (:func:`dflash.masks.sample_anchors`).
@@ -273,8 +274,9 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
                 ``attention_mask`` is None (:mod:`dflash.masks`).
 
         Returns:
-            Tensor: ``[B, N*Bs, H]`` after the final norm; apply the target's ``lm_head``
-            (:mod:`dflash.train.loss` does it chunked). Rows of padding blocks carry no attention.
+            Tensor: ``[B, N*Bs, H]`` after the final norm; apply the target's ``lm_head`` and the
+            config's logit transform (:mod:`dflash.train.loss` does it chunked). Rows of padding
+            blocks carry no attention.
 
         Raises:
             ValueError: on mismatched shapes or an unsupported attention backend.
@@ -300,9 +302,10 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
     ) -> Tensor:
         """Greedy draft of one block for speculative decoding (``dflash eval``).
 
-        See :meth:`block_hidden` for what the inputs mean; this applies ``lm_head`` to slots
-        1..Bs-1 and takes the argmax (DFlash), or walks the candidate selector's path from the
-        anchor over each slot's top-K tokens (DFlash2, :meth:`CandidateSelector.walk`).
+        See :meth:`block_hidden` for what the inputs mean; this takes the draft logits of slots
+        1..Bs-1 (``lm_head`` and the config's logit transform, :meth:`compute_logits`) and their
+        argmax (DFlash), or walks the candidate selector's path from the anchor over each slot's
+        top-K tokens (DFlash2, :meth:`CandidateSelector.walk`).
 
         Args:
             target_hidden (Tensor): ``[B, S, K*H]`` tapped target states of positions 0..S-1.
@@ -314,7 +317,7 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
             Tensor: int64 ``[B, Bs-1]``, the drafted tokens for positions S+1..S+Bs-1.
         """
         hidden = self.block_hidden(target_hidden, block_embeds)[:, 1:]
-        logits = lm_head(hidden)
+        logits = self.compute_logits(hidden, lm_head)
         if self.config.is_dflash2:
             return self.candidate_selector.walk(hidden, logits, anchor_ids)
         return logits.argmax(dim=-1)
@@ -334,7 +337,8 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
 
         Args:
             target_hidden (Tensor): ``[B, S, K*H]`` tapped target states of positions 0..S-1.
-            block_embeds (Tensor): ``[B, Bs, H]``, ``embed_tokens([last_token, MASK x (Bs-1)])``.
+            block_embeds (Tensor): ``[B, Bs, H]``, ``embed_tokens([last_token, MASK x (Bs-1)])``
+                (scaled here by ``dflash_config.input_embedding_scale``, as in :meth:`forward`).
 
         Returns:
             Tensor: ``[B, Bs, H]`` after the final norm.
@@ -354,8 +358,12 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
     def _run(
         self, draft_embeds, target_hidden, positions, attention_mask, query_valid, context_positions=None
     ) -> Tensor:
-        """Layers over ``draft_embeds`` [B, Q, H] at RoPE ``positions`` [B, Q], attending to the fused
-        ``target_hidden`` [B, S, K*H] at ``context_positions`` [B, S] (None: 0..S-1)."""
+        """Layers over ``draft_embeds`` [B, Q, H] (times the config's ``input_embedding_scale``) at
+        RoPE ``positions`` [B, Q], attending to the fused ``target_hidden`` [B, S, K*H] at
+        ``context_positions`` [B, S] (None: 0..S-1)."""
+        scale = self.config.noise_embedding_scale
+        if scale != 1.0:
+            draft_embeds = draft_embeds * scale
         batch, context_len, _ = target_hidden.shape
         if context_positions is None:
             context_positions = torch.arange(context_len, device=positions.device).expand(batch, context_len)

@@ -56,6 +56,12 @@ Its weights add ``layers.{i}.attention_conv.{base_kernel,kernel_projection.weigh
 ``mlp_conv``, and ``candidate_selector.{hidden_projection.weight,predecessor_codebook,
 successor_codebook}`` (the codebooks as bare tensors, as the published checkpoints store them).
 
+A DFlash2 ``dflash_config`` may also set three transforms (z-lab/dflash 07ebd93; its test fixture
+``tests/fixtures/dflash2-config.json`` sets the first two): ``output_multiplier`` m and
+``final_logit_softcapping`` c shape the draft logits, ``c * tanh(m * z / c)`` (:class:`LogitTransform`),
+which the selector's candidates and unary scores are taken from; ``input_embedding_scale`` multiplies
+the draft block's embeddings (anchor and mask tokens; the context is hidden states, never embedded).
+
 Shape legend: B batch, S context length, Q draft tokens, K tapped layers, H hidden size, V
 vocabulary, k conv taps, G = H / conv_group_size coefficient groups, r selector rank.
 """
@@ -63,6 +69,8 @@ vocabulary, k conv taps, G = H / conv_group_size coefficient groups, r selector 
 from __future__ import annotations
 
 import inspect
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +95,9 @@ DFLASH, DFLASH2 = "DFlashDraftModel", "DFlash2DraftModel"
 #: The ``dflash_config`` fields of DFlash2 and the published drafters' values (z-lab/Qwen3.8-27B-DFlash2).
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 DFLASH2_FIELDS = tuple(DFLASH2_DEFAULTS)
+#: DFlash2's optional ``dflash_config`` transforms (module docstring) and their identity values
+#: (``final_logit_softcapping`` 0 or null: no cap, as z-lab, vLLM and SGLang read it).
+TRANSFORM_IDENTITY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 
 # transformers 4.x configs take the RoPE base as ``rope_theta`` (+ ``rope_scaling``) and ignore a
 # ``rope_parameters`` argument; 5.x takes ``rope_parameters`` and converts the 4.x keywords.
@@ -161,7 +172,10 @@ class DFlashDraftConfig(Qwen3Config):
         dflash_config (dict): ``{"mask_token_id": int, "target_layer_ids": list[int]}`` and
             optionally ``"causal": bool``; the mask token must be a row of the target embedding
             (``< vocab_size``), the ids in ``[0, L)``, distinct. None gives the Qwen3 defaults
-            (mask 151669, the default ids for L).
+            (mask 151669, the default ids for L). DFlash2's fields (:data:`DFLASH2_FIELDS`) make it
+            a DFlash2 config, which may set the transforms of :data:`TRANSFORM_IDENTITY`
+            (``output_multiplier`` and ``input_embedding_scale`` finite and > 0,
+            ``final_logit_softcapping`` finite and > 0, or 0 / None for no cap).
         is_causal (bool, optional): True / False: every layer sees its draft block causally /
             bidirectionally; None (the published drafters): ``dflash_config.causal`` if given, else
             sliding layers causal and full-attention layers bidirectional (module docstring). Kept
@@ -171,8 +185,10 @@ class DFlashDraftConfig(Qwen3Config):
             is ``sliding_attention`` (Qwen3Config drops ``sliding_window`` without it).
 
     Raises:
-        ValueError: naming the field that is out of range, or ``is_causal`` and
-            ``dflash_config.causal`` that disagree (engines differ on which one wins).
+        ValueError: naming the field that is out of range, ``is_causal`` and
+            ``dflash_config.causal`` that disagree (engines differ on which one wins), or a
+            transform outside a DFlash2 ``dflash_config`` (vLLM 0.34 and SGLang 0.5.19 read them
+            there only, and only for DFlash2).
     """
 
     def __init__(
@@ -190,6 +206,7 @@ class DFlashDraftConfig(Qwen3Config):
             raise ValueError(f"block_size must be >= 2 (anchor + predictions), got {block_size}")
         if num_target_layers < 1:
             raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
+        _refuse_top_level_transforms(kwargs)
         if _TAKES_LEGACY_ROPE and kwargs.get("rope_parameters") is not None:
             theta, scaling = legacy_rope(kwargs.pop("rope_parameters"))
             kwargs.setdefault("rope_theta", theta)
@@ -214,6 +231,7 @@ class DFlashDraftConfig(Qwen3Config):
         super().__init__(**kwargs)
         self._validate_dflash_config()
         self._validate_attention()
+        self._validate_transforms()
         if self.is_dflash2:
             # The published DFlash2 configs carry the block size only here (vLLM and SGLang read it here first).
             self.dflash_config["block_size"] = block_size
@@ -225,20 +243,43 @@ class DFlashDraftConfig(Qwen3Config):
         fields, or its architecture says so (then missing fields are an error)."""
         return DFLASH2 in (self.architectures or ()) or any(name in self.dflash_config for name in DFLASH2_FIELDS)
 
-    def _validate_dflash2(self) -> None:
-        # z-lab's loader applies these to the logits and the block's embeddings; this drafter does
-        # not, so a drafter that sets them would train and decode another function than it serves.
-        transforms = {
-            name: self.dflash_config[name]
-            for name in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
-            if self.dflash_config.get(name) not in (None, 1.0, 1)
-            and not (name == "final_logit_softcapping" and self.dflash_config[name] <= 0)
-        }
-        if transforms:
+    def _validate_transforms(self) -> None:
+        problems = []
+        for name, identity in TRANSFORM_IDENTITY.items():
+            value = self.dflash_config.get(name, identity)
+            no_cap = identity is None and value in (None, 0)
+            if value != identity and not no_cap and not _positive_finite(value):
+                no_cap_note = " (0 or null: no cap)" if identity is None else ""
+                problems.append(f"{name} must be a finite number > 0{no_cap_note}, got {value!r}")
+        if problems:
+            raise ValueError("dflash_config: " + "; ".join(problems))
+        if not self.is_dflash2 and self.transforms:
             raise ValueError(
-                f"dflash_config {transforms}: logit and embedding transforms are not supported by this trainer "
-                "(the published Qwen drafters set none); drop them only if the drafter was trained without them"
+                f"dflash_config {self.transforms}: logit and embedding transforms are DFlash2 "
+                "fields (vLLM 0.34 and SGLang 0.5.19 apply them to DFlash2DraftModel drafters only, so a DFlash "
+                "drafter would serve without them); drop them, or make the drafter DFlash2"
             )
+
+    @property
+    def transforms(self) -> dict:
+        """The transforms of ``dflash_config`` that are not the identity (:data:`TRANSFORM_IDENTITY`), by name."""
+        return _transforms_set(self.dflash_config)
+
+    @property
+    def logit_transform(self) -> LogitTransform | None:
+        """The draft logits' transform of ``dflash_config`` (module docstring); None when it is the identity."""
+        multiplier = float(self.dflash_config.get("output_multiplier", 1.0))
+        softcap = self.dflash_config.get("final_logit_softcapping") or None
+        if multiplier == 1.0 and softcap is None:
+            return None
+        return LogitTransform(multiplier, None if softcap is None else float(softcap))
+
+    @property
+    def noise_embedding_scale(self) -> float:
+        """``dflash_config.input_embedding_scale``: what the draft block's embeddings are multiplied by."""
+        return float(self.dflash_config.get("input_embedding_scale", 1.0))
+
+    def _validate_dflash2(self) -> None:
         missing = [name for name in DFLASH2_FIELDS if not isinstance(self.dflash_config.get(name), int)]
         if missing:
             raise ValueError(
@@ -335,6 +376,30 @@ def _block_size(top_level: int | None, nested: int | None) -> int:
         raise ValueError(f"block_size {top_level} and dflash_config.block_size {nested} disagree; make them equal")
     found = top_level if top_level is not None else nested
     return 16 if found is None else found
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _transforms_set(dflash_config: dict) -> dict:
+    """The transforms of ``dflash_config`` that are not the identity (:data:`TRANSFORM_IDENTITY`)."""
+    return {
+        name: dflash_config[name]
+        for name, identity in TRANSFORM_IDENTITY.items()
+        if dflash_config.get(name, identity) not in (identity, 0 if identity is None else identity)
+    }
+
+
+def _refuse_top_level_transforms(fields: dict) -> None:
+    """z-lab's reference also reads a transform at the config's top level; vLLM and SGLang read only
+    ``dflash_config``, so a drafter with one there would serve without it."""
+    stray = _transforms_set(fields)
+    if stray:
+        raise ValueError(
+            f"{stray} at the top level of the drafter config: vLLM and SGLang read these transforms only inside "
+            "dflash_config (z-lab's reference reads both); move them into dflash_config"
+        )
 
 
 def _causality(is_causal, dflash_causal) -> bool | None:
@@ -521,11 +586,44 @@ class _BlockConvolution(torch.autograd.Function):
         return grad_z.view_as(z), grad_dynamic, torch.stack(grad_base).to(base.dtype), None, None
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """DFlash2's optional shaping of the draft logits (z-lab/dflash 07ebd93 ``compute_logits``):
+    ``z * multiplier``, then with a ``softcap`` c, ``c * tanh(z / c)``, in that order (vLLM 0.34
+    ``LogitsProcessor.get_top_k_tokens`` and SGLang 0.5.19 ``DFlash2DraftModel._transform_unary_logits``
+    alike; they apply it to the top-K logits only, the same candidates since it is increasing).
+    The candidate selector's candidates and unary scores are the transformed logits.
+
+    Args:
+        multiplier (float): ``dflash_config.output_multiplier`` (> 0).
+        softcap (float | None): ``dflash_config.final_logit_softcapping`` (> 0); None: no cap.
+    """
+
+    multiplier: float
+    softcap: float | None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """The transformed ``logits`` (any shape, floating; differentiable)."""
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def derivative(self, transformed: Tensor) -> Tensor | float:
+        """The transform's derivative at the logits whose transform is ``transformed``, from it:
+        ``m * (1 - (f / c) ** 2)`` with a cap, the constant m without."""
+        if self.softcap is None:
+            return self.multiplier
+        return (1.0 - (transformed / self.softcap).square()) * self.multiplier
+
+
 class CandidateSelector(nn.Module):
     """DFlash2's candidate selector (z-lab/dflash 07ebd93 ``CandidateSelector``).
 
     Slot t's score of candidate token b after predecessor token a is
-    ``U_t(b) + <A[a] * P h_t, B[b]>`` with ``U_t`` the drafter's LM-head logits of slot t, ``h_t``
+    ``U_t(b) + <A[a] * P h_t, B[b]>`` with ``U_t`` the drafter's logits of slot t (the LM head's,
+    after the config's :class:`LogitTransform`), ``h_t``
     its final hidden state, ``P`` = ``hidden_projection`` ``[r, H]``, ``A`` / ``B`` the
     predecessor / successor codebooks ``[V, r]``; the candidates are slot t's ``top_k`` tokens by
     ``U_t``.
@@ -562,7 +660,7 @@ class CandidateSelector(nn.Module):
 
         Args:
             hidden (Tensor): ``[B, T, H]`` final hidden states of the block's slots 1..T.
-            logits (Tensor): ``[B, T, V]`` their LM-head logits.
+            logits (Tensor): ``[B, T, V]`` their logits (:meth:`DFlashDraftModel.compute_logits`).
             anchor_ids (Tensor): int64 ``[B]``, the block's slot-0 token.
 
         Returns:
@@ -660,6 +758,13 @@ class DFlashDraftModel(PreTrainedModel):
     def block_size(self) -> int:
         return self.config.block_size
 
+    def compute_logits(self, hidden: Tensor, output_head: nn.Module) -> Tensor:
+        """Draft logits ``[.., V]`` of final hidden states ``hidden`` ``[.., H]``: the target's LM head
+        ``output_head``, then the config's :class:`LogitTransform` (z-lab's ``compute_logits``)."""
+        logits = output_head(hidden)
+        transform = self.config.logit_transform
+        return logits if transform is None else transform(logits)
+
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
@@ -680,7 +785,8 @@ class DFlashDraftModel(PreTrainedModel):
 
         Args:
             noise_embedding (Tensor): ``[B, Q, H]``, the target's ``embed_tokens`` of the draft
-                tokens (a block is ``[last verified token, MASK x (block_size - 1)]``).
+                tokens (a block is ``[last verified token, MASK x (block_size - 1)]``), times
+                :attr:`DFlashDraftConfig.noise_embedding_scale` (the caller's, as in z-lab's loop).
             target_hidden (Tensor): ``[B, S, K*H]``, the K tapped target layers of the S context
                 tokens concatenated on the feature axis in ``target_layer_ids`` order.
             position_ids (Tensor): int64 ``[B, S + Q]``, positions of the context tokens then of
@@ -696,7 +802,7 @@ class DFlashDraftModel(PreTrainedModel):
                 blocks (training), whose attention output is zeroed; None: all real.
 
         Returns:
-            Tensor: ``[B, Q, H]`` after the final norm; apply the target's ``lm_head``.
+            Tensor: ``[B, Q, H]`` after the final norm; :meth:`compute_logits` gives the draft logits.
 
         Raises:
             ValueError: an unsupported attention backend, or mismatched shapes.

@@ -71,6 +71,7 @@ def dflash_loss(
     anchors: Tensor | None = None,
     selector=None,
     predecessors: Tensor | None = None,
+    logit_transform=None,
     chunk_fn=None,
     selector_fn=None,
 ) -> LossOutput:
@@ -79,7 +80,9 @@ def dflash_loss(
     Per supervised slot (``label_mask``) the token loss is
     ``(1 - a) * CE(drafter, label) + a * KL(target || drafter)`` with ``a = settings.soft_label_weight``;
     it is multiplied by the slot's weight and summed. Logits are computed in the dtype of
-    ``hidden`` and upcast to float32 for softmax/CE.
+    ``hidden`` and upcast to float32 for softmax/CE; the drafter's are the LM head's after its
+    config's ``logit_transform`` (what it serves), and so are the selector's candidates' logits
+    (the teacher's are the target's own).
 
     Position weighting (``settings.position_weighting``):
 
@@ -119,6 +122,8 @@ def dflash_loss(
             the loss sum, the normaliser unchanged (SpecForge's normalisation).
         predecessors (Tensor, optional): int64 ``[B, N, Bs]``, the true token before each slot
             (slot k of anchor a: ``x[a + k - 1]``); needed with ``selector``.
+        logit_transform (LogitTransform, optional): the drafter config's
+            (:attr:`dflash.drafter.modeling_dflash.DFlashDraftConfig.logit_transform`); None: the identity.
         chunk_fn (callable, optional): :func:`chunk_loss` or a compiled copy of it (the regional
             compile compiles one chunk and reuses it for all, :mod:`dflash.train.regions`).
         selector_fn (callable, optional): :func:`dflash.train.selector_loss.selector_loss` or a
@@ -180,6 +185,7 @@ def dflash_loss(
             chunk_teacher,
             settings,
             top_k=selector.top_k if selecting else 0,
+            logit_transform=logit_transform,
         )
         loss_sum = loss_sum + objective
         weight_sum = weight_sum + chunk_weight
@@ -216,12 +222,14 @@ def chunk_loss(
     settings: LossSettings,
     *,
     top_k: int,
+    logit_transform=None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One chunk of :func:`dflash_loss` (its arguments, cut to the chunk's C blocks): ``rows``
     ``[C, Bs, H]``, ``labels``/``label_mask`` ``[C, Bs]``, ``teacher`` ``[C, Bs, H]`` or None.
     ``top_k`` > 0 (a DFlash2 selector's K) also picks each slot's candidates for
     :func:`dflash.train.selector_loss.selector_loss`; ``settings.missing_gold`` ``insert`` puts a
-    slot's true token in place of its last candidate where it is missing.
+    slot's true token in place of its last candidate where it is missing. ``logit_transform``: the
+    drafter's (None: the identity).
 
     Returns:
         (loss sum, normaliser, correct ``[Bs]``, candidates int64 ``[C, Bs, K]``, their float32
@@ -240,6 +248,7 @@ def chunk_loss(
         settings.dpace_alpha,
         top_k,
         settings.missing_gold == "insert",
+        logit_transform,
     )
     return objective, normaliser, correct, candidates, logits, slot_weights
 
@@ -260,11 +269,13 @@ class _FusedChunkLoss(torch.autograd.Function):
 
     With ``p`` the drafter's softmax, ``t`` the teacher's, ``a`` the soft-label weight and ``w`` the
     (detached) slot weight, the loss of a slot is ``w * ((1 - a) * CE + a * KL(t || p))``, whose
-    gradient with respect to the logits is ``w * (p - (1 - a) * onehot(label) - a * t)``; through
-    the frozen head, ``dL/dhidden = (dL/dlogits) @ W``. The candidates are the ``top_k`` highest of
-    the logits in ``hidden``'s dtype (their float32 copies order alike); a candidate logit's
-    gradient reaches ``hidden`` through its head row, gathered again in backward (``[C, Bs, K, H]``,
-    never kept).
+    gradient with respect to the logits is ``w * (p - (1 - a) * onehot(label) - a * t)``; with a
+    ``transform`` f of the head's logits z (the drafter's logits are f(z)), times ``f'(z)``; through
+    the frozen head, ``dL/dhidden = (dL/dz) @ W``. The candidates are the ``top_k`` highest of the
+    head's logits in ``hidden``'s dtype (their float32 copies order alike, and so do their
+    transforms, which are increasing: vLLM and SGLang pick them so too); a candidate logit's
+    gradient reaches ``hidden`` through ``f'`` and its head row, gathered again in backward
+    (``[C, Bs, K, H]``, never kept).
     """
 
     @staticmethod
@@ -281,9 +292,10 @@ class _FusedChunkLoss(torch.autograd.Function):
         alpha,
         top_k,
         insert_gold,
+        transform,
     ):
         head_logits = hidden @ lm_head_weight.t()  # [C, Bs, V], hidden's dtype
-        logits = head_logits.float()
+        logits = head_logits.float() if transform is None else transform(head_logits.float())
         candidates, candidate_logits = _candidates(head_logits, logits, labels, top_k, insert_gold)
         del head_logits
         log_probs = F.log_softmax(logits, dim=-1)
@@ -305,11 +317,16 @@ class _FusedChunkLoss(torch.autograd.Function):
             slot_weights = torch.where(label_mask, weights.expand_as(token_loss), 0.0)
             normaliser = slot_weights.sum()
         correct = ((logits.argmax(-1) == labels) & label_mask).sum(0)
-        del logits, log_probs
+        del log_probs
         grad_logits.scatter_add_(-1, labels[..., None], torch.full_like(label_log_prob, -label_share)[..., None])
         grad_logits.mul_(slot_weights[..., None])
+        if transform is not None:
+            grad_logits.mul_(transform.derivative(logits))
+        del logits
         ctx.save_for_backward((grad_logits.to(lm_head_weight.dtype) @ lm_head_weight).to(hidden.dtype), candidates)
         ctx.weight, ctx.top_k = lm_head_weight, top_k
+        # f' at the candidates ([C, Bs, K], or the multiplier alone without a cap).
+        ctx.candidate_derivative = None if transform is None or not top_k else transform.derivative(candidate_logits)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(normaliser, correct, candidates, slot_weights)
         loss = (slot_weights * token_loss).sum()
@@ -320,10 +337,12 @@ class _FusedChunkLoss(torch.autograd.Function):
         grad_hidden, candidates = ctx.saved_tensors
         grad = None if grad_loss is None else grad_loss * grad_hidden
         if ctx.top_k and grad_candidate_logits is not None:
+            if ctx.candidate_derivative is not None:
+                grad_candidate_logits = grad_candidate_logits * ctx.candidate_derivative
             rows = ctx.weight[candidates]  # [C, Bs, K, H]
             from_candidates = torch.einsum("cbk,cbkh->cbh", grad_candidate_logits.to(rows.dtype), rows)
             grad = from_candidates.to(grad_hidden.dtype) if grad is None else grad + from_candidates
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _candidates(head_logits: Tensor, logits: Tensor, labels: Tensor, top_k: int, insert_gold: bool):

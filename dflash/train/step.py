@@ -140,6 +140,7 @@ def drafter_forward_loss(
         anchors=anchors,
         selector=selector,
         predecessors=previous_tokens(input_ids, anchors, block_size) if selector is not None else None,
+        logit_transform=drafter.config.logit_transform,
         chunk_fn=chunk_fn,
         selector_fn=selector_fn,
     )

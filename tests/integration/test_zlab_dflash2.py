@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,9 +34,10 @@ def _zlab():
     return module
 
 
-def _ours(layer_types: list[str]) -> DFlashDraftModel:
+def _ours(layer_types: list[str], transforms: dict | None = None) -> DFlashDraftModel:
     """A random DFlash2 drafter in the published form (every weight random, the conv and the
-    selector included, so neither can hide behind its identity initialisation)."""
+    selector included, so neither can hide behind its identity initialisation), with ``transforms``
+    in its ``dflash_config``."""
     config = DFlashDraftConfig(
         hidden_size=HIDDEN,
         intermediate_size=96,
@@ -57,6 +59,7 @@ def _ours(layer_types: list[str]) -> DFlashDraftModel:
             "conv_group_size": 16,
             "selector_rank": 32,
             "selector_top_k": 5,
+            **(transforms or {}),
         },
     )
     torch.manual_seed(0)
@@ -67,13 +70,35 @@ def _ours(layer_types: list[str]) -> DFlashDraftModel:
     return model
 
 
-@pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16-export"])
+SAVED = pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16-export"])
+#: z-lab/dflash 07ebd93 ``tests/fixtures/dflash2-config.json``'s transforms (``dflash_config``).
+FIXTURE_TRANSFORMS = {"output_multiplier": 0.19611613513818404, "final_logit_softcapping": 20.0}
+
+
+@SAVED
 @pytest.mark.parametrize("layer_types", [["sliding_attention"] * 2, ["sliding_attention", "full_attention"]])
 def test_our_dflash2_equals_zlabs_reference(tmp_path, layer_types, saved, monkeypatch):
     """``saved``: the weights' dtype in the files (bf16: what ``dflash export`` writes; both models
     then run the same bf16-rounded weights in float32)."""
+    _compare_with_zlab(tmp_path, monkeypatch, _ours(layer_types), saved, head_scale=1.0)
+
+
+@SAVED
+@pytest.mark.parametrize(
+    "transforms",
+    [FIXTURE_TRANSFORMS, {**FIXTURE_TRANSFORMS, "input_embedding_scale": 2.5}],
+    ids=["fixture", "fixture-and-embedding-scale"],
+)
+def test_our_dflash2_with_zlabs_transforms_equals_zlabs_reference(tmp_path, transforms, saved, monkeypatch):
+    """The fixture's logit transforms (and an embedding scale, which z-lab's loop applies to the
+    block's embeddings): our config keeps them in the files, z-lab's model reads them from there,
+    and the logits, selector scores and path agree. The head is scaled so that the logits reach
+    the cap's bend (the order of multiplier and cap matters there)."""
+    _compare_with_zlab(tmp_path, monkeypatch, _ours(["sliding_attention", "full_attention"], transforms), saved)
+
+
+def _compare_with_zlab(tmp_path, monkeypatch, ours, saved, *, head_scale: float = 40.0) -> None:
     zlab = _zlab()
-    ours = _ours(layer_types)
     with torch.no_grad():
         for p in ours.parameters():
             p.copy_(p.to(saved).float())
@@ -86,17 +111,31 @@ def test_our_dflash2_equals_zlabs_reference(tmp_path, layer_types, saved, monkey
 
     gen = torch.Generator().manual_seed(1)
     target_hidden = torch.randn(1, CONTEXT, 3 * HIDDEN, generator=gen)
-    block_embeds = torch.randn(1, BLOCK, HIDDEN, generator=gen)
-    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    embed = torch.nn.Embedding(VOCAB, HIDDEN)
     anchor = torch.tensor([7])
+    block_ids = torch.cat([anchor[:, None], torch.randint(0, VOCAB, (1, BLOCK - 1), generator=gen)], dim=1)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     with torch.no_grad():
+        embed.weight.normal_(generator=gen)
+        head.weight.mul_(head_scale)
+        # z-lab's loop: the block's embeddings times its config's input_embedding_scale.
+        scale = float(zlab._draft_value(theirs.config, "input_embedding_scale", 1.0))
+        noise_embedding = zlab._raw_input_embeddings(
+            SimpleNamespace(get_input_embeddings=lambda: embed), block_ids, scale
+        )
+        block_embeds = embed(block_ids)  # ours scales them itself
         hidden = ours.block_hidden(target_hidden, block_embeds)[:, 1:]
         reference = theirs(
-            position_ids=torch.arange(CONTEXT + BLOCK)[None], noise_embedding=block_embeds, target_hidden=target_hidden
+            position_ids=torch.arange(CONTEXT + BLOCK)[None],
+            noise_embedding=noise_embedding,
+            target_hidden=target_hidden,
         )[:, 1:]
         torch.testing.assert_close(hidden, reference, rtol=1e-5, atol=1e-5)
-        logits = head(hidden)
-        torch.testing.assert_close(logits, theirs.compute_logits(reference, head), rtol=1e-5, atol=1e-5)
+        logits = ours.compute_logits(hidden, head)
+        their_logits = theirs.compute_logits(reference, head)
+        torch.testing.assert_close(logits, their_logits, rtol=1e-5, atol=1e-5)
+        if ours.config.transforms:
+            assert (their_logits - head(reference)).abs().max() > 1.0  # the transforms are applied, and bite
 
         scored = []  # z-lab's selector scores, slot by slot, as its walk takes their argmax
         argmax = torch.argmax
@@ -116,6 +155,9 @@ def test_our_dflash2_equals_zlabs_reference(tmp_path, layer_types, saved, monkey
     assert len(scored) == BLOCK - 1
     differences = {
         "hidden": (hidden - reference).abs().max().item(),
-        "logits": (logits - theirs.compute_logits(reference, head)).abs().max().item(),
+        "logits": (logits - their_logits).abs().max().item(),
     }
-    print(f"ours vs z-lab 07ebd93, files {saved}, run in float32, {layer_types}: max abs difference {differences}")
+    print(
+        f"ours vs z-lab 07ebd93, files {saved}, run in float32, {ours.config.layer_types}, transforms "
+        f"{ours.config.transforms}: max abs difference {differences}"
+    )

@@ -88,8 +88,11 @@ def test_the_published_config_and_its_81_tensors_are_read_as_they_ship(tmp_path)
         ({"conv_group_size": 7}, "conv_group_size 7 must divide hidden_size 64"),
         ({"conv_kernel_size": 9}, r"conv_kernel_size 9 must be in \[1, block_size=8\]"),
         ({"selector_top_k": None}, "needs the ints dflash_config.selector_top_k"),
-        ({"output_multiplier": 0.196}, "logit and embedding transforms are not supported"),
-        ({"final_logit_softcapping": 20.0}, "logit and embedding transforms are not supported"),
+        ({"output_multiplier": 0.0}, "output_multiplier must be a finite number > 0, got 0.0"),
+        ({"output_multiplier": None}, "output_multiplier must be a finite number > 0, got None"),
+        ({"input_embedding_scale": float("inf")}, "input_embedding_scale must be a finite number > 0, got inf"),
+        ({"final_logit_softcapping": -30.0}, r"final_logit_softcapping must be .* \(0 or null: no cap\), got -30.0"),
+        ({"final_logit_softcapping": "20"}, "final_logit_softcapping must be a finite number > 0"),
     ],
 )
 def test_a_dflash2_field_out_of_range_is_named(tmp_path, dflash_config, named):
@@ -98,6 +101,34 @@ def test_a_dflash2_field_out_of_range_is_named(tmp_path, dflash_config, named):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match=named):
         read_drafter_config(tmp_path)
+
+
+def test_z_labs_fixture_with_its_transforms_is_read(tmp_path):
+    """z-lab/dflash 07ebd93 ``tests/fixtures/dflash2-config.json`` sets ``output_multiplier`` 1 / sqrt(26)
+    and ``final_logit_softcapping`` 20 in ``dflash_config``: read as the drafter's logit transform."""
+    from dflash.drafter.modeling_dflash import LogitTransform
+
+    transforms = {"output_multiplier": 0.19611613513818404, "final_logit_softcapping": 20.0}
+    directory = _published_dir(tmp_path, dflash_config={**PUBLISHED["dflash_config"], **transforms})
+    config = read_drafter_config(directory)
+    check_tensors(directory, config)  # no tensor of its own
+    assert config.transforms == transforms and config.noise_embedding_scale == 1.0
+    assert config.logit_transform == LogitTransform(0.19611613513818404, 20.0)
+    assert read_drafter_config(_published_dir(tmp_path)).logit_transform is None  # the published Qwen drafters'
+
+
+def test_transforms_outside_a_dflash2_dflash_config_are_refused():
+    """vLLM 0.34 and SGLang 0.5.19 read them in a DFlash2 ``dflash_config`` only: a DFlash drafter or a
+    top-level field would serve without them."""
+    config = create_drafter_config(tiny_target_config(), 1, block_size=4, num_captured_layers=3, mask_token_id=63)
+    fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    with pytest.raises(ValueError, match="logit and embedding transforms are DFlash2 fields"):
+        DFlashDraftConfig(**{**fields, "dflash_config": {**config.dflash_config, "input_embedding_scale": 2.0}})
+    with pytest.raises(ValueError, match="at the top level of the drafter config: .* move them into dflash_config"):
+        DFlashDraftConfig(**{k: v for k, v in PUBLISHED.items() if k != "model_type"}, final_logit_softcapping=30.0)
+    # Identity values change nothing, wherever they are.
+    DFlashDraftConfig(**{**fields, "dflash_config": {**config.dflash_config, "output_multiplier": 1.0}})
+    DFlashDraftConfig(**{k: v for k, v in PUBLISHED.items() if k != "model_type"}, final_logit_softcapping=None)
 
 
 def test_a_block_size_given_twice_must_agree():

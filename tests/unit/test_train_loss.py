@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tiny import loss_settings
 
 from dflash import masks
+from dflash.drafter.modeling_dflash import LogitTransform
 from dflash.train import loss as L
 
 B, N, BS, H, V, S = 2, 5, 4, 16, 40, 22
@@ -38,10 +39,21 @@ def _inputs(seed: int = 0):
 
 
 def _reference(
-    hidden, weight, labels, label_mask, slot_weights, *, soft=0.0, teacher_rows=None, dpace=False, alpha=0.5
+    hidden,
+    weight,
+    labels,
+    label_mask,
+    slot_weights,
+    *,
+    soft=0.0,
+    teacher_rows=None,
+    dpace=False,
+    alpha=0.5,
+    transform=lambda logits: logits,
 ):
-    """Unchunked loss written out directly: full logits for every draft slot at once."""
-    logits = (hidden @ weight.t()).float().view(B, N, BS, V)
+    """Unchunked loss written out directly: full logits for every draft slot at once (the drafter's
+    after ``transform``, the teacher's as they are)."""
+    logits = transform((hidden @ weight.t()).float()).view(B, N, BS, V)
     log_probs = logits.log_softmax(-1)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(B, N, BS)
     token = ce
@@ -63,9 +75,11 @@ def _reference(
     return (w * token).sum(), normaliser, correct
 
 
+@pytest.mark.parametrize("transform", [None, LogitTransform(0.7, 3.0)], ids=["plain", "transformed"])
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 100])
 @pytest.mark.parametrize("mode", ["decay", "soft", "dpace"])
-def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
+def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode, transform):
+    """``transform``: a DFlash2 drafter's logit transform (z-lab's multiplier and cap), in its bend here."""
     hidden, weight, labels, label_mask, anchors, teacher = _inputs()
     soft = 0.3 if mode == "soft" else 0.0
     alpha = 0.3
@@ -74,7 +88,15 @@ def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
     )
     slot_weights = settings.position_weight("cpu")
     out = L.dflash_loss(
-        hidden, weight, labels, label_mask, slot_weights, settings, teacher_hidden=teacher, anchors=anchors
+        hidden,
+        weight,
+        labels,
+        label_mask,
+        slot_weights,
+        settings,
+        teacher_hidden=teacher,
+        anchors=anchors,
+        logit_transform=transform,
     )
     (grad,) = torch.autograd.grad(out.loss_sum, hidden)
 
@@ -91,6 +113,7 @@ def test_chunked_loss_equals_unchunked_reference(chunk_blocks, mode):
         teacher_rows=teacher_rows,
         dpace=mode == "dpace",
         alpha=alpha,
+        **({"transform": transform} if transform else {}),
     )
     (ref_grad,) = torch.autograd.grad(ref_loss, hidden)
     torch.testing.assert_close(out.loss_sum, ref_loss, rtol=1e-5, atol=1e-5)
