@@ -27,16 +27,25 @@ def literal_choices(cls: type) -> dict[str, tuple]:
     return choices
 
 
-def check_choices(instance, name=lambda field: field) -> None:
-    """Raise if a ``Literal`` field of dataclass ``instance`` holds a value outside its choices.
-
-    Args:
-        name: how a field is named in the message (``lambda f: "--" + f`` for flags).
+def check_choices(instance) -> None:
+    """Raise if a ``Literal`` field of dataclass ``instance`` holds a value outside its choices (None
+    passes: an optional field's "use the rule").
 
     Raises:
         ValueError: the field's name, its value and the choices.
     """
     for field, allowed in literal_choices(type(instance)).items():
         value = getattr(instance, field)
-        if value is not None and value not in allowed:
-            raise ValueError(f"{name(field)} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+        if value is not None:
+            check_choice(field, value, allowed)
+
+
+def check_choice(name: str, value, allowed) -> None:
+    """Raise if ``value`` is not one of ``allowed`` (a ``Literal`` or a tuple of its values).
+
+    Raises:
+        ValueError: ``name``, ``value`` and the choices.
+    """
+    allowed = typing.get_args(allowed) or allowed
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")

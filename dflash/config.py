@@ -16,7 +16,9 @@ import re
 import textwrap
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal, get_args
+from typing import Literal
+
+from dflash.choices import check_choices
 
 # Saved absolute, so train_config.json and a resume from another directory name the same files.
 INPUT_PATHS = ("target", "data", "init_from", "eval_data")
@@ -28,17 +30,38 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 _SHORT_NAMES = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
 #: gamma of the position decay used by the DFlash paper per block size (Sec. 3.3); --gamma's default.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-#: Drafter architectures (``--arch``).
-ARCHS = ("dflash", "dflash2")
-#: What DFlash2's selector loss does with a slot whose true token is not a candidate (``--selector-missing-gold``).
+
+# The choice fields' choices (dflash.choices: --help, argparse's choices and the checks read them).
+#: ``--arch``: the drafter's architecture.
+Arch = Literal["dflash", "dflash2"]
+#: ``--overflow``: a conversation longer than ``--seq-len``.
+Overflow = Literal["truncate", "drop"]
+#: ``--responses``: whose assistant replies are trained on.
+Responses = Literal["auto", "data", "target"]
+#: ``--selector-missing-gold``: DFlash2's selector loss on a slot whose true token is not a candidate.
 MissingGold = Literal["exclude", "insert"]
-MISSING_GOLD = get_args(MissingGold)
+#: ``--compile``.
+Compile = Literal["auto", "on", "off"]
 #: ``--compile-scope`` (:mod:`dflash.train.regions`).
-COMPILE_SCOPES = ("regional", "step")
+CompileScope = Literal["regional", "step"]
 #: ``--target-dtype`` (:mod:`dflash.target.fp8`).
-TARGET_DTYPES = ("auto", "fp8")
-#: ``--save-dtype`` choices; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
-SAVE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+TargetDtype = Literal["auto", "fp8"]
+#: ``--save-dtype``; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
+SaveDtype = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+def paper_gamma(block_size: int) -> float:
+    """The decay gamma the DFlash paper uses for ``block_size`` (Sec. 3.3: 7 for 16, 5 for 10, 4 for 8).
+
+    Raises:
+        ValueError: a block size the paper gives no gamma for (pass ``--gamma`` then).
+    """
+    if block_size not in PAPER_GAMMA:
+        raise ValueError(
+            f"gamma: the paper gives no decay for block size {block_size} (only for {sorted(PAPER_GAMMA)}); "
+            "pass --gamma (about block size / 2)"
+        )
+    return PAPER_GAMMA[block_size]
 
 
 def absolute_path(path: str) -> str:
@@ -84,7 +107,7 @@ class TrainConfig:
     dflash run (its latest checkpoint): its shape, layer
     types, window, block size, mask token, tapped layers and RoPE are kept and its weights loaded strictly; held-out
     acceptance is measured before step 1 and after the last step (on --eval-data, else the embedded held-out set)."""
-    arch: str | None = None
+    arch: Arch | None = None
     """Drafter architecture: `dflash` (arXiv 2602.06036) or `dflash2` (DFlash plus a grouped dynamic convolution
     around each layer's attention and MLP and a top-K candidate selector, as z-lab's DFlash2 drafters; z-lab/dflash
     model.py at 07ebd93); empty = dflash, or the --init-from drafter's."""
@@ -120,7 +143,7 @@ class TrainConfig:
     # ---- data -----------------------------------------------------------------------------
     seq_len: int = 128
     """Tokens per training row (fixed shape; longer conversations follow --overflow)."""
-    overflow: str = "truncate"
+    overflow: Overflow = "truncate"
     """What to do with conversations longer than --seq-len: `truncate` (keep the start) or `drop`."""
     batch_size: int = 8
     """Rows per micro-batch of each drafter replica (a row of --seq-len tokens holds several conversations when
@@ -134,7 +157,7 @@ class TrainConfig:
     """Several conversations per row, each kept apart as if alone (document-masked target and drafter attention,
     positions restarting per conversation, anchors per conversation), so rows are not mostly padding; --no-pack puts
     one conversation per row."""
-    responses: str = "auto"
+    responses: Responses = "auto"
     """Assistant replies to train on: `data` (as in the file), `target` (regenerated greedily by the target, cached
     in --out; each conversation keeps its messages before the first assistant turn plus the target's reply: later
     turns, tool calls and tool results are not kept), `auto` (`target` for the embedded default target and corpus,
@@ -162,7 +185,7 @@ class TrainConfig:
     """DFlash2: weight of the candidate selector's loss (a cross-entropy over each slot's top-K candidates, scored
     after the true previous token) against the drafter's; 0 gives the selector no gradient (weight decay still
     applies)."""
-    selector_missing_gold: str = "insert"
+    selector_missing_gold: MissingGold = "insert"
     """DFlash2: slots whose true token is not among the top-K candidates: `insert` it as the K-th candidate
     (speculators; more held-out acceptance in our measurement, docs/results.md) or `exclude` them from the selector's
     loss (SpecForge, NeMo: only what serving can select)."""
@@ -200,9 +223,9 @@ class TrainConfig:
     # ---- runtime --------------------------------------------------------------------------
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda if visible)."""
-    compile: str = "auto"
+    compile: Compile = "auto"
     """Compile the drafter step with torch.compile + flex_attention: `auto` (on for CUDA), `on`, `off`."""
-    compile_scope: str = "regional"
+    compile_scope: CompileScope = "regional"
     """What a compiled step compiles: `regional` (one decoder layer, one loss chunk and DFlash2's selector loss,
     each compiled once and reused for every layer and chunk; the first layer, whose input needs no gradient, gets a
     graph of its own) or `step` (the whole forward and loss as one graph: every layer and loss chunk lowered anew, so
@@ -217,7 +240,7 @@ class TrainConfig:
     """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
     flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).
     Without this flag such a run is refused: install the kernels with `pip install -e '.[fla]'`."""
-    target_dtype: str = "auto"
+    target_dtype: TargetDtype = "auto"
     """The target's forward: `auto` (bf16 on GPU, fp32 on CPU) or `fp8` (its linear layers as float8 matmuls
     with row-wise scales, the rest bf16; an NVIDIA GPU of compute capability 8.9+ and torchao: pip install -e
     '.[fp8]'). The held-out acceptance of a run measures against the target it trains with."""
@@ -237,7 +260,7 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and at the end; 0 = only at the end)."""
     keep_last: int = 2
     """Checkpoints to keep (older ones are deleted after a successful save)."""
-    save_dtype: str = "auto"
+    save_dtype: SaveDtype = "auto"
     """dtype of the saved drafter weights: `auto` (the compute dtype: bfloat16 when training in bf16, as published
     drafters are; float32 on CPU), `bfloat16`, `float16` or `float32`. Resuming stays exact either way."""
     log_every: int = 10
@@ -276,6 +299,7 @@ class TrainConfig:
             )
         if not self.out.strip():
             raise ValueError("out must name a directory, got an empty one (it would be the working directory)")
+        check_choices(self)
         for name in INPUT_PATHS:
             if getattr(self, name):
                 setattr(self, name, absolute_path(getattr(self, name)))
@@ -329,33 +353,14 @@ class TrainConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
-        if self.responses not in ("auto", "data", "target"):
-            raise ValueError(f"responses must be 'auto', 'data' or 'target', got {self.responses!r}")
         if self.regenerate_max_new_tokens < 1:
             raise ValueError(f"regenerate_max_new_tokens must be >= 1, got {self.regenerate_max_new_tokens}")
-        if self.overflow not in ("truncate", "drop"):
-            raise ValueError(f"overflow must be 'truncate' or 'drop', got {self.overflow!r}")
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile must be 'auto', 'on' or 'off', got {self.compile!r}")
-        if self.target_dtype not in TARGET_DTYPES:
-            raise ValueError(f"target_dtype must be one of {TARGET_DTYPES}, got {self.target_dtype!r}")
-        if self.compile_scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
-        if self.gamma is None and self.block_size is not None and self.block_size not in PAPER_GAMMA:
-            raise ValueError(
-                f"gamma: the paper gives no decay for block_size={self.block_size} (only for "
-                f"{sorted(PAPER_GAMMA)}); pass --gamma (about block_size / 2)"
-            )
+        if self.gamma is None and self.block_size is not None:
+            paper_gamma(self.block_size)
         if not 0.0 <= self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
-        if self.arch is not None and self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
-        if self.selector_missing_gold not in MISSING_GOLD:
-            raise ValueError(f"selector_missing_gold must be one of {MISSING_GOLD}, got {self.selector_missing_gold!r}")
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if not 0.0 <= self.soft_label_weight <= 1.0:

@@ -40,12 +40,20 @@ def _optional_int_list(text: str) -> list[int] | None:
 _optional_int_list.__name__ = "comma-separated integer list"  # argparse names it in "invalid ... value"
 
 
+class _OptionalChoices(tuple):
+    """An optional choice field's choices: the empty string (converted to None) is one too, unlisted."""
+
+    def __contains__(self, value) -> bool:
+        return value is None or super().__contains__(value)
+
+
 def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dict, docs: dict) -> None:
     flag = "--" + f.name.replace("_", "-")
     hint = hints[f.name]
     args = typing.get_args(hint)
     optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) else hint
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)  # Literal[...] | None is a typing.Union
+    base = next((a for a in args if a is not type(None)), hint) if union else hint
     help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
     if base is bool:
         parser.add_argument(
@@ -55,7 +63,12 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
             help=f"{help_text} (default: {f.default})",
         )
         return
-    if typing.get_origin(base) is list:
+    choices = typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
+    if choices:
+        # Choices from the field's Literal (dflash.choices); an empty string means None, "the rule".
+        convert, metavar = (lambda text: text or None) if optional else str, "{" + ",".join(choices) + "}"
+        choices = _OptionalChoices(choices) if optional else choices
+    elif typing.get_origin(base) is list:
         convert, metavar = _optional_int_list, "IDS"
     else:
         convert, metavar = base, f.name.upper()
@@ -66,6 +79,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
     parser.add_argument(
         flag,
         type=convert,
+        choices=choices,
         metavar=metavar,
         default=argparse.SUPPRESS,
         help=f"{help_text} (default: {'empty' if default is None else default})",

@@ -30,12 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.choices import check_choice
+from dflash.config import Overflow
 from dflash.data.chats import Conversation, DatasetError
 from dflash.data.tool_calls import unrendered
 
 logger = logging.getLogger(__name__)
 
-OVERFLOW_POLICIES = ("truncate", "drop")
 #: Generous bound on the characters per token of real tokenizers (English averages ~4).
 MAX_CHARS_PER_TOKEN = 32
 # Show a progress bar from this many conversations on (fewer take a second or two).
@@ -402,18 +403,12 @@ def build_examples(
         DatasetError: no usable conversation is left (names ``source``), or a conversation's
             loss mask cannot be derived (names its 1-based index in ``source``).
     """
-    check_overflow(overflow)
+    check_choice("overflow", overflow, Overflow)
     with tokenizing_bar(len(conversations), source=source, progress=progress) as bar:
         tokenized = tokenize_conversations(
             tokenizer, conversations, seq_len=seq_len, overflow=overflow, source=source, bar=bar
         )
     return usable_examples(tokenized, seq_len=seq_len, overflow=overflow, source=source)
-
-
-def check_overflow(overflow: str) -> None:
-    """Raises ValueError for an ``overflow`` policy that is not one of :data:`OVERFLOW_POLICIES`."""
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
 
 
 def check_token_ids(examples: Sequence[Example], *, vocab_size: int, source: str) -> None:

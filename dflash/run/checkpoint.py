@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from dflash.config import SAVE_DTYPES
+from dflash.choices import check_choice
+from dflash.config import SaveDtype
 from dflash.drafter.files import CONFIG_NAME, WEIGHTS_NAME, CheckpointError
 from dflash.drafter.hf_config import MODELING_FILE, modeling_source, portable_config
 from dflash.files import atomic_write_bytes, fsync_dir
@@ -90,19 +91,18 @@ def _as_tuples(value):
 # ---------------------------------------------------------------------------------------
 
 
-def resolve_save_dtype(choice: str, compute_dtype: torch.dtype) -> torch.dtype:
+def resolve_save_dtype(choice: SaveDtype, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype to export drafter weights in, for ``--save-dtype``.
 
     Args:
-        choice (str): one of :data:`dflash.config.SAVE_DTYPES`; "auto" means ``compute_dtype``.
+        choice (SaveDtype): ``auto`` (``compute_dtype``), ``bfloat16``, ``float16`` or ``float32``.
         compute_dtype (torch.dtype): what the drafter computes in (bf16 under CUDA autocast,
             float32 on CPU); published drafters are bf16.
 
     Raises:
         ValueError: an unknown choice, naming the valid ones.
     """
-    if choice not in SAVE_DTYPES:
-        raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {choice!r}")
+    check_choice("save_dtype", choice, SaveDtype)
     return compute_dtype if choice == "auto" else getattr(torch, choice)
 
 

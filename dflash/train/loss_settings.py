@@ -12,25 +12,11 @@ from typing import Literal
 import torch
 
 from dflash.choices import check_choices
-from dflash.config import PAPER_GAMMA, MissingGold
+from dflash.config import MissingGold, paper_gamma
 
 #: ``decay``: the paper's ``exp(-(k-1)/gamma)`` (arXiv 2602.06036, Sec. 3.3); ``dpace``: D-PACE's
 #: confidence weights (arXiv 2605.18810; ``--dpace``).
 PositionWeighting = Literal["decay", "dpace"]
-
-
-def paper_gamma(block_size: int) -> float:
-    """The decay gamma the DFlash paper uses for ``block_size`` (Sec. 3.3: 7 for 16, 5 for 10, 4 for 8).
-
-    Raises:
-        ValueError: a block size the paper gives no gamma for (pass ``--gamma`` then).
-    """
-    if block_size not in PAPER_GAMMA:
-        raise ValueError(
-            f"gamma: the paper gives no decay for block size {block_size} (only for {sorted(PAPER_GAMMA)}); "
-            "pass --gamma (about block size / 2)"
-        )
-    return PAPER_GAMMA[block_size]
 
 
 def position_weights(block_size: int, gamma: float, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -97,7 +83,7 @@ class LossSettings:
     def from_config(cls, config, *, block_size: int, mask_token_id: int) -> LossSettings:
         """The settings of a run of :class:`dflash.config.TrainConfig` ``config`` whose drafter has
         ``block_size`` and ``mask_token_id`` (its config's: ``--init-from`` and ``--resume`` keep the
-        drafter's own); ``--gamma`` empty takes :func:`paper_gamma`."""
+        drafter's own); ``--gamma`` empty takes :func:`dflash.config.paper_gamma`."""
         return cls(
             mask_token_id=mask_token_id,
             block_size=block_size,

@@ -29,8 +29,9 @@ from __future__ import annotations
 import types
 from contextlib import contextmanager
 
+from dflash.choices import check_choice
 from dflash.compile_watch import CompiledRegion
-from dflash.config import COMPILE_SCOPES
+from dflash.config import CompileScope
 from dflash.drafter.modeling_dflash import DFlashDecoderLayer
 from dflash.train.loss import chunk_loss
 from dflash.train.selector_loss import selector_loss
@@ -89,11 +90,11 @@ class RegionalStep:
                 del layer.forward
 
 
-def compile_step(scope: str, index: int, backend: str):
+def compile_step(scope: CompileScope, index: int, backend: str):
     """Replica ``index``'s compiled step function and the regions its :class:`StepWatch` checks.
 
     Args:
-        scope (str): one of :data:`COMPILE_SCOPES`.
+        scope (CompileScope): ``step`` or ``regional``.
 
     Returns:
         (step_fn, list[CompiledRegion]): ``step_fn`` is called like ``drafter_forward_loss``.
@@ -101,10 +102,9 @@ def compile_step(scope: str, index: int, backend: str):
     Raises:
         ValueError: an unknown scope.
     """
+    check_choice("compile_scope", scope, CompileScope)
     if scope == "step":
         region = CompiledRegion("drafter step", drafter_forward_loss, index, backend)
         return region, [region]
-    if scope == "regional":
-        step = RegionalStep(index, backend)
-        return step, step.regions
-    raise ValueError(f"compile scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+    step = RegionalStep(index, backend)
+    return step, step.regions

@@ -11,9 +11,9 @@ import pytest
 import torch
 from tiny import loss_settings
 
-from dflash.config import TrainConfig
+from dflash.config import TrainConfig, paper_gamma
 from dflash.train import loss, selector_loss, step
-from dflash.train.loss_settings import LossSettings, paper_gamma, position_weights
+from dflash.train.loss_settings import LossSettings, position_weights
 
 #: Every function the settings travel through on their way to the loss.
 TAKE_SETTINGS = (loss.dflash_loss, loss.chunk_loss, step.drafter_forward_loss, step.drafter_step)

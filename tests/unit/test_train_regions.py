@@ -57,7 +57,7 @@ def test_the_regional_step_equals_the_eager_step_and_compiles_once_per_kind(arch
 def test_the_whole_step_scope_is_one_region_and_an_unknown_scope_is_refused():
     step_fn, regions = compile_step("step", 990, "aot_eager")
     assert regions == [step_fn] and regions[0].name == "drafter step"
-    with pytest.raises(ValueError, match=r"compile scope must be one of \('regional', 'step'\), got 'layers'"):
+    with pytest.raises(ValueError, match="compile_scope must be one of regional, step; got 'layers'"):
         compile_step("layers", 991, "aot_eager")
 
 

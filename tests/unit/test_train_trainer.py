@@ -138,7 +138,7 @@ def test_llama_target_trains_through_the_same_path(assets, tmp_path):
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="steps must be >= 1"):
         TrainConfig(steps=0)
-    with pytest.raises(ValueError, match="gamma: the paper gives no decay for block_size=6"):
+    with pytest.raises(ValueError, match="gamma: the paper gives no decay for block size 6 .*pass --gamma"):
         TrainConfig(block_size=6)
     with pytest.raises(ValueError, match="compile must be"):
         TrainConfig(compile="maybe")
