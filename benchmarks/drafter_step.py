@@ -4,10 +4,12 @@ the GPU time goes.
 
     python benchmarks/drafter_step.py --shape qwen3.6-27b --batch-size 2           # one H100 / H200
     python benchmarks/drafter_step.py --shape qwen3.6-27b --runs dflash,dflash2,dflash2:selector_loss_weight=0
+    python benchmarks/drafter_step.py --runs 'dflash2;dflash2:output_multiplier=0.196,final_logit_softcapping=20.0'
     python benchmarks/drafter_step.py --tiny                                         # CPU smoke test
 
 Each run (``--runs``: an architecture, optionally with ``:field=value,...`` of ``dflash train``'s
-config) builds the drafter ``dflash train`` builds for a random-weight target of ``--shape``
+config, or of z-lab's DFlash2 transforms for the drafter's ``dflash_config``) builds the drafter
+``dflash train`` builds for a random-weight target of ``--shape``
 (:func:`dflash.run.drafter_shape.resolve_drafter_shape`: the published shape for Qwen3.5/3.6),
 its replica with the trainer's fused AdamW and compiled step (``--compile-scope``), and runs
 ``--warmup`` untimed then ``--steps`` timed optimizer steps of the trainer's own
@@ -68,6 +70,7 @@ def child(args) -> dict:
     from dflash.data.batches import Batch
     from dflash.devices import Slot
     from dflash.drafter.model import DFlashDraftModel, drafter_config
+    from dflash.drafter.modeling_dflash import TRANSFORM_IDENTITY, DFlashDraftConfig
     from dflash.masks import sample_anchors
     from dflash.profiling import profiled_step
     from dflash.run.drafter_shape import resolve_drafter_shape
@@ -78,6 +81,8 @@ def child(args) -> dict:
     from dflash.train.step import TargetBatch, drafter_step
 
     arch, fields = parse_run(args.run)
+    # z-lab's DFlash2 transforms are the drafter config's, not the trainer's: set on the drafter below.
+    transforms = {name: fields.pop(name) for name in TRANSFORM_IDENTITY if name in fields}
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -102,6 +107,9 @@ def child(args) -> dict:
     text = getattr(text, "text_config", text)
     layer_ids = config.target_layer_ids or _default_taps(text.num_hidden_layers, config.num_target_layers)
     drafter_cfg = drafter_config(config, text, target_layer_ids=layer_ids, mask_token_id=text.vocab_size - 1)
+    if transforms:
+        fields = {k: v for k, v in drafter_cfg.to_dict().items() if k != "model_type"}
+        drafter_cfg = DFlashDraftConfig(**{**fields, "dflash_config": {**drafter_cfg.dflash_config, **transforms}})
     torch.manual_seed(args.seed)
     attention = "flex_attention" if cuda else "sdpa"
     model = DFlashDraftModel._from_config(drafter_cfg, attn_implementation=attention, dtype=torch.float32).train()
