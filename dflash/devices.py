@@ -252,3 +252,12 @@ def resolve_device(name: str | None) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"--device {name}: only cpu and cuda are supported")
     return device
+
+
+def compute_dtype(device: torch.device | str) -> torch.dtype:
+    """What a model computes in on ``device``: bfloat16 on a GPU (the target's weights, the drafter
+    under autocast; the published drafters are bf16), float32 on the CPU (whose bf16 matmuls are
+    slow, and where ``dflash eval``'s outputs are checked equal to greedy decoding)."""
+    import torch
+
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

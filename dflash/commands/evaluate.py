@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.commands import COMMON, positive
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
-from dflash.devices import check_cpu_threads, resolve_device
+from dflash.devices import check_cpu_threads, compute_dtype, resolve_device
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
 from dflash.files import check_weight_files
 from dflash.run import acceptance_log
@@ -207,7 +207,7 @@ def _evaluate(args: argparse.Namespace):
     require_transformers_for(read_target_config(target_dir), target_dir / "config.json", decoding=True)
     check_weight_files(target_dir)
     data = _held_out_data(args.data, run)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     # Tokenizer and prompts first: their errors come before the (slow) target loads.
     context = context_length(target_dir)
     tokenizer = load_tokenizer(target_dir)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash import masks
+from dflash.devices import compute_dtype
 from dflash.target import documents
 from dflash.target.compiled import TargetRegions
 from dflash.target.files import TargetLoadError, read_target_config, require_transformers_for
@@ -237,7 +238,7 @@ def load_target(
         path: directory with ``config.json`` and weights (``*.safetensors``/``*.bin``).
         layer_ids: layers to tap; None uses the DFlash default for ``num_capture_layers``.
         device: where to put it (already resolved, see :func:`resolve_device`).
-        dtype: None picks bf16 on GPU and fp32 on CPU.
+        dtype: None picks :func:`dflash.devices.compute_dtype` (bf16 on GPU, fp32 on CPU).
         random_missing: keep the random initialisation ``from_pretrained`` gives weights the files
             lack (a benchmark of a model's shape) instead of refusing the target.
 
@@ -254,7 +255,7 @@ def load_target(
     require_transformers_for(read_target_config(path), path / "config.json")
     device = torch.device(device)
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = compute_dtype(device)
     # Straight onto the GPU: no host copy of the weights (and any weight the files lack is
     # initialised there). device_map needs accelerate; without it the model moves after loading.
     direct = device.type == "cuda" and importlib.util.find_spec("accelerate") is not None

@@ -1,10 +1,13 @@
 """DFlash drafter training (arXiv 2602.06036): the loop around a step engine.
 
-:class:`Trainer` builds the inputs once from a settled config (:func:`dflash.run.settle.settle`:
-targets, tokenizer, data, the initial drafter, the loss settings), hands them to a step engine
-(:mod:`dflash.train.engine`: one device, or target and drafter threads) and owns everything around a
-step: the loop, the learning-rate schedule, checkpoints and exact resume, and a clean stop on
-SIGTERM/SIGINT. What each step's figures are and where they are written is :mod:`dflash.train.metrics`'s.
+:class:`Trainer` conducts: from a settled config (:func:`dflash.run.settle.settle`) it has each
+room build its part once, the training data (:mod:`dflash.train.corpus`), the targets in the run's
+precision (:mod:`dflash.train.targets`), the held-out prompts (:mod:`dflash.train.heldout`), the
+initial drafter and the loss settings (:mod:`dflash.train.loss_settings`), hands them to a step
+engine (:mod:`dflash.train.engine`: one device, or target and drafter threads) and owns everything
+around a step: the loop, the learning-rate schedule, checkpoints and exact resume, and a clean stop
+on SIGTERM/SIGINT. What each step's figures are and where they are written is
+:mod:`dflash.train.metrics`'s.
 
 Shape of the loop (torchtitan's): ``train()`` is a short while-loop; each step asks the engine
 for one optimizer step at the schedule's learning rate and gets back host-side statistics
@@ -30,46 +33,34 @@ from pathlib import Path
 import torch
 
 from dflash import profiling, watchdog
-from dflash.assets import default_data_dir, default_target_dir
+from dflash.assets import default_target_dir
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import TrainConfig
-from dflash.data.batches import build_loader
-from dflash.data.chats import read_conversations
-from dflash.data.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
-from dflash.data.token_cache import TokenCache, cache_key, usable_workers
-from dflash.data.tokenize import Example, Tokenized, check_token_ids, padding_id, usable_examples
-from dflash.devices import DeviceLayout, Slot, parse_layout, resolve_device
+from dflash.devices import DeviceLayout, Slot, compute_dtype, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.drafter.mask_token import resolve_mask_token_id
 from dflash.drafter.model import DFlashDraftModel, architecture_name, drafter_config, load_drafter_dir
-from dflash.evaluate import evaluate, load_prompts, stop_token_ids
-from dflash.files import sha256_file
 from dflash.patching.importhook import active_finder
 from dflash.progress_logging import log_above_progress_bars
-from dflash.run import acceptance_log, checkpoint, compile_cache
-from dflash.run.layout import (
-    REGENERATED_NAME,
-    SAVED_CONFIG_NAME,
-    TOKENS_DIR,
-    check_free_space,
-    checkpoint_bytes,
-    step_dir_name,
-)
+from dflash.run import checkpoint, compile_cache
+from dflash.run.layout import SAVED_CONFIG_NAME, check_free_space, checkpoint_bytes
 from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
 from dflash.run.step_dirs import find_checkpoint
 from dflash.signals import Stopped, StopRequest
-from dflash.target.files import context_length, load_tokenizer
-from dflash.target.model import load_target
+from dflash.target.files import load_tokenizer
+from dflash.train.corpus import Corpus
 from dflash.train.engine import StepEngine
 from dflash.train.flops import detect_peak_tflops
+from dflash.train.heldout import HeldOutAcceptance
 from dflash.train.jobs import JobSource, seq_len_schedule
 from dflash.train.local import LocalEngine
 from dflash.train.loss_settings import LossSettings
 from dflash.train.metrics import MetricsLog, Throughput, progress_postfix
 from dflash.train.regions import GRAPHS_PER_SHAPE
 from dflash.train.replica import build_replicas
+from dflash.train.targets import load_targets
 from dflash.train.threaded import ThreadedEngine
 
 logger = logging.getLogger(__name__)
@@ -170,62 +161,16 @@ class Trainer:
             )
 
         target_dir = Path(config.target) if config.target else default_target_dir()
-        self.tokenizer, self.tokenizer_dir = load_tokenizer(target_dir), target_dir
-        data = Path(config.data) if config.data else default_data_dir() / "train.jsonl"
-        # Saved with every checkpoint: a resume on edited data is not the run it continues.
-        self.data_sha256 = sha256_file(data)
-        # Data tokenized before (a resume) is not read again: its lines were checked then.
-        tokens = None if self._regenerates else self._token_cache(self.data_sha256).complete()
+        self.tokenizer = load_tokenizer(target_dir)
         # Every line checked, and the examples (or, to regenerate, the prompts) found, before the target loads.
-        conversations = read_conversations(data, progress=config.progress and self.is_main) if tokens is None else None
-        source = data if config.data else "the embedded chat corpus"
-        if self._regenerates:
-            require_a_prompt(self.tokenizer, conversations, source=str(source), **self._regeneration_lengths)
-        else:
-            examples = self._examples(conversations, tokens, source=source, data_sha256=self.data_sha256)
-        self.heldout = self._heldout_prompts(target_dir) if config.measures_acceptance and self.is_main else None
-        self.acceptance: dict[str, float] = {}  # held-out tau per prompt by when it was measured
-        targets = [
-            load_target(
-                target_dir,
-                layer_ids=config.target_layer_ids,
-                num_capture_layers=config.num_target_layers,
-                device=device,
-                random_missing=config.random_target_weights,
-            )
-        ]
-        targets += [
-            load_target(
-                target_dir, layer_ids=targets[0].layer_ids, device=s.device, random_missing=config.random_target_weights
-            )
-            for s in self.layout.targets[1:]
-        ]
-        if config.target_dtype == "fp8":  # everything the run asks of the target, replies included
-            _to_fp8(targets)
-        if self.compiled and config.compile_target:
-            for index, target in enumerate(targets):
-                target.compile_regions(index)
-        elif config.target_dtype == "fp8":
-            logger.warning(
-                "--target-dtype fp8 with the target eager (%s): each activation is quantized in separate kernels, "
-                "and the FP8 forward runs at about 0.9x bf16's; compile the target for 1.3-1.7x",
-                "--no-compile-target" if self.compiled else f"--compile {config.compile}",
-            )
-        if self._regenerates:
-            source = self.out / REGENERATED_NAME
-            conversations = self._regenerated(targets, conversations)
-            examples = self._examples(conversations, None, source=source, data_sha256=sha256_file(source))
-        check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
-        self.loader = build_loader(
-            examples,
-            seq_len=config.seq_len,
-            batch_size=config.batch_size,
-            seed=config.seed,
-            pack=config.pack,
-            pad_token_id=padding_id(self.tokenizer),
-            rank=self.process.rank,
-            world_size=self.process.world_size,
+        self.corpus = Corpus(config, self.tokenizer, target_dir, self.process)
+        self.heldout = (
+            HeldOutAcceptance(config, self.tokenizer, target_dir)
+            if config.measures_acceptance and self.is_main
+            else None
         )
+        targets = load_targets(config, target_dir, self.layout.targets, compiled=self.compiled)
+        self.loader = self.corpus.loader(targets)
         drafter = self._build_drafter(targets[0])
         if config.save and self.is_main:  # before the steps a failed first save would lose
             check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
@@ -267,92 +212,6 @@ class Trainer:
 
     # ---- construction -----------------------------------------------------------------------
 
-    @property
-    def _regenerates(self) -> bool:
-        """Whether the run trains on replies regenerated by the target (``--responses``)."""
-        cfg = self.config
-        return cfg.responses == "target" or (cfg.responses == "auto" and not cfg.target and not cfg.data)
-
-    def _token_cache(self, data_sha256: str) -> TokenCache:
-        key = cache_key(
-            data_sha256=data_sha256,
-            tokenizer_dir=self.tokenizer_dir,
-            seq_len=self.config.seq_len,
-            overflow=self.config.overflow,
-        )
-        return TokenCache(self.out / TOKENS_DIR, key)
-
-    def _examples(self, conversations, tokens: Tokenized | None, *, source, data_sha256: str) -> list[Example]:
-        """The run's examples: ``tokens`` (read from the cache), else the cached tokens of
-        ``conversations`` (from ``source``, whose contents hash to ``data_sha256``), else their
-        tokenizing (:mod:`dflash.data.token_cache`).
-
-        Raises:
-            DatasetError: no usable conversation (names ``source``).
-        """
-        cfg = self.config
-        self._log_replies(source)
-        cache = self._token_cache(data_sha256)
-        tokens = tokens or cache.complete()
-        if tokens is not None:
-            logger.info("%s: tokens read from %s (tokenized before with the same data and settings)", source, cache.dir)
-        else:
-            tokens = cache.tokenize(
-                self.tokenizer,
-                conversations,
-                seq_len=cfg.seq_len,
-                overflow=cfg.overflow,
-                source=str(source),
-                progress=cfg.progress and self.is_main,
-                write=self.is_main,
-                workers=usable_workers(),
-            )
-        return usable_examples(tokens, seq_len=cfg.seq_len, overflow=cfg.overflow, source=str(source))
-
-    def _log_replies(self, source) -> None:
-        """Where the assistant replies trained on come from; a warning when they are not the target's
-        own on a target of the user's (``--responses data``)."""
-        cfg = self.config
-        if self._regenerates:
-            logger.info("replies: regenerated by the target (--responses %s), in %s", cfg.responses, source)
-        elif cfg.target and self.is_main:
-            logger.warning(
-                "replies: as written in %s (--responses %s), not the target's own: a drafter learns to predict the "
-                "replies it trains on, and one trained on other writers' replies accepts fewer of the target's "
-                "tokens; pass --responses target to train on replies the target regenerates (cached in --out)",
-                source,
-                cfg.responses,
-            )
-        else:
-            logger.info("replies: as written in %s (--responses %s)", source, cfg.responses)
-
-    def _regenerated(self, targets, conversations):
-        """Target-regenerated conversations (:func:`dflash.data.regenerate.regenerated_corpus`), cached
-        in ``out``: reused on --resume, and by a new run with the same data, target and lengths."""
-        cfg = self.config
-        key = regeneration_key(
-            Path(cfg.target) if cfg.target else default_target_dir(),
-            dtype=targets[0].model.dtype,
-            data_sha256=self.data_sha256,
-            **self._regeneration_lengths,
-        )
-        return regenerated_corpus(
-            targets,
-            self.tokenizer,
-            conversations,
-            self.out / REGENERATED_NAME,
-            key=key,
-            resume=cfg.resume,
-            rank=self.process.rank,
-            world_size=self.process.world_size,
-            progress=cfg.progress and self.process.is_main,
-            **self._regeneration_lengths,
-        )
-
-    @property
-    def _regeneration_lengths(self) -> dict[str, int]:
-        return {"seq_len": self.config.seq_len, "max_new_tokens": self.config.regenerate_max_new_tokens}
-
     def _resumed_drafter_config(self) -> dict:
         """``config.json`` of the checkpoint ``--resume`` continues; {} for a new run."""
         if not self.config.resume:
@@ -389,70 +248,6 @@ class Trainer:
         )
         # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
         return DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
-
-    def _heldout_prompts(self, target_dir: Path):
-        """The held-out prompts of --eval-data (or the embedded held-out set), read before the target loads."""
-        cfg = self.config
-        path = Path(cfg.eval_data) if cfg.eval_data else default_data_dir() / "heldout.jsonl"
-        return load_prompts(
-            self.tokenizer,
-            path,
-            num_prompts=cfg.eval_prompts,
-            context=context_length(target_dir),
-            max_new_tokens=cfg.eval_max_new_tokens,
-        )
-
-    def _measure_acceptance(self, *, when: str, log: MetricsLog, started: float, saved: bool) -> None:
-        """Held-out acceptance of the drafter now (:func:`dflash.evaluate.evaluate`, on a copy in the
-        target's dtype and on its device), logged with its cost, kept in ``self.acceptance``
-        (``dflash train`` prints it), in TensorBoard and ``metrics.jsonl`` (``heldout/*`` at this
-        step; step 0 before step 1) and in ``acceptance.json`` of ``--out`` (for this step's
-        checkpoint when ``saved``). Training waits while it runs. Rank 0 only; the other processes
-        wait at their next collective."""
-        began = time.perf_counter()
-        target, drafter = self.eval_target, self.drafter
-        with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
-            copy = DFlashDraftModel._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
-        copy.load_state_dict(drafter.state_dict())
-        report = evaluate(
-            target,
-            copy.to(target.device).eval(),
-            self.heldout.prompts,
-            max_new_tokens=self.heldout.max_new_tokens,
-            eos_ids=stop_token_ids(self.tokenizer, target.config),
-        )
-        seconds = time.perf_counter() - began
-        against = " against the FP8 target" if self.config.target_dtype == "fp8" else ""
-        logger.info(
-            "held-out acceptance %s%s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
-            "(%.1f s, %.0f%% of the run's time so far)",
-            when,
-            against,
-            report.tau_per_prompt,
-            report.tau_per_step,
-            report.num_prompts,
-            self.heldout.source,
-            seconds,
-            100 * seconds / max(time.perf_counter() - started, 1e-9),
-        )
-        self.acceptance[when] = report.tau_per_prompt
-        figures = {
-            "heldout/tau_per_prompt": report.tau_per_prompt,
-            "heldout/tau_per_step": report.tau_per_step,
-            "heldout/mismatches": report.mismatches,
-            "heldout/seconds": seconds,
-        }
-        log.record(self.step, figures)
-        origin = f" --init-from {self.config.init_from}" if self.config.init_from else ""
-        acceptance_log.record(
-            self.out,
-            acceptance_log.entry(
-                report,
-                self.heldout,
-                checkpoint=step_dir_name(self.step) if saved else None,
-                source=f"dflash train{origin}{against} ({when})",
-            ),
-        )
 
     def _build_engine(self, targets, drafter) -> StepEngine:
         cfg = self.config
@@ -550,7 +345,7 @@ class Trainer:
         if self.compiled:
             compile_cache.load(self.out)
         if self.heldout is not None and self.step == 0:
-            self._measure_acceptance(when="before step 1", log=log, started=started, saved=False)
+            self._measure_acceptance("before step 1", log, started, saved=False)
         try:
             with stop.installed(), log_above_progress_bars(), self.dynamo_warnings:
                 while self.step < self.total_steps:
@@ -573,13 +368,13 @@ class Trainer:
                         raise Stopped(stop.signum or signal.SIGTERM, step=self.step)
                     if cfg.save_every and self.step % cfg.save_every == 0:
                         self.save_checkpoint()
-                    if self._eval_due():
+                    if self.heldout is not None and self.heldout.due(self.step, self.total_steps):
                         saved = bool(cfg.save and cfg.save_every and self.step % cfg.save_every == 0)
-                        self._measure_acceptance(when=f"at step {self.step}", log=log, started=started, saved=saved)
+                        self._measure_acceptance(f"at step {self.step}", log, started, saved=saved)
                 if not cfg.save_every or self.step % cfg.save_every:
                     self.save_checkpoint()
             if self.heldout is not None and metrics:
-                self._measure_acceptance(when="after the last step", log=log, started=started, saved=cfg.save)
+                self._measure_acceptance("after the last step", log, started, saved=cfg.save)
         finally:
             bar.close()
             self.engine.close()
@@ -587,6 +382,17 @@ class Trainer:
             log.log_compile_summary(self.engine.compile_summary())  # also after a failure or a stop: a soak ends so
         log.log_throughput(throughput)
         return metrics
+
+    def _measure_acceptance(self, when: str, log: MetricsLog, started: float, *, saved: bool) -> None:
+        """Held-out acceptance of the drafter now (:meth:`HeldOutAcceptance.measure`); rank 0 only."""
+        self.heldout.measure(
+            self.eval_target, self.drafter, step=self.step, when=when, log=log, started=started, saved=saved
+        )
+
+    @property
+    def acceptance(self) -> dict[str, float]:
+        """Held-out tau per prompt by when it was measured (``dflash train`` prints the first and last)."""
+        return self.heldout.measured if self.heldout is not None else {}
 
     def _keep_compile_artifacts(self) -> None:
         """Rank 0 of a compiled, saving run writes the compile artifacts so far (:mod:`dflash.run.compile_cache`)."""
@@ -607,12 +413,6 @@ class Trainer:
         devices = [slot.device for slot in (*self.layout.targets, *self.layout.drafters)]
         return profiling.profiled_step(self.step, self.out, devices)
 
-    def _eval_due(self) -> bool:
-        """Whether held-out acceptance is measured after this step (``--eval-every``; the last step's
-        measurement follows the loop)."""
-        every = self.config.eval_every
-        return self.heldout is not None and bool(every) and self.step % every == 0 and self.step < self.total_steps
-
     def _lr(self) -> float:
         return learning_rate(self.step, self.config, self.total_steps)
 
@@ -631,7 +431,7 @@ class Trainer:
             "engine": self.engine.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.config.to_dict(),
-            "data_sha256": self.data_sha256,
+            "data_sha256": self.corpus.data_sha256,
         }
         if not self.is_main:
             return None
@@ -653,8 +453,8 @@ class Trainer:
 
     @property
     def _compute_dtype(self) -> torch.dtype:
-        """What the drafter computes in: bf16 under CUDA autocast, float32 on CPU."""
-        return torch.bfloat16 if self.layout.device_type == "cuda" else torch.float32
+        """What the drafter computes in (under CUDA autocast on a GPU)."""
+        return compute_dtype(self.layout.drafters[0].device)
 
     def _layout_words(self) -> str:
         """The device layout for the start's log line: the threaded engine's threads, or the local
@@ -675,14 +475,15 @@ class Trainer:
         step_dir = find_checkpoint(self.out)
         state = checkpoint.load_training_state(step_dir)
         check_resume_config(state["config"], self.config, step_dir)
-        if state.get("data_sha256", self.data_sha256) != self.data_sha256:
+        data_sha256 = self.corpus.data_sha256
+        if state.get("data_sha256", data_sha256) != data_sha256:
             logger.warning(
                 "%s: the data file changed since %s was saved (sha256 %.12s -> %.12s): the resumed run draws its "
                 "batches from the new contents, so it is not the run it continues",
                 self.config.data or "the embedded chat corpus",
                 step_dir,
                 state["data_sha256"],
-                self.data_sha256,
+                data_sha256,
             )
         engine_state = state.get("engine")
         if engine_state is None:
@@ -700,32 +501,6 @@ class Trainer:
         """Leave the torchrun process group (call once, after a successful :meth:`train`)."""
         barrier()
         destroy_process_group()
-
-
-def _to_fp8(targets: list) -> None:
-    """Every target replica's linear layers to FP8 (:mod:`dflash.target.fp8`), logged; a warning when
-    FP8 covers under half of the decoder's weights (an MoE target's experts are no ``nn.Linear``)."""
-    from dflash.target.fp8 import quantize_target
-
-    for target in targets:
-        report = quantize_target(target.model)
-    logger.info(
-        "target: %d linear layers per replica run FP8 matmuls (e4m3, row-wise dynamic scales, torchao), %.0f%% of "
-        "the decoder's weights; %d linear layers (the LM head, any with a dimension not a multiple of 16 or an "
-        "all-zero weight row) and every weight outside nn.Linear stay bf16; the tapped states are bf16. With the "
-        "target compiled (--compile, --compile-target) each activation's quantization fuses into the op before it: "
-        "the forward ran 1.31x the compiled bf16 one in training at a 16-layer cut of Qwen3.6-27B on an H100; eager, "
-        "0.9x (docs/results.md)",
-        report.layers,
-        100 * report.weight_share,
-        report.bf16_layers,
-    )
-    if report.weight_share < 0.5:
-        logger.warning(
-            "--target-dtype fp8 covers only %.0f%% of the target's decoder weights: the rest (an MoE target's "
-            "experts, stored outside nn.Linear) run bf16, so it saves little memory",
-            100 * report.weight_share,
-        )
 
 
 def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:

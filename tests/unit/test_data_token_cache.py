@@ -14,7 +14,7 @@ import pytest
 from tiny import CONVERSATIONS, inputs_config, training_inputs, write_jsonl
 
 import dflash.data.token_cache
-import dflash.train.trainer
+import dflash.train.corpus
 from dflash.data.chats import read_conversations
 from dflash.data.token_cache import TokenCache, cache_key
 from dflash.data.tokenize import build_examples, tokenize_conversations
@@ -46,7 +46,7 @@ def test_a_resume_reads_the_tokens_instead_of_the_chats(assets, tmp_path, monkey
     def fail(*args, **kwargs):
         raise AssertionError("read or tokenized again")
 
-    monkeypatch.setattr(dflash.train.trainer, "read_conversations", fail)
+    monkeypatch.setattr(dflash.train.corpus, "read_conversations", fail)
     monkeypatch.setattr(dflash.data.token_cache, "tokenize_conversations", fail)
     with caplog.at_level(logging.INFO):
         resumed = Trainer(settle(_config(assets, tmp_path, steps=3, save_every=2, resume=True)))

@@ -177,7 +177,7 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused_before_it_loads(
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
     assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
     assert named in caplog.text
 
@@ -204,7 +204,7 @@ def test_drafter_weights_that_cannot_load_are_refused_before_the_target_loads(
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
     assert main(_flags(assets, tmp_path / "run", init_from=drafter)) == 2
     assert named in caplog.text and str(drafter) in caplog.text
 

@@ -130,7 +130,7 @@ def test_a_drafter_that_does_not_build_is_refused_before_the_target_loads(
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
     run = ["train", "--target", str(target), "--data", str(write_chat_data(tmp_path / "c.jsonl")), "--steps", "1"]
     assert main([*run, "--out", str(tmp_path / "run"), "--num-target-layers", "2", "--no-progress", *flags]) == 2
     assert caplog.records and __import__("re").search(named, caplog.text), caplog.text

@@ -281,12 +281,10 @@ def test_cli_resume_takes_unrepeated_flags_from_the_saved_run(assets, tmp_path, 
 
 
 def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypatch):
-    import dflash.train.trainer as trainer_module
-
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded before the inputs were checked")
 
-    monkeypatch.setattr(trainer_module, "load_target", no_target)
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
     with pytest.raises(CheckpointError, match="nothing: does not exist"):
         Trainer(settle(_config(assets, tmp_path / "nothing", resume=True)))
     with pytest.raises(ValueError, match="a directory, not a file; pass --data"):
@@ -301,12 +299,10 @@ def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypat
 def test_data_without_a_usable_conversation_fails_before_the_target_loads(
     assets, tmp_path, monkeypatch, responses, named
 ):
-    import dflash.train.trainer as trainer_module
-
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded before the data was found unusable")
 
-    monkeypatch.setattr(trainer_module, "load_target", no_target)
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
     unusable = [
         {"messages": [{"role": "system", "content": "be brief"}]},
         {"messages": [{"role": "user", "content": "hi"}]},
@@ -546,7 +542,7 @@ def test_resume_with_flags_that_change_the_math_is_refused_before_the_target_loa
     def no_target(*args, **kwargs):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("dflash.train.trainer.load_target", no_target)
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
     assert main(["train", "--resume", "--out", str(run), "--lr", "1e-3", "--no-progress"]) == 2
     assert "different config (lr: 0.003 -> 0.001)" in caplog.text
 

@@ -1,0 +1,106 @@
+"""Held-out acceptance during a run (``--eval-data``, or ``--init-from``'s before and after): tau as
+``dflash eval`` measures it (:func:`dflash.evaluate.evaluate`: real greedy speculative decoding
+against the run's target), before step 1, every ``--eval-every`` steps and after the last step,
+into the log, TensorBoard and ``metrics.jsonl`` (``heldout/*``; step 0 before step 1) and the run's
+``acceptance.json`` (:mod:`dflash.run.acceptance_log`, which ``dflash export`` quotes). Training
+waits while it runs; rank 0 measures, the other processes wait at their next collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from dflash.assets import default_data_dir
+from dflash.config import TrainConfig
+from dflash.drafter.model import DFlashDraftModel
+from dflash.evaluate import evaluate, load_prompts, stop_token_ids
+from dflash.run import acceptance_log
+from dflash.run.layout import step_dir_name
+from dflash.target.files import context_length
+from dflash.train.metrics import MetricsLog
+
+logger = logging.getLogger(__name__)
+
+
+class HeldOutAcceptance:
+    """The held-out prompts of a run, read before the target loads, and its measurements.
+
+    Args:
+        config (TrainConfig): ``eval_data`` (empty: the embedded held-out set), ``eval_prompts``,
+            ``eval_max_new_tokens``, ``eval_every``, ``init_from``, ``target_dtype``, ``out``.
+        tokenizer: the target's.
+        target_dir (Path): the target's directory (its context length bounds the prompts).
+
+    Raises:
+        DatasetError: no usable held-out prompt (names the file and the fix).
+    """
+
+    def __init__(self, config: TrainConfig, tokenizer, target_dir: Path) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        path = Path(config.eval_data) if config.eval_data else default_data_dir() / "heldout.jsonl"
+        self.prompts = load_prompts(
+            tokenizer,
+            path,
+            num_prompts=config.eval_prompts,
+            context=context_length(target_dir),
+            max_new_tokens=config.eval_max_new_tokens,
+        )
+        #: tau per prompt (z-lab's convention) by when it was measured ("before step 1", ...).
+        self.measured: dict[str, float] = {}
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether ``--eval-every`` asks for a measurement after ``step`` (the last step's follows the loop)."""
+        every = self.config.eval_every
+        return bool(every) and step % every == 0 and step < total_steps
+
+    def measure(self, target, drafter, *, step: int, when: str, log: MetricsLog, started: float, saved: bool) -> None:
+        """Held-out acceptance of ``drafter`` now, on a copy in ``target``'s dtype and on its device,
+        logged with its cost (``started``: the run's start, ``time.perf_counter``), recorded at
+        ``step`` and kept in ``acceptance.json`` (for ``step``'s checkpoint when ``saved``)."""
+        began = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
+            copy = DFlashDraftModel._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
+        copy.load_state_dict(drafter.state_dict())
+        report = evaluate(
+            target,
+            copy.to(target.device).eval(),
+            self.prompts.prompts,
+            max_new_tokens=self.prompts.max_new_tokens,
+            eos_ids=stop_token_ids(self.tokenizer, target.config),
+        )
+        seconds = time.perf_counter() - began
+        against = " against the FP8 target" if self.config.target_dtype == "fp8" else ""
+        logger.info(
+            "held-out acceptance %s%s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
+            "(%.1f s, %.0f%% of the run's time so far)",
+            when,
+            against,
+            report.tau_per_prompt,
+            report.tau_per_step,
+            report.num_prompts,
+            self.prompts.source,
+            seconds,
+            100 * seconds / max(time.perf_counter() - started, 1e-9),
+        )
+        self.measured[when] = report.tau_per_prompt
+        figures = {
+            "heldout/tau_per_prompt": report.tau_per_prompt,
+            "heldout/tau_per_step": report.tau_per_step,
+            "heldout/mismatches": report.mismatches,
+            "heldout/seconds": seconds,
+        }
+        log.record(step, figures)
+        origin = f" --init-from {self.config.init_from}" if self.config.init_from else ""
+        acceptance_log.record(
+            self.config.out,
+            acceptance_log.entry(
+                report,
+                self.prompts,
+                checkpoint=step_dir_name(step) if saved else None,
+                source=f"dflash train{origin}{against} ({when})",
+            ),
+        )
