@@ -45,7 +45,7 @@ from dflash.data.batches import Batch
 from dflash.devices import Slot
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.masks import sample_anchors
-from dflash.target.model import TargetStates
+from dflash.target_model.model import TargetStates
 from dflash.train.flops import detect_peak_tflops, drafter_step_flops
 from dflash.train.jobs import Job
 from dflash.train.loss_settings import LossSettings

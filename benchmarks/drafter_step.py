@@ -74,7 +74,7 @@ def child(args) -> dict:
     from dflash.masks import sample_anchors
     from dflash.profiling import profiled_step
     from dflash.run.drafter_shape import resolve_drafter_shape
-    from dflash.target.model import TargetStates
+    from dflash.target_model.model import TargetStates
     from dflash.train.flops import detect_peak_tflops, drafter_step_flops
     from dflash.train.loss_settings import LossSettings
     from dflash.train.replica import build_replicas, optimizer_step
@@ -207,7 +207,7 @@ def child(args) -> dict:
 
 
 def _default_taps(layers: int, count: int) -> list[int]:
-    from dflash.target.taps import default_target_layer_ids
+    from dflash.target_model.taps import default_target_layer_ids
 
     return default_target_layer_ids(layers, count)
 

@@ -1,4 +1,4 @@
-"""The FP8 target forward against bf16 (``--target-dtype fp8``, :mod:`dflash.target.fp8`), side by
+"""The FP8 target forward against bf16 (``--target-dtype fp8``, :mod:`dflash.target_model.fp8`), side by
 side in one run on the same rows: how far the tapped hidden states move, and how fast the forward is.
 
     python benchmarks/fp8_target.py --shape qwen3.6-27b --layers 16       # one H200
@@ -15,7 +15,7 @@ then bf16 with the linear layers in FP8. Printed per tapped layer: the relative 
 deviation that matters is FP8's next to bf16's own, since bf16 is what drafters are trained on
 today. Then the forward's tokens/s in bf16 and in FP8 (median of ``--repeats`` timed forwards after
 a warm-up) and their ratio; with ``--compile``, also with the target's per-token work compiled as
-the trainer compiles it (:mod:`dflash.target.compiled`: norms, MLPs and the Gated DeltaNet
+the trainer compiles it (:mod:`dflash.target_model.compiled`: norms, MLPs and the Gated DeltaNet
 projections as regions), so each activation's quantization fuses into the op before it (the eager
 forward quantizes in separate kernels), with each form's packing bar: the largest difference of a
 later document's tapped states in a packed row from the document captured alone in a row of its own. Random weights lack
@@ -40,14 +40,14 @@ from target_profile import packed_documents
 
 from dflash import masks
 from dflash.assets import default_data_dir, default_target_dir
-from dflash.target.fp8 import fp8_problem, quantize_target
-from dflash.target.model import Target
-from dflash.target.taps import check_taps
+from dflash.target_model.fp8 import fp8_problem, quantize_target
+from dflash.target_model.model import Target
+from dflash.target_model.taps import check_taps
 
 
 def corpus_rows(rows: int, seq_len: int) -> torch.Tensor:
     """int64 ``[rows, seq_len]``: the embedded chat corpus's messages, tokenized and concatenated."""
-    from dflash.target.files import load_tokenizer
+    from dflash.target_model.files import load_tokenizer
 
     tokenizer = load_tokenizer(default_target_dir())
     ids: list[int] = []

@@ -1,5 +1,5 @@
 """Speculative decoding against a hybrid target: the two ways to roll its linear-attention state back
-after a rejected draft, side by side (:mod:`dflash.target.rollback`).
+after a rejected draft, side by side (:mod:`dflash.target_model.rollback`).
 
     python benchmarks/hybrid_rollback.py                      # one GPU: Qwen3.6-27B width, 16 layers
     python benchmarks/hybrid_rollback.py --layers 64          # the whole 64-layer shape (55.6 GB bf16)
@@ -61,7 +61,7 @@ class ScriptedDrafter:
 def build_target(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash.target.model import Target
+    from dflash.target_model.model import Target
 
     config = hybrid_text_config(shape, layers)
     torch.manual_seed(0)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shape, device = "qwen3.6-27b", "cuda"
     from dflash.evaluate import greedy_generate, speculative_generate
-    from dflash.target.rollback import STRATEGIES
+    from dflash.target_model.rollback import STRATEGIES
 
     device = torch.device(device)
     target = build_target(shape, args.layers, device, getattr(torch, args.dtype))

@@ -8,7 +8,7 @@ vs full-attention layers, and by kernel kind; and how tok/s and memory move with
 
 The target is a random-weight Qwen3.6-27B language model (``benchmarks/shapes.py``, first
 ``--layers`` layers) in bf16 on the device (with ``--fp8``, its linear layers then turned FP8 as
-``dflash train --target-dtype fp8`` does, :mod:`dflash.target.fp8`); the input is ``--batch`` packed rows of
+``dflash train --target-dtype fp8`` does, :mod:`dflash.target_model.fp8`); the input is ``--batch`` packed rows of
 ``--seq-len`` tokens holding documents of log-normal lengths (median 744 tokens, as
 ``packing_e2e.py``'s synthetic chats), captured as the trainer does (``Target.capture`` with
 ``document_ids``, the DFlash default 5 taps, stopping at the deepest). One run prints, for each
@@ -36,7 +36,7 @@ from shapes import SHAPES, hybrid_text_config
 
 from dflash import masks
 from dflash.profiling import kernel_kind
-from dflash.target import documents
+from dflash.target_model import documents
 
 
 def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -55,7 +55,7 @@ def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(rows)
 
 
-#: ``--kernels`` names: the linear-attention kernels (:mod:`dflash.target.documents`) and whether the
+#: ``--kernels`` names: the linear-attention kernels (:mod:`dflash.target_model.documents`) and whether the
 #: decoder's RMSNorms and SwiGLU MLPs also run fused (:func:`fused_decoder`).
 KERNEL_SETS = {
     "reference": (documents.REFERENCE_KERNELS, False),
@@ -116,7 +116,7 @@ def later_document_difference(capture_packed, target, ids: torch.Tensor, documen
 
 def compare_kernels(model, layer_ids: list[int], names: list[str], ids, document_ids, seconds, repeats: int) -> None:
     """tok/s (medians of alternate calls) and the packing bar of each kernel set; ratios to the first."""
-    from dflash.target.model import Target
+    from dflash.target_model.model import Target
 
     def capture(name: str):
         kernels, fuse = KERNEL_SETS[name]
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.seq_len, args.batches, args.repeats = 8, 128, "1,2", 1
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash.target.model import Target
-    from dflash.target.taps import default_target_layer_ids
+    from dflash.target_model.model import Target
+    from dflash.target_model.taps import default_target_layer_ids
 
     device = torch.device(device)
     torch.manual_seed(0)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         model = Qwen3_5ForCausalLM(hybrid_text_config(shape, args.layers))
     torch.set_default_dtype(torch.float32)
     if args.fp8:
-        from dflash.target.fp8 import quantize_target
+        from dflash.target_model.fp8 import quantize_target
 
         print(f"FP8 linear layers: {quantize_target(model)}")
     target = Target(model, default_target_layer_ids(args.layers, 5))

@@ -49,7 +49,7 @@ def measure(mode: str, data: Path, out: Path, seq_len: int) -> dict:
     from dflash.data.tokenize import build_examples, usable_examples
     from dflash.files import sha256_file
     from dflash.run.layout import TOKENS_DIR
-    from dflash.target.files import load_tokenizer
+    from dflash.target_model.files import load_tokenizer
 
     tokenizer = load_tokenizer(default_target_dir())
     settings = dict(seq_len=seq_len, overflow="truncate", source=str(data))

@@ -44,7 +44,7 @@ MissingGold = Literal["exclude", "insert"]
 Compile = Literal["auto", "on", "off"]
 #: ``--compile-scope`` (:mod:`dflash.train.regions`).
 CompileScope = Literal["regional", "step"]
-#: ``--target-dtype`` (:mod:`dflash.target.fp8`).
+#: ``--target-dtype`` (:mod:`dflash.target_model.fp8`).
 TargetDtype = Literal["auto", "fp8"]
 #: ``--save-dtype``; "auto" is the dtype the drafter computes in (bf16 when training in bf16).
 SaveDtype = Literal["auto", "bfloat16", "float16", "float32"]
@@ -233,9 +233,9 @@ class TrainConfig:
     on an H100 and its later steps ran as fast (docs/results.md). Without compiling it has no effect."""
     compile_target: bool = True
     """With --compile on, also compile the target's per-token work (each decoder layer's norms and MLP, a Gated
-    DeltaNet layer's projections around its kernels) as regions shared by every layer (dflash.target.compiled): the
-    elementwise work fuses, and an FP8 target quantizes each activation once, fused; --no-compile-target keeps
-    the target's forward eager."""
+    DeltaNet layer's projections around its kernels) as regions shared by every layer
+    (dflash.target_model.compiled): the elementwise work fuses, and an FP8 target quantizes each activation once,
+    fused; --no-compile-target keeps the target's forward eager."""
     slow_linear_attention: bool = False
     """Run a hybrid target's linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) on CUDA without
     flash-linear-attention, on the exact PyTorch reference kernels (orders of magnitude slower; for checks only).

@@ -48,8 +48,8 @@ from dflash.data.tokenize import TemplateRejected, cut_to_budget, encode, render
 from dflash.drafter.files import DRAFTER_FILES
 from dflash.drafter.model import architecture_name, load_drafter_dir
 from dflash.run.step_dirs import find_checkpoint
-from dflash.target.model import Target
-from dflash.target.rollback import StateRollback, crop, new_cache
+from dflash.target_model.model import Target
+from dflash.target_model.rollback import StateRollback, crop, new_cache
 
 logger = logging.getLogger(__name__)
 
@@ -186,14 +186,14 @@ def speculative_generate(
     """Greedy speculative decoding; output identical to :func:`greedy_generate`.
 
     A hybrid target's linear-attention states are rolled back to the last kept token after each
-    rejection (:mod:`dflash.target.rollback`); attention layers' KV is cropped.
+    rejection (:mod:`dflash.target_model.rollback`); attention layers' KV is cropped.
 
     Args:
         drafter: a ``DFlashDraftModel`` (``draft_block``), same device as the target, tapping
             ``target.layer_ids``.
         prompt_ids: int64 ``[1, P]``.
         rollback_strategy (str): how a hybrid target's states advance past a rejection, one of
-            :data:`dflash.target.rollback.STRATEGIES`.
+            :data:`dflash.target_model.rollback.STRATEGIES`.
 
     Raises:
         ValueError: the drafter taps other layers than ``target.layer_ids``.

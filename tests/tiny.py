@@ -239,7 +239,7 @@ def micro_batch(drafter, seed: int, device="cpu", dtype=torch.float32):
     token 63): 2 packed rows of 40 tokens, random tapped states and last hidden state, 7 anchors per
     row (14 blocks: chunks of 4 leave a shorter last one)."""
     from dflash.masks import sample_anchors
-    from dflash.target.model import TargetStates
+    from dflash.target_model.model import TargetStates
     from dflash.train.step import TargetBatch
 
     gen = torch.Generator().manual_seed(seed)
@@ -308,7 +308,7 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
 
     from dflash.drafter.model import DFlashDraftModel, create_drafter_config
     from dflash.run.checkpoint import save_checkpoint
-    from dflash.target.model import load_target
+    from dflash.target_model.model import load_target
 
     target = load_target(target_dir, num_capture_layers=2, device="cpu")
     mask_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids("<|mask|>")

@@ -24,7 +24,7 @@ from dflash.run import acceptance_log
 from dflash.run.layout import SAVED_CONFIG_NAME, read_saved_config, run_of, saved_steps
 from dflash.run.lock import training_holder
 from dflash.run.step_dirs import find_checkpoint
-from dflash.target.files import context_length, load_tokenizer, read_target_config, require_transformers_for
+from dflash.target_model.files import context_length, load_tokenizer, read_target_config, require_transformers_for
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _evaluate(args: argparse.Namespace):
     import torch
 
     from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
-    from dflash.target.model import load_target
+    from dflash.target_model.model import load_target
 
     if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
         raise CheckpointError(

@@ -32,7 +32,7 @@ from dflash.data.tokenize import TemplateRejected, char_budget, encode, padding_
 from dflash.distributed import barrier, broadcast_from_main
 from dflash.files import sha256_file
 from dflash.signals import StopRequest
-from dflash.target.model import Target
+from dflash.target_model.model import Target
 
 logger = logging.getLogger(__name__)
 

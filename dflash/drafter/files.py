@@ -35,7 +35,7 @@ import re
 from pathlib import Path
 
 from dflash.files import WeightFileError, check_safetensors, read_json_object
-from dflash.target.files import TargetLoadError, read_target_config
+from dflash.target_model.files import TargetLoadError, read_target_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -251,7 +251,7 @@ def target_geometry(target_dir: Path) -> dict:
     (of its ``text_config`` in a multimodal config), from its ``config.json``.
 
     Raises:
-        TargetLoadError: see :func:`dflash.target.files.read_target_config`, or a field is missing.
+        TargetLoadError: see :func:`dflash.target_model.files.read_target_config`, or a field is missing.
     """
     raw = read_target_config(target_dir)
     text = raw.get("text_config") or raw

@@ -27,7 +27,7 @@ from dflash.drafter import modeling_dflash
 from dflash.drafter.files import WEIGHTS_NAME, check_tensors, read_drafter_config
 from dflash.drafter.hf_config import drafter_rope_parameters
 from dflash.drafter.modeling_dflash import DFlashDraftConfig
-from dflash.target.taps import default_target_layer_ids, max_captured_layers
+from dflash.target_model.taps import default_target_layer_ids, max_captured_layers
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from dflash.assets import default_target_dir
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, parse_layer_types
 from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError, check_tensors, read_drafter_config
 from dflash.run.step_dirs import find_checkpoint
-from dflash.target.files import read_target_config
-from dflash.target.taps import max_captured_layers
+from dflash.target_model.files import read_target_config
+from dflash.target_model.taps import max_captured_layers
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _refuse_selector_flags_without_a_selector(config: TrainConfig) -> None:
 
 def _default_taps_that_fit(config: TrainConfig, values: dict, target: dict) -> dict:
     """The rule's tap count, lowered to what the target's depth spreads (a flag the user passed
-    is checked as given, with an error naming it: :func:`dflash.target.taps.check_taps`)."""
+    is checked as given, with an error naming it: :func:`dflash.target_model.taps.check_taps`)."""
     layers = (target.get("text_config") or target).get("num_hidden_layers")
     if "num_target_layers" not in values or config.target_layer_ids is not None or not isinstance(layers, int):
         return {}

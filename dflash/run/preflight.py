@@ -32,7 +32,7 @@ from dflash.files import check_weight_files
 from dflash.run.layout import check_out_location, checkpoints_dir, read_saved_config, run_of, saved_steps
 from dflash.run.resume import check_resume_config
 from dflash.run.step_dirs import find_checkpoint
-from dflash.target.files import (
+from dflash.target_model.files import (
     FLA_PACKAGE,
     TargetLoadError,
     check_packable,
@@ -42,7 +42,7 @@ from dflash.target.files import (
     require_tokenizer_files,
     require_transformers_for,
 )
-from dflash.target.taps import check_taps
+from dflash.target_model.taps import check_taps
 
 #: Records of the data file parsed up front; the rest is read when the run builds its data.
 HEAD_RECORDS = 64
@@ -273,14 +273,14 @@ def target_devices(config: TrainConfig) -> list:
 
 
 def check_fp8_target(config: TrainConfig) -> None:
-    """With ``--target-dtype fp8``, every target device runs FP8 matmuls (:func:`dflash.target.fp8.fp8_problem`).
+    """With ``--target-dtype fp8``, every target device runs FP8 matmuls (:func:`dflash.target_model.fp8.fp8_problem`).
 
     Raises:
         ValueError: names the device or the missing package, and the fix.
     """
     if config.target_dtype != "fp8":
         return
-    from dflash.target.fp8 import fp8_problem
+    from dflash.target_model.fp8 import fp8_problem
 
     for device in target_devices(config):
         if problem := fp8_problem(device):
@@ -292,7 +292,7 @@ def check_linear_attention_kernels(target_config: dict, target_dir: Path, config
     kernels, unless ``--slow-linear-attention``.
 
     Without them transformers runs Gated DeltaNet on its pure-PyTorch reference (and packed rows on
-    :mod:`dflash.target.documents`'s, one step per token): measured on one H200 with a 16-layer
+    :mod:`dflash.target_model.documents`'s, one step per token): measured on one H200 with a 16-layer
     cut of Qwen3.6-27B's width, the first step did not finish in 200 s; with the kernels it ran at
     6,812 tok/s end to end.
 

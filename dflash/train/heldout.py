@@ -20,7 +20,7 @@ from dflash.drafter.model import DFlashDraftModel
 from dflash.evaluate import evaluate, load_prompts, stop_token_ids
 from dflash.run import acceptance_log
 from dflash.run.layout import step_dir_name
-from dflash.target.files import context_length
+from dflash.target_model.files import context_length
 from dflash.train.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from dflash.data.batches import Batch
 from dflash.masks import build_labels, draft_input_ids, previous_positions
 from dflash.profiling import DRAFTER_RANGE, TARGET_RANGE, marked
-from dflash.target.model import Target, TargetStates
+from dflash.target_model.model import Target, TargetStates
 from dflash.train.loss import dflash_loss
 from dflash.train.loss_settings import LossSettings
 

@@ -1,7 +1,7 @@
 """A run's frozen targets, one replica per target device, in the precision the run asks for: bf16
 on a GPU and float32 on the CPU (:func:`dflash.devices.compute_dtype`), or with ``--target-dtype fp8``
-their linear layers as FP8 matmuls (:mod:`dflash.target.fp8`); with ``--compile`` (and
-``--compile-target``) their per-token work runs as compiled regions (:mod:`dflash.target.compiled`).
+their linear layers as FP8 matmuls (:mod:`dflash.target_model.fp8`); with ``--compile`` (and
+``--compile-target``) their per-token work runs as compiled regions (:mod:`dflash.target_model.compiled`).
 Everything the run asks of a target, the regenerated replies and held-out acceptance included, is
 asked of these.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dflash.config import TrainConfig
 from dflash.devices import Slot
-from dflash.target.model import Target, load_target
+from dflash.target_model.model import Target, load_target
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,9 @@ def load_targets(config: TrainConfig, target_dir: Path, slots: tuple[Slot, ...],
 
 
 def _to_fp8(targets: list[Target]) -> None:
-    """Every target replica's linear layers to FP8 (:mod:`dflash.target.fp8`), logged; a warning when
+    """Every target replica's linear layers to FP8 (:mod:`dflash.target_model.fp8`), logged; a warning when
     FP8 covers under half of the decoder's weights (an MoE target's experts are no ``nn.Linear``)."""
-    from dflash.target.fp8 import quantize_target
+    from dflash.target_model.fp8 import quantize_target
 
     for target in targets:
         report = quantize_target(target.model)

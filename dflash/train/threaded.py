@@ -28,7 +28,7 @@ import torch
 
 from dflash.compile_watch import raise_recompile_limit
 from dflash.distributed import ProcessInfo, gather_objects
-from dflash.target.model import Target
+from dflash.target_model.model import Target
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
 from dflash.train.jobs import Job, JobSource

@@ -49,7 +49,7 @@ from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
 from dflash.run.step_dirs import find_checkpoint
 from dflash.signals import Stopped, StopRequest
-from dflash.target.files import load_tokenizer
+from dflash.target_model.files import load_tokenizer
 from dflash.train.corpus import Corpus
 from dflash.train.engine import StepEngine
 from dflash.train.flops import detect_peak_tflops

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny import make_target, write_chat_data
 
-from dflash.target.fp8 import fp8_problem, quantize_target
+from dflash.target_model.fp8 import fp8_problem, quantize_target
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or fp8_problem(torch.device("cuda")) is not None,
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 def test_fp8_linear_layers_keep_the_tapped_states_close_and_train(tmp_path):
     from dflash.cli import main
     from dflash.run import acceptance_log
-    from dflash.target.model import load_target
+    from dflash.target_model.model import load_target
 
     target_dir = make_target(tmp_path / "target", num_layers=8, hidden=64)
     bf16 = load_target(target_dir, device="cuda")

@@ -9,8 +9,8 @@ tests/integration/test_hybrid_cuda.py -s`` prints the measured differences)."""
 import pytest
 import torch
 
-from dflash.target import documents
-from dflash.target.files import fla_available
+from dflash.target_model import documents
+from dflash.target_model.files import fla_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_fla = pytest.mark.skipif(not fla_available(), reason="needs flash-linear-attention")
@@ -121,7 +121,7 @@ def _target(kind: str, kernels: documents.LinearAttentionKernels | None = None):
     from shapes import dense_text_config, hybrid_text_config
     from transformers import Qwen3_5ForCausalLM, Qwen3ForCausalLM
 
-    from dflash.target.model import Target
+    from dflash.target_model.model import Target
 
     torch.manual_seed(0)
     if kind == "hybrid":
@@ -148,7 +148,7 @@ def _worst_later_difference(target, *, mask_only: bool = False) -> float:
     the packed forward gets the attention layers' document mask and nothing else."""
     from tiny import packed_batch
 
-    from dflash.target.model import TargetStates
+    from dflash.target_model.model import TargetStates
 
     rows = [SIZES, SIZES[::-1]]
     batch = packed_batch(rows, seq_len=sum(SIZES) + 1, seed=2)

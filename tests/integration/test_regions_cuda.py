@@ -18,7 +18,7 @@ from tiny import micro_batch, random_heads, step_settings, tiny_target_config
 
 from dflash.compile_watch import StepWatch
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
-from dflash.target.model import TargetStates
+from dflash.target_model.model import TargetStates
 from dflash.train.regions import GRAPHS_PER_SHAPE, compile_step
 from dflash.train.replica import Heads
 from dflash.train.step import drafter_forward_loss, drafter_step

@@ -7,7 +7,7 @@ import dflash.data.token_cache
 from dflash.data.chats import read_conversations
 from dflash.data.token_cache import TokenCache
 from dflash.data.tokenize import build_examples
-from dflash.target.files import load_tokenizer
+from dflash.target_model.files import load_tokenizer
 
 
 def test_worker_processes_give_the_tokens_of_one_process(tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ from dflash.data.batches import Batch, BatchLoader, ShardedSampler, collate
 from dflash.data.chats import read_conversations
 from dflash.data.packing import pack_rows, row_packer
 from dflash.data.tokenize import build_examples
-from dflash.target.model import load_target
+from dflash.target_model.model import load_target
 
 # ---------------------------------------------------------------------------------------
 # Helpers

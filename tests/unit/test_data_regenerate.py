@@ -10,8 +10,8 @@ import torch
 from tiny import CONVERSATIONS, make_target
 
 from dflash.data.regenerate import ReplyJournal, regenerate_replies, regenerated_corpus
-from dflash.target.files import load_tokenizer
-from dflash.target.model import load_target
+from dflash.target_model.files import load_tokenizer
+from dflash.target_model.model import load_target
 
 KEY = {"data_sha256": "abc", "seq_len": 96}
 # The last one has no prompt before its assistant turn: it gets a null reply.

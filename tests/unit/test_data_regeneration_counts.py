@@ -11,8 +11,8 @@ from tiny import CONVERSATIONS, make_target
 
 import dflash.data.regenerate as regenerate
 from dflash.data.regenerate import regenerated_corpus
-from dflash.target.files import load_tokenizer
-from dflash.target.model import load_target
+from dflash.target_model.files import load_tokenizer
+from dflash.target_model.model import load_target
 
 SETTINGS = dict(seq_len=96, max_new_tokens=4)
 CORPUS = CONVERSATIONS * 2

@@ -21,7 +21,7 @@ from dflash.data.tokenize import build_examples, tokenize_conversations
 from dflash.run.layout import TOKENS_DIR
 from dflash.run.settle import settle
 from dflash.signals import Stopped
-from dflash.target.files import load_tokenizer
+from dflash.target_model.files import load_tokenizer
 from dflash.train.trainer import Trainer
 
 

@@ -130,7 +130,7 @@ def test_the_tapped_layer_count_is_checked_against_fc(shipped, tmp_path):
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
 def test_a_config_json_that_is_not_an_object_is_named_for_drafters_and_targets(shipped, tmp_path, text):
     from dflash.drafter.files import read_raw_config
-    from dflash.target.files import TargetLoadError, read_target_config
+    from dflash.target_model.files import TargetLoadError, read_target_config
 
     drafter = _copy(shipped, tmp_path)
     (drafter / "config.json").write_text(text)

@@ -13,8 +13,8 @@ from tiny import make_target, save_random_drafter
 
 import dflash.commands.evaluate
 import dflash.evaluate
-import dflash.target.files
-import dflash.target.model
+import dflash.target_model.files
+import dflash.target_model.model
 from dflash.drafter.files import CheckpointError, check_drafter_fits_target
 
 
@@ -55,8 +55,8 @@ def nothing_loads(monkeypatch):
     # The command binds load_tokenizer at import: patch its name too, and import it before any patch
     # (top of file), so a first import under the patch cannot bind `fail` for later tests.
     for owner, name in (
-        (dflash.target.model, "load_target"),
-        (dflash.target.files, "load_tokenizer"),
+        (dflash.target_model.model, "load_target"),
+        (dflash.target_model.files, "load_tokenizer"),
         (dflash.commands.evaluate, "load_tokenizer"),
     ):
         monkeypatch.setattr(owner, name, fail)

@@ -14,7 +14,7 @@ from dflash import masks
 from dflash.drafter.hf_config import rope_parameters_of
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.drafter.modeling_dflash import DFlashDraftConfig
-from dflash.target.taps import default_target_layer_ids
+from dflash.target_model.taps import default_target_layer_ids
 
 HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1
@@ -245,7 +245,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_the_portable_file_taps_the_same_layers_as_the_trainer():
     """modeling_dflash.py carries its own copy of the tap formula (it imports nothing of dflash)."""
     from dflash.drafter import modeling_dflash
-    from dflash.target import taps
+    from dflash.target_model import taps
 
     for num_layers in range(1, 81):
         for captured in range(1, min(8, modeling_dflash.max_captured_layers(num_layers)) + 1):

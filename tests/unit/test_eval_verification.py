@@ -11,7 +11,7 @@ from tiny import save_random_drafter, write_chat_data
 
 from dflash.cli import main
 from dflash.run import acceptance_log
-from dflash.target import rollback
+from dflash.target_model import rollback
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from tiny import ScriptedDrafter, make_target, write_chat_data
 
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.evaluate import Generation, evaluate, greedy_generate, load_prompts, speculative_generate, summarize
-from dflash.target.model import load_target
+from dflash.target_model.model import load_target
 
 MAX_NEW = 24
 

@@ -9,8 +9,8 @@ import shutil
 import pytest
 from tiny import make_target, save_random_drafter, write_chat_data
 
-import dflash.target.files
-import dflash.target.model
+import dflash.target_model.files
+import dflash.target_model.model
 from dflash.files import WeightFileError, check_weight_files
 
 
@@ -82,7 +82,7 @@ def nothing_loads(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("loaded before the damaged weight file was reported")
 
-    for owner, name in ((dflash.target.model, "load_target"), (dflash.target.files, "load_tokenizer")):
+    for owner, name in ((dflash.target_model.model, "load_target"), (dflash.target_model.files, "load_tokenizer")):
         monkeypatch.setattr(owner, name, fail)
 
 

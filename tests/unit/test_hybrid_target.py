@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny import make_target
 
-from dflash.target.files import TargetLoadError
-from dflash.target.model import load_target
+from dflash.target_model.files import TargetLoadError
+from dflash.target_model.model import load_target
 
 
 def test_a_hybrid_target_on_a_transformers_without_it_names_the_release(tmp_path, monkeypatch):
@@ -92,7 +92,7 @@ def test_random_target_weights_says_which_weights_stay_random(tmp_path, caplog):
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, directory / "model.safetensors")
     with pytest.raises(TargetLoadError, match="lack 1 of the model's weights \\(lm_head.weight\\)"):
         load_target(directory, layer_ids=[1], device="cpu")
-    with caplog.at_level("WARNING", logger="dflash.target"):
+    with caplog.at_level("WARNING", logger="dflash.target_model"):
         load_target(directory, layer_ids=[1], device="cpu", random_missing=True)
     assert "1 of its weights are not in its files and stay random (--random-target-weights): lm_head.weight" in (
         caplog.text
@@ -111,7 +111,7 @@ def test_random_target_weights_says_which_weights_stay_random(tmp_path, caplog):
 def test_decoding_a_hybrid_target_names_the_releases_whose_cache_it_rolls_back(monkeypatch, installed, refusal):
     import importlib.metadata
 
-    from dflash.target.files import require_transformers_for
+    from dflash.target_model.files import require_transformers_for
 
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: installed if name == "transformers" else real(name))

@@ -18,8 +18,8 @@ from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
 from dflash.run import acceptance_log
 from dflash.run.settle import settle
 from dflash.run.step_dirs import find_checkpoint
-from dflash.target.files import load_tokenizer
-from dflash.target.model import load_target
+from dflash.target_model.files import load_tokenizer
+from dflash.target_model.model import load_target
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
 ROPE_THETA = 5e5  # not the target's: the drafter's own RoPE must survive

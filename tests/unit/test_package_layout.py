@@ -9,7 +9,17 @@ import dflash
 
 PACKAGE = Path(dflash.__file__).parent
 #: Bottom up; a module outside these rooms and not named here is a leaf (config, masks, files, ...).
-FLOORS = (("target", "patchtools"), ("data", "drafter"), ("run",), ("evaluate", "export"), ("train",), ("commands",))
+FLOORS = (
+    ("target_model", "patchtools"),
+    ("data", "drafter"),
+    ("run",),
+    ("evaluate", "export"),
+    ("train",),
+    ("commands",),
+)
+#: Folder names that tools reading a global gitignore take for build output and skip (Rust's and
+#: Maven's target/, Python's build/ and dist/, .NET's bin/ and obj/).
+BUILD_OUTPUT = {"target", "build", "dist", "out", "bin", "obj"}
 #: The startup hook arms the watchdog, which reads the hook's variable name: one unit.
 HOOK = ("patching", "watchdog")
 
@@ -80,3 +90,9 @@ def test_no_import_circle():
 
     for module in imports:
         visit(module)
+
+
+def test_no_folder_is_named_as_build_output_is():
+    """dflash/target/ was skipped by tools reading a global gitignore that names target/."""
+    folders = {path.parent.name for path in PACKAGE.rglob("*.py")}
+    assert "target_model" in folders and not folders & BUILD_OUTPUT

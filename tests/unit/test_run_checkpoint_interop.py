@@ -29,7 +29,7 @@ from dflash.drafter.hf_config import rope_parameters_of
 from dflash.drafter.mask_token import UNUSED_ROW, resolve_mask_token_id
 from dflash.drafter.model import DFlashDraftModel, create_drafter_config
 from dflash.run.checkpoint import MASTER_WEIGHTS_KEY, load_training_state, resume_weights, save_checkpoint
-from dflash.target.model import load_target
+from dflash.target_model.model import load_target
 from dflash.train.loss import dflash_loss
 
 ROPE_THETA, VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1e6, 512, 32, 4, 2, 8, 64

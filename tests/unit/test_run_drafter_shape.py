@@ -15,7 +15,7 @@ from dflash.drafter import modeling_dflash
 from dflash.drafter.hf_config import portable_config
 from dflash.drafter.model import drafter_config
 from dflash.run.drafter_shape import resolve_drafter_shape
-from dflash.target.taps import check_taps
+from dflash.target_model.taps import check_taps
 
 needs_qwen3_5 = pytest.mark.skipif(
     not hasattr(__import__("transformers"), "Qwen3_5Config"), reason="Qwen3.5 needs transformers 5"

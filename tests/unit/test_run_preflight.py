@@ -17,7 +17,7 @@ from dflash.data.chats import DatasetError
 from dflash.devices import DeviceSpecError, parse_devices
 from dflash.drafter.files import CheckpointError
 from dflash.run.preflight import validate_inputs
-from dflash.target.files import TargetLoadError, load_tokenizer
+from dflash.target_model.files import TargetLoadError, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def slow_target(monkeypatch):
     """Loading the target (or importing what loads it) takes a minute, like a real one."""
     import transformers
 
-    import dflash.target.model
+    import dflash.target_model.model
 
     def slow(*args, **kwargs):
         time.sleep(60)
@@ -39,7 +39,7 @@ def slow_target(monkeypatch):
     for owner, name in (
         (transformers.AutoModelForCausalLM, "from_pretrained"),
         (transformers.AutoTokenizer, "from_pretrained"),
-        (dflash.target.model, "load_target"),
+        (dflash.target_model.model, "load_target"),
     ):
         monkeypatch.setattr(owner, name, slow)
 
@@ -158,7 +158,7 @@ def test_load_tokenizer_names_missing_tokenizer_files(inputs, tmp_path):
 
 
 def test_a_four_layer_target_names_the_flags_and_values_that_work(tmp_path):
-    from dflash.target.model import load_target
+    from dflash.target_model.model import load_target
 
     target = make_target(tmp_path / "t4", num_layers=4)
     with pytest.raises(ValueError) as error:

@@ -1,4 +1,4 @@
-"""dflash.target.compiled: the target's per-token work (norms, MLPs, the Gated DeltaNet projections
+"""dflash.target_model.compiled: the target's per-token work (norms, MLPs, the Gated DeltaNet projections
 around its kernels) as compiled regions: the same states as the eager forward, packed documents
 still equal to each run alone, every region compiled once whatever the depth, and another thread's
 forward untouched."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import in_thread, make_target, packed_batch
 
-from dflash.target.model import load_target
+from dflash.target_model.model import load_target
 
 SIZES = [9, 13, 6, 5]
 
@@ -83,9 +83,9 @@ def test_another_thread_runs_the_layers_eagerly_meanwhile(hybrid_dir):
 def test_a_region_dynamo_gives_up_on_is_logged_once(dense_dir, caplog, monkeypatch):
     import torch._dynamo.config
 
-    import dflash.target.compiled
+    import dflash.target_model.compiled
 
-    monkeypatch.setattr(dflash.target.compiled, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(dflash.target_model.compiled, "RECOMPILE_LIMIT", 1)
     target, _ = _target(dense_dir, backend="aot_eager")
     with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING"):
         target.capture(torch.arange(1, 9)[None])

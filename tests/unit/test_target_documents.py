@@ -1,4 +1,4 @@
-"""dflash.target.documents: every conversation of a packed row gets, at every layer of a hybrid
+"""dflash.target_model.documents: every conversation of a packed row gets, at every layer of a hybrid
 (Qwen3.5 / Qwen3.6: Gated DeltaNet + gated attention) target, the hidden states it gets alone; layer
 types packing cannot keep apart are refused before anything loads."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from tiny import make_target, packed_batch, unfused_flex
 
-from dflash.target import documents
-from dflash.target.files import UnknownLayerType, check_packable, layer_types
-from dflash.target.model import TargetStates, load_target
+from dflash.target_model import documents
+from dflash.target_model.files import UnknownLayerType, check_packable, layer_types
+from dflash.target_model.model import TargetStates, load_target
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""dflash.target.layer_skip: a replacement forward runs in the thread inside ``active`` only, even
+"""dflash.target_model.layer_skip: a replacement forward runs in the thread inside ``active`` only, even
 for a thread that inherits its context (Python 3.14's thread_inherit_context)."""
 
 import contextvars
@@ -6,7 +6,7 @@ import contextvars
 import torch
 from tiny import in_thread
 
-from dflash.target.layer_skip import ForwardOverride
+from dflash.target_model.layer_skip import ForwardOverride
 
 
 def test_the_replacement_runs_only_in_the_active_thread():

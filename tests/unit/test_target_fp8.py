@@ -1,4 +1,4 @@
-"""dflash.target.fp8 without a GPU: which of a target's linear layers run FP8, and what each host
+"""dflash.target_model.fp8 without a GPU: which of a target's linear layers run FP8, and what each host
 that cannot run them is told (the FP8 forward itself: tests/integration/test_fp8_target_cuda.py)."""
 
 import importlib.util
@@ -8,7 +8,7 @@ import torch
 from tiny import tiny_target_config
 from transformers import Qwen3ForCausalLM
 
-from dflash.target import fp8
+from dflash.target_model import fp8
 
 
 def test_every_decoder_linear_layer_but_the_lm_head_unaligned_and_zero_row_ones_runs_fp8():

@@ -1,12 +1,12 @@
-"""dflash.target.layer_skip: a capture without the final hidden state stops at the deepest tapped layer,
+"""dflash.target_model.layer_skip: a capture without the final hidden state stops at the deepest tapped layer,
 with the same tapped states, and only in the capturing thread."""
 
 import pytest
 import torch
 from tiny import in_thread, make_target, packed_batch
 
-from dflash.target.layer_skip import LayerSkip
-from dflash.target.model import Target, load_target
+from dflash.target_model.layer_skip import LayerSkip
+from dflash.target_model.model import Target, load_target
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

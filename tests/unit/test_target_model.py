@@ -1,12 +1,12 @@
-"""dflash.target.model: layer id k = output of decoder layer k; clear load and device errors."""
+"""dflash.target_model.model: layer id k = output of decoder layer k; clear load and device errors."""
 
 import pytest
 import torch
 from tiny import make_target
 
 from dflash.devices import resolve_device
-from dflash.target.files import TargetLoadError
-from dflash.target.model import Target, load_target
+from dflash.target_model.files import TargetLoadError
+from dflash.target_model.model import Target, load_target
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

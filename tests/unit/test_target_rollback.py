@@ -1,11 +1,11 @@
-"""dflash.target.rollback: greedy speculative decoding against a hybrid (Qwen3.5 / Qwen3.6) target
+"""dflash.target_model.rollback: greedy speculative decoding against a hybrid (Qwen3.5 / Qwen3.6) target
 equals target-only greedy decoding, its linear-attention states rolled back after every rejection."""
 
 import pytest
 import torch
 from tiny import ScriptedDrafter
 
-from dflash.target.model import load_target
+from dflash.target_model.model import load_target
 
 
 @pytest.mark.parametrize("strategy", ["mixers", "forward"])
@@ -30,7 +30,7 @@ def test_speculative_decoding_equals_greedy_decoding(hybrid_dir, strategy):
 
 
 def test_an_unknown_rollback_strategy_is_named(hybrid_dir):
-    from dflash.target.rollback import StateRollback, new_cache
+    from dflash.target_model.rollback import StateRollback, new_cache
 
     target = load_target(hybrid_dir, layer_ids=[1], device="cpu")
     with pytest.raises(ValueError, match=r"'undo'.*mixers"):

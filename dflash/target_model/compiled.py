@@ -12,7 +12,7 @@ quantized once (inductor fuses the quantization into the op before, and common s
 elimination keeps one copy).
 
 What stays eager: the attention and the Gated DeltaNet kernels themselves (SDPA, flash-linear-
-attention's conv and delta rule, which keep packed documents apart: :mod:`dflash.target.documents`)
+attention's conv and delta rule, which keep packed documents apart: :mod:`dflash.target_model.documents`)
 and the attention layers' projections. Every region is a per-token function, so packing changes
 nothing it computes: a document's states in a packed row stay as close to the document run alone
 as the eager forward's (the packing bar, measured by ``benchmarks/target_profile.py``). Regional
@@ -21,7 +21,7 @@ compilation: one region per kind of work, shared by every layer, compiles once p
 compile does not grow with depth.
 
 The regions run only inside :meth:`TargetRegions.active`, in the thread that entered it
-(:class:`dflash.target.layer_skip.ForwardOverride`): another thread decoding with the same model
+(:class:`dflash.target_model.layer_skip.ForwardOverride`): another thread decoding with the same model
 (regeneration, held-out acceptance), whose shapes change every step, runs the layers eagerly.
 """
 
@@ -34,8 +34,8 @@ from collections.abc import Iterator
 import torch
 
 from dflash.compile_watch import CompiledRegion, raise_recompile_limit
-from dflash.target import documents
-from dflash.target.layer_skip import ForwardOverride
+from dflash.target_model import documents
+from dflash.target_model.layer_skip import ForwardOverride
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class TargetRegions:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """In this thread, until exit, the layers' norms and MLPs run compiled; pass :attr:`work`
-        to :func:`dflash.target.documents.linear_layers_apart` for the Gated DeltaNet layers. A
+        to :func:`dflash.target_model.documents.linear_layers_apart` for the Gated DeltaNet layers. A
         region that ran eagerly (dynamo gave up on it) is logged once."""
         raise_recompile_limit(RECOMPILE_LIMIT)
         with _REGIONS.active(self):

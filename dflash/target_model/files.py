@@ -26,7 +26,7 @@ _QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 #: Qwen3.6, dense and MoE, came with 5.2.0; transformers 4.x maps them to nothing).
 FIRST_TRANSFORMERS = dict.fromkeys(_QWEN3_5_TYPES, "5.2.0")
 
-#: The transformers releases (first, last minor) whose hybrid cache :mod:`dflash.target.rollback` puts
+#: The transformers releases (first, last minor) whose hybrid cache :mod:`dflash.target_model.rollback` puts
 #: back after a rejected draft: 5.2-5.6 start every chunked Gated DeltaNet forward from a zero state,
 #: and a minor release may lay the linear-attention cache out anew (5.15 and 5.25 did), so eval
 #: refuses a newer one rather than measure acceptance against a wrongly restored target.
@@ -176,7 +176,7 @@ def load_tokenizer(path: str | Path):
 #: The layer type of a hybrid target's linear-attention layers (the attention ones: :mod:`dflash.config`).
 LINEAR_ATTENTION = "linear_attention"
 
-#: Layer types whose documents packed rows keep apart (:mod:`dflash.target.documents` says how).
+#: Layer types whose documents packed rows keep apart (:mod:`dflash.target_model.documents` says how).
 PACKABLE_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
 
 #: The flash-linear-attention distributions (pure Python + Triton): what a hybrid target needs on CUDA.
@@ -217,7 +217,7 @@ def is_hybrid(config: dict) -> bool:
 
 
 def check_packable(config: dict, source: str) -> None:
-    """Refuse packed rows for a target with a layer type :mod:`dflash.target.documents` cannot keep apart.
+    """Refuse packed rows for a target with a layer type :mod:`dflash.target_model.documents` cannot keep apart.
 
     Args:
         config (dict): the target's text config (see :func:`layer_types`).

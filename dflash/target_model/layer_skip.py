@@ -1,6 +1,6 @@
 """Run a target only as deep as its deepest tapped layer, through a module's ``forward`` replaced
 for the calls of one thread, inside one block (:class:`ForwardOverride`, which the packed rows of
-:mod:`dflash.target.documents` use too).
+:mod:`dflash.target_model.documents` use too).
 
 The drafter is conditioned on the outputs of the tapped layers; only soft labels also read the
 target's final hidden state. No tapped output depends on the layers past the deepest tap, so a
@@ -18,7 +18,7 @@ fits both calling conventions of Hugging Face decoder stacks (``hidden_states = 
 that state, so the stack's final hidden state is not the model's.
 
 :class:`ForwardOverride`: the trainer changes how some target layers run while it captures states
-(packed rows: :mod:`dflash.target.documents`; stopping at the deepest tap: :class:`LayerSkip`), while
+(packed rows: :mod:`dflash.target_model.documents`; stopping at the deepest tap: :class:`LayerSkip`), while
 another thread may use the same model unchanged (decoding, regeneration, an acceptance check).
 Swapping ``forward`` for the block would change it for every thread; here a module's forward is
 wrapped once, and the wrapper runs the replacement only while the calling thread is inside

@@ -20,7 +20,7 @@ tensor each (5.7-5.14) or a dict of them by state index (5.15-5.25); from 5.25 a
 layer also counts its tokens (``cumulative_length_linear``, which ``cache.get_seq_length()`` reads
 when layer 0 is linear, and so the positions of the next forward), saved and restored with the
 states. Older releases verify a block from a zero state, newer ones may lay the cache out otherwise
-(:data:`dflash.target.files.TRANSFORMERS_FOR_DECODING`; ``dflash eval`` refuses both before loading).
+(:data:`dflash.target_model.files.TRANSFORMERS_FOR_DECODING`; ``dflash eval`` refuses both before loading).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-from dflash.target.documents import linear_layers
-from dflash.target.files import decoding_transformers_range
+from dflash.target_model.documents import linear_layers
+from dflash.target_model.files import decoding_transformers_range
 
 #: How a rejected block's linear-attention states are advanced by the kept tokens (module docstring).
 STRATEGIES = ("mixers", "forward")
@@ -65,7 +65,7 @@ class StateRollback:
     """Snapshot and restore of a hybrid target's linear-attention states around verification.
 
     Args:
-        target (dflash.target.model.Target): a target with linear-attention layers.
+        target (dflash.target_model.model.Target): a target with linear-attention layers.
         cache: its decoding cache (:func:`new_cache`), already past the prompt.
         strategy (str): one of :data:`STRATEGIES`.
 

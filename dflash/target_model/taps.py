@@ -3,7 +3,7 @@ against a target's depth with errors in terms of the CLI flags (``--num-target-l
 ``--target-layer-ids``) and the values that would work.
 
 Layer id k is the *output* of decoder layer k, i.e. Hugging Face ``output.hidden_states[k + 1]``.
-Id ``L - 1`` is the final-norm output (``dflash.target.model``), which the default spread never picks
+Id ``L - 1`` is the final-norm output (``dflash.target_model.model``), which the default spread never picks
 and the suggestions here avoid. Imports nothing heavy: the checks run before any model loads.
 """
 

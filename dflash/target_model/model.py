@@ -23,11 +23,11 @@ import torch
 
 from dflash import masks
 from dflash.devices import compute_dtype
-from dflash.target import documents
-from dflash.target.compiled import TargetRegions
-from dflash.target.files import TargetLoadError, read_target_config, require_transformers_for
-from dflash.target.layer_skip import LayerSkip
-from dflash.target.taps import check_taps
+from dflash.target_model import documents
+from dflash.target_model.compiled import TargetRegions
+from dflash.target_model.files import TargetLoadError, read_target_config, require_transformers_for
+from dflash.target_model.layer_skip import LayerSkip
+from dflash.target_model.taps import check_taps
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class TargetStates:
             feature dim in ``layer_ids`` order; bf16 on GPU, fp32 on CPU.
         last_hidden (torch.Tensor, optional): ``[B, S, H]`` final-norm hidden state (input of
             the LM head), for soft labels; None when the capture skipped the layers past the
-            deepest tap (:mod:`dflash.target.layer_skip`).
+            deepest tap (:mod:`dflash.target_model.layer_skip`).
     """
 
     context: torch.Tensor
@@ -56,8 +56,8 @@ class Target:
             ``get_output_embeddings()`` (Qwen3, Llama, Mistral, ... all have them).
         layer_ids (list[int]): decoder layers to tap, each in ``[0, num_layers)``.
         linear_kernels (LinearAttentionKernels, optional): what packed rows run linear-attention
-            layers on (:mod:`dflash.target.documents`); None: the device's default
-            (:func:`dflash.target.documents.kernels_for`).
+            layers on (:mod:`dflash.target_model.documents`); None: the device's default
+            (:func:`dflash.target_model.documents.kernels_for`).
 
     Raises:
         ValueError: a layer id out of range.
@@ -79,7 +79,7 @@ class Target:
 
     def compile_regions(self, index: int, backend: str = "inductor") -> list:
         """From now on, :meth:`capture` runs the per-token work of the decoder layers compiled
-        (:mod:`dflash.target.compiled`); ``index`` numbers this target among the process's. Returns
+        (:mod:`dflash.target_model.compiled`); ``index`` numbers this target among the process's. Returns
         the regions (:class:`dflash.compile_watch.CompiledRegion`), for compile accounting."""
         self._regions = TargetRegions(self.model, index, backend)
         return self._regions.regions
@@ -158,7 +158,7 @@ class Target:
         those of the conversation run alone: attention layers through a document-causal mask in the
         form of the model's attention backend, linear-attention layers (Qwen3.5 / Qwen3.6 Gated
         DeltaNet) with their conv and recurrence restarted at each conversation
-        (:mod:`dflash.target.documents` says how, and what it costs).
+        (:mod:`dflash.target_model.documents` says how, and what it costs).
 
         Args:
             input_ids (torch.Tensor): int64 ``[B, S]``.
@@ -169,7 +169,7 @@ class Target:
                 equal ids (-1 on padding); None: one conversation per row. Host tensors spare
                 device syncs.
             last_hidden (bool): also return the final hidden state; False skips the layers past
-                the deepest tap (:mod:`dflash.target.layer_skip`), which change no tapped state.
+                the deepest tap (:mod:`dflash.target_model.layer_skip`), which change no tapped state.
 
         Returns:
             TargetStates: ``context [B, S, K*H]`` and ``last_hidden [B, S, H]`` (None without
@@ -178,7 +178,7 @@ class Target:
         Raises:
             ValueError: ``document_ids`` with an attention backend that takes no document mask.
             UnknownLayerType: ``document_ids`` for a target with a layer type packing cannot keep
-                apart (:func:`dflash.target.files.check_packable`).
+                apart (:func:`dflash.target_model.files.check_packable`).
         """
         input_ids = input_ids.to(self.device)
         attention_mask, apart = None, contextlib.nullcontext()
@@ -247,7 +247,7 @@ def load_target(
             ``AutoModelForCausalLM`` cannot load, or (without ``random_missing``) weight files that
             lack some of the model's weights, e.g. under other key names (the message names the
             path, the weights and the fix).
-        ValueError: the layers to tap do not fit the target (see :func:`dflash.target.taps.check_taps`).
+        ValueError: the layers to tap do not fit the target (see :func:`dflash.target_model.taps.check_taps`).
     """
     from transformers import AutoModelForCausalLM
 

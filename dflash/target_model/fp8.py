@@ -13,7 +13,7 @@ FP8 against bf16 next to bf16 against fp32 on the same rows, and the forward's s
 take half bf16's time, but eagerly each activation is quantized in several kernels before its
 matmul, once per layer that reads it, so the eager FP8 forward is slower than bf16's (0.88-0.91x at a
 16-layer cut of Qwen3.6-27B on an H100); with the target's per-token work compiled
-(:mod:`dflash.target.compiled`, on under ``--compile``) the quantization fuses into the op before
+(:mod:`dflash.target_model.compiled`, on under ``--compile``) the quantization fuses into the op before
 and the FP8 forward ran 1.57-1.71x the eager bf16 one, 1.31x the compiled bf16 one inside training
 (``docs/results.md``, 2026-12-06). It also halves the target's weight memory (22.6 GiB less peak
 at the user's full shape).

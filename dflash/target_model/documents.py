@@ -25,7 +25,7 @@ states the verifier never produces. Each layer type needs its own means:
   causal-conv1d, a CUDA source build, for the conv, and raises without it.
 
 Any other layer type (chunked attention, say) is refused for packing
-(:func:`dflash.target.files.check_packable`),
+(:func:`dflash.target_model.files.check_packable`),
 naming the type and ``--no-pack``.
 """
 
@@ -43,8 +43,8 @@ from torch import Tensor
 
 from dflash import masks
 from dflash.config import SLIDING_ATTENTION
-from dflash.target.files import FLA_PACKAGE, LINEAR_ATTENTION, UnknownLayerType, fla_available, layer_types
-from dflash.target.layer_skip import ForwardOverride
+from dflash.target_model.files import FLA_PACKAGE, LINEAR_ATTENTION, UnknownLayerType, fla_available, layer_types
+from dflash.target_model.layer_skip import ForwardOverride
 
 logger = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ def gated_deltanet_output(layer, core: Tensor, z: Tensor, gated_norm: Callable) 
 @dataclass(frozen=True)
 class PerTokenWork:
     """What runs a Gated DeltaNet layer's per-token work around its kernels: :func:`gated_deltanet_inputs`
-    and :func:`gated_deltanet_output` themselves, or compiled regions of them (:mod:`dflash.target.compiled`)."""
+    and :func:`gated_deltanet_output` themselves, or compiled regions of them (:mod:`dflash.target_model.compiled`)."""
 
     inputs: Callable = gated_deltanet_inputs
     output: Callable = gated_deltanet_output
@@ -383,7 +383,7 @@ EAGER = PerTokenWork()
 def install_segmented_forward(mixers: Iterable[torch.nn.Module]) -> None:
     """Give each of ``mixers`` a forward that runs over the segments of :func:`linear_layers_apart`
     when the calling thread is inside it, and its own forward otherwise (once per mixer;
-    :class:`dflash.target.layer_skip.ForwardOverride`), so another thread using the same model
+    :class:`dflash.target_model.layer_skip.ForwardOverride`), so another thread using the same model
     meanwhile (decoding, regeneration) runs transformers' forward untouched."""
     for mixer in mixers:
         _PACKED.install(mixer, _segmented)
