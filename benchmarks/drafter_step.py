@@ -19,8 +19,8 @@ peak. No target forward runs: the target's frozen embedding and LM head are rand
 
 Printed per run: ms per step, drafter tok/s (context tokens per second, as the trainer's
 ``drafter step`` figure), TFLOP/s and MFU (the trainer's FLOP count), the memory that stays
-between steps (weights, gradients, optimizer state) and the step's peak above it (activations and
-transients), then each run's ratio to the first. ``--profile`` adds, per run, one profiled step's
+between steps (weights, gradients, optimizer state) and the step's peak (the two apart: activations
+and transients), then each run's ratio to the first. ``--profile`` adds, per run, one profiled step's
 GPU time by kernel kind (:mod:`dflash.profiling`) and its costliest kernels and launching ops.
 """
 

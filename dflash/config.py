@@ -229,8 +229,9 @@ class TrainConfig:
     """What a compiled step compiles: `regional` (one decoder layer, one loss chunk and DFlash2's selector loss,
     each compiled once and reused for every layer and chunk; the first layer, whose input needs no gradient, gets a
     graph of its own) or `step` (the whole forward and loss as one graph: every layer and loss chunk lowered anew, so
-    the first step's compile grows with them: minutes at the user's shape). Regional's first step came 2.9x sooner
-    on an H100 and its later steps ran as fast (docs/results.md). Without compiling it has no effect."""
+    the first step's compile grows with them: minutes at the user's shape). On an H100 regional's first step came
+    2.9x sooner and its later steps ran at 0.95x, before a fix took about 14 of the 24 ms between them; not
+    measured since (docs/results.md). Without compiling it has no effect."""
     compile_target: bool = True
     """With --compile on, also compile the target's per-token work (each decoder layer's norms and MLP, a Gated
     DeltaNet layer's projections around its kernels) as regions shared by every layer

@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         oom = out_of_memory_error(error)
         if oom is None:
             raise
+        logger.debug("out of memory", exc_info=error)  # where it ran out, for --verbose
         logger.error("%s", advice(config, oom, trainer.step if trainer is not None and trainer.step else None))
         return 1
     if not trainer.is_main:  # rank 0 speaks for the job

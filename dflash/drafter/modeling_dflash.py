@@ -544,9 +544,9 @@ class _BlockConvolution(torch.autograd.Function):
     ``y[t, c] = sum_j (base[j, c] + dynamic[t, j, c // g]) * z[t - j, c]``, in ``z``'s dtype.
 
     Written out so that backward keeps only its inputs (``z`` ``[B, Q, H]``, ``dynamic``
-    ``[B, Q, k, G]``, ``base`` ``[k, H]``): autograd of the taps kept every shifted copy of ``z``,
-    some in float32, about 8 more ``[Q, H]`` tensors per layer than DFlash (7.6 GiB at the user's
-    shape, 2 rows x 512 anchors). Backward: ``dz[t - j] += coefficient[t, j] * dy[t]``,
+    ``[B, Q, k, G]``, ``base`` ``[k, H]``), where autograd of the taps keeps each shifted copy of
+    ``z``, some in float32 (with the selector's block top-K, 3.9 GiB off the step's peak at the
+    user's shape, 2 rows x 512 anchors, on an H100). Backward: ``dz[t - j] += coefficient[t, j] * dy[t]``,
     ``d base[j, c] = sum_t z[t - j, c] dy[t, c]``, ``d dynamic[t, j, G] = sum_(c in G) z[t - j, c] dy[t, c]``
     (sums in float32).
     """

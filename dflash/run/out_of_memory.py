@@ -20,7 +20,8 @@ _CUDA_WORDS = ("CUDA out of memory", "CUDA error: out of memory")
 
 
 def out_of_memory_error(error: BaseException) -> BaseException | None:
-    """The out-of-memory error in ``error``'s chain of causes (``__cause__``, ``__context__``), if any."""
+    """The out-of-memory error that ``error`` is or was raised from (``raise ... from``), if any. An
+    error raised while another was handled (``__context__`` only) is an error of its own."""
     import torch
 
     seen = set()
@@ -28,7 +29,7 @@ def out_of_memory_error(error: BaseException) -> BaseException | None:
         seen.add(id(error))
         if isinstance(error, torch.OutOfMemoryError) or any(words in str(error) for words in _CUDA_WORDS):
             return error
-        error = error.__cause__ or error.__context__
+        error = error.__cause__
     return None
 
 
@@ -44,13 +45,13 @@ def advice(config, error: BaseException, step: int | None) -> str:
         f"out of GPU memory {when}"
         + (f" (an allocation of {asked.group(1)} failed)" if asked else f": {first[:200]}")
         + f"; peak memory: {_peaks()}.",
-        "To fit, change one of (each keeps the run's recipe but the last two):",
+        "To fit, change one of:",
     ]
     rows, accum = config.batch_size, config.grad_accum
     if rows > 1:
         lines.append(
             f"  --batch-size {rows // 2} --grad-accum {accum * 2}: half the rows per micro-batch, twice the "
-            f"micro-batches: the same {rows * accum} rows per step"
+            f"micro-batches: the same {rows * accum} rows per step, the same training"
         )
     lines.append(
         f"  --max-anchors {max(1, config.max_anchors // 2)}: half the draft blocks per row (the drafter's activations)"

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from dflash.compile_watch import CompiledRegion, raise_recompile_limit
+from dflash.compile_watch import CompiledRegion, raise_recompile_limit, recompile_limit_name
 from dflash.target_model import documents
 from dflash.target_model.layer_skip import ForwardOverride
 
@@ -62,12 +62,19 @@ class TargetRegions:
         self._by_function: dict = {}
         self._index, self._backend = index, backend
         self._warned: set[str] = set()
+        kept = 0
         for layer in model.get_decoder().layers:
             for part in ("input_layernorm", "post_attention_layernorm", "mlp"):
                 module = getattr(layer, part, None)
-                if isinstance(module, torch.nn.Module):
-                    self._region(f"target {type(module).__name__}", type(module).forward)
-                    _REGIONS.install(module, _run_region)
+                if not isinstance(module, torch.nn.Module):
+                    continue
+                if "forward" in vars(module):  # a forward of its own (accelerate's hooks): its class's would skip it
+                    kept += 1
+                    continue
+                self._region(f"target {type(module).__name__}", type(module).forward)
+                _REGIONS.install(module, _run_region)
+        if kept:
+            logger.info("target: %d norms and MLPs keep a forward of their own and run eagerly", kept)
         self.work = documents.PerTokenWork(
             inputs=self._region("target Gated DeltaNet inputs", documents.gated_deltanet_inputs),
             output=self._region("target Gated DeltaNet output", documents.gated_deltanet_output),
@@ -86,22 +93,15 @@ class TargetRegions:
     def active(self) -> Iterator[None]:
         """In this thread, until exit, the layers' norms and MLPs run compiled; pass :attr:`work`
         to :func:`dflash.target_model.documents.linear_layers_apart` for the Gated DeltaNet layers. A
-        region that ran eagerly (dynamo gave up on it) is logged once."""
+        region that ran eagerly (dynamo gave up on it) or in pieces (graph breaks, eager code
+        between them) is logged once."""
         raise_recompile_limit(RECOMPILE_LIMIT)
         with _REGIONS.active(self):
             yield
         for region in self.regions:
-            _, runs, calls = region.counts()
-            if runs < calls and region.name not in self._warned:
+            if region.name not in self._warned and (problem := _what_went_wrong(region)):
                 self._warned.add(region.name)
-                logger.warning(
-                    "%s: %d of its %d calls in this thread ran eagerly, not compiled (dynamo gave up on it: the "
-                    "recompile limit %d, or code it cannot compile); the target's forward is slower, not different",
-                    region.name,
-                    calls - runs,
-                    calls,
-                    RECOMPILE_LIMIT,
-                )
+                logger.warning("%s: %s; the target's forward is slower, not different", region.name, problem)
 
     def run(self, module: torch.nn.Module, *args, **kwargs):
         return self._by_function[type(module).forward](module, *args, **kwargs)
@@ -109,3 +109,18 @@ class TargetRegions:
 
 def _run_region(module, regions: TargetRegions, own_forward, *args, **kwargs):
     return regions.run(module, *args, **kwargs)
+
+
+def _what_went_wrong(region: CompiledRegion) -> str | None:
+    """Why ``region`` did not run as one compiled graph per call in this thread, or None."""
+    compiles, runs, calls = region.counts()
+    if runs < calls:
+        limit = getattr(torch._dynamo.config, recompile_limit_name())
+        return (
+            f"{calls - runs} of its {calls} calls in this thread ran eagerly, not compiled (dynamo gave up on it: "
+            f"the recompile limit {limit}, or code it cannot compile)"
+        )
+    if runs > calls:
+        pieces = f"{runs / calls:.1f} graphs a call"
+        return f"it ran as {pieces}, eager code between them (graph breaks: TORCH_LOGS=graph_breaks)"
+    return None

@@ -80,7 +80,8 @@ class Target:
     def compile_regions(self, index: int, backend: str = "inductor") -> list:
         """From now on, :meth:`capture` runs the per-token work of the decoder layers compiled
         (:mod:`dflash.target_model.compiled`); ``index`` numbers this target among the process's. Returns
-        the regions (:class:`dflash.compile_watch.CompiledRegion`), for compile accounting."""
+        the regions (:class:`dflash.compile_watch.CompiledRegion`), whose per-thread counts tests and
+        benchmarks read; the trainer's are checked by the regions themselves."""
         self._regions = TargetRegions(self.model, index, backend)
         return self._regions.regions
 

@@ -19,6 +19,7 @@ micro-batches, all ranks), not per micro-batch.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -358,34 +359,35 @@ def _candidates(head_logits: Tensor, logits: Tensor, labels: Tensor, top_k: int,
     return candidates, logits.gather(-1, candidates)
 
 
-#: Width of the vocabulary blocks :func:`top_k_indices` ranks first.
-TOP_K_BLOCK = 512
+#: The widest vocabulary block :func:`top_k_indices` ranks first, and the narrowest worth it.
+TOP_K_BLOCK, TOP_K_MIN_BLOCK = 512, 64
 
 
-def top_k_indices(x: Tensor, k: int, block: int = TOP_K_BLOCK) -> Tensor:
+def top_k_indices(x: Tensor, k: int) -> Tensor:
     """The indices of the ``k`` largest entries of ``x`` ``[..., V]`` along its last axis, largest
     first, as ``x.topk(k).indices`` (ties aside).
 
     Over a vocabulary (V = 248,320) ``torch.topk``'s radix select reads each row several times: 37 ms
-    a step for the DFlash2 selector's candidates at the user's shape on an H100. The k largest
-    entries lie in the k blocks of ``block`` entries with the largest maxima (a block holding one of
-    them has a maximum at least as large, and at most k blocks can), so one pass takes each
-    block's maximum, and ``topk`` then runs over k blocks per row instead of the vocabulary.
+    a step for the DFlash2 selector's candidates at the user's shape on an H100 (5 ms this way). The
+    k largest entries lie in the k blocks of the row with the largest maxima (a block holding one of
+    them has a maximum at least as large, and at most k blocks can), so one pass takes each block's
+    maximum, and ``topk`` then runs over those k blocks instead of the vocabulary. The block is the
+    largest power of two up to :data:`TOP_K_BLOCK` that divides V (vocabularies are padded to
+    multiples of 64 or more); a V with none of at least :data:`TOP_K_MIN_BLOCK`, or with at most k
+    blocks, takes ``topk`` over the whole row.
 
     Args:
         x (Tensor): ``[..., V]``, any float dtype.
         k (int): 1 <= k <= V.
-        block (int): entries per block; V need not be a multiple (the last block is padded with -inf).
 
     Returns:
         Tensor: int64 ``[..., k]``.
     """
     vocab = x.shape[-1]
-    blocks = -(-vocab // block)
-    if blocks <= k:
+    block = math.gcd(vocab, TOP_K_BLOCK)
+    if block < TOP_K_MIN_BLOCK or vocab // block <= k:
         return x.topk(k, dim=-1).indices
-    padded = F.pad(x, (0, blocks * block - vocab), value=float("-inf")) if vocab % block else x
-    tiles = padded.unflatten(-1, (blocks, block))
+    tiles = x.unflatten(-1, (vocab // block, block))
     best = tiles.amax(-1).topk(k, dim=-1).indices  # [..., k] blocks
     inside = tiles.gather(-2, best[..., None].expand(*best.shape, block)).flatten(-2).topk(k, dim=-1).indices
     return best.gather(-1, inside // block) * block + inside % block

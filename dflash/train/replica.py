@@ -63,10 +63,11 @@ def build_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
     the step's gradient scale, see :func:`optimizer_step`); the learning rate is set every step by
     the trainer's schedule.
 
-    Its moments are allocated here, as zeros at step 0 (what AdamW's first step would create), not
-    in the first step: their memory (twice the trainable weights, 15 GiB for the user's 1.9B-parameter
-    DFlash2 drafter) then counts from the start, so a run that cannot fit runs out of memory in step
-    1, not after a first step (and its compile) in step 2."""
+    Its moments are allocated here, as zeros at step 0 (what AdamW's first step would create for
+    every parameter: each has a ``.grad``, :class:`dflash.distributed.FlatGradients`), not in the
+    first step: their memory (twice the trainable weights, 15 GiB for the user's 1.9B-parameter
+    DFlash2 drafter) then counts from the start, so a run that cannot fit should run out of memory
+    in step 1, not after a first step and its compile (seen in step 2 at batch 4 on an H100)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=ADAM_BETAS, weight_decay=config.weight_decay, fused=True)
     zeros = {
@@ -159,6 +160,9 @@ def load_replica_state(replicas: list[DrafterReplica], weights: dict, optimizer_
     """Load the same weights and optimizer state into every replica."""
     for r in replicas:
         r.model.load_state_dict(weights)
+        # The zero moments build_optimizer made go first: held while the loaded ones are cast, they
+        # would double the moments' memory for the load.
+        r.optimizer.state.clear()
         # A copy each: load_state_dict keeps same-device state tensors as they are, so replicas
         # would share (and triple-update) one set of Adam moments.
         r.optimizer.load_state_dict(copy.deepcopy(optimizer_state))

@@ -77,7 +77,8 @@ def test_another_thread_runs_the_layers_eagerly_meanwhile(hybrid_dir):
         target.decoder_forward(torch.arange(1, 12)[None])
         return [region.counts() for region in regions]  # counted per thread
 
-    assert in_thread(decode) == [(0, 0, 0)] * len(regions)
+    with target._regions.active():  # while this thread runs the compiled regions
+        assert in_thread(decode) == [(0, 0, 0)] * len(regions)
 
 
 def test_a_region_dynamo_gives_up_on_is_logged_once(dense_dir, caplog, monkeypatch):
@@ -94,3 +95,22 @@ def test_a_region_dynamo_gives_up_on_is_logged_once(dense_dir, caplog, monkeypat
         target.capture(torch.arange(1, 14)[None])
     assert caplog.text.count("target Qwen3MLP: ") == 1
     assert "target Qwen3MLP: 4 of its 8 calls in this thread ran eagerly" in caplog.text
+    assert "the recompile limit 1" in caplog.text
+
+
+def test_a_region_in_pieces_is_logged(dense_dir, caplog):
+    target = load_target(dense_dir, layer_ids=[0, 1, 2], device="cpu")
+    layers = target.model.get_decoder().layers
+
+    class BreakingMLP(type(layers[0].mlp)):  # a graph break inside, as an MoE router's hook makes
+        def forward(self, x):
+            gate = self.gate_proj(x)
+            torch._dynamo.graph_break()
+            return self.down_proj(self.act_fn(gate) * self.up_proj(x))
+
+    for layer in layers:
+        layer.mlp.__class__ = BreakingMLP
+    target.compile_regions(index=0, backend="aot_eager")
+    with caplog.at_level("WARNING"):
+        target.capture(torch.arange(1, 9)[None])
+    assert "target BreakingMLP: it ran as 2.0 graphs a call, eager code between them (graph breaks" in caplog.text

@@ -587,3 +587,19 @@ def test_out_of_memory_ends_with_the_flags_that_reduce_memory_not_a_traceback(
     assert "out of GPU memory in step 1 (an allocation of 2.37 GiB failed)" in caplog.text
     assert "--batch-size 2 --grad-accum 2: half the rows per micro-batch" in caplog.text
     assert "--max-anchors 2" in caplog.text and "--target-dtype fp8" in caplog.text
+
+
+def test_an_error_raised_while_an_out_of_memory_error_was_handled_keeps_its_traceback(assets, tmp_path, monkeypatch):
+    import dflash.train.step
+
+    def broken_handler(*args, **kwargs):
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError:
+            raise KeyError("a bug in the handler")  # noqa: B904 (the chain as a buggy handler leaves it)
+
+    monkeypatch.setattr(dflash.train.step, "_drafter_step", broken_handler)
+    inputs = ["--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(tmp_path / "run")]
+    flags = ["--steps", "2", "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48"]
+    with pytest.raises(KeyError, match="a bug in the handler"):
+        main(["train", *inputs, *flags, "--batch-size", "2", "--max-anchors", "4", "--no-progress"])
