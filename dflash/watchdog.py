@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dflash.patching.startup import WATCHDOG_ENV as ENV
+from dflash.environment import WATCHDOG_ENV as ENV
 
 #: What faulthandler writes first when a watchdog fires ("Timeout (0:05:00)!").
 HEADER = "Timeout ("

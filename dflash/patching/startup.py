@@ -9,8 +9,7 @@ first arms the process's watchdog (``dflash.watchdog``), patched or not.
 
 import os
 
-DISABLE_ENV = "DFLASH_PATCHES"
-WATCHDOG_ENV = "DFLASH_WATCHDOG_S"
+from dflash.environment import DISABLE_ENV, WATCHDOG_ENV
 
 
 def env_disabled() -> bool:

@@ -1,0 +1,10 @@
+"""The environment variables the startup hook reads in every interpreter, before anything else of
+dflash is imported (:mod:`dflash.patching.startup`): their names, in a module that imports nothing,
+so the hook and the modules it arms (:mod:`dflash.watchdog`) read them from one place without
+importing each other.
+"""
+
+#: 0/false/no/off: the hook patches nothing (``dflash patches status`` says so).
+DISABLE_ENV = "DFLASH_PATCHES"
+#: Seconds: the hook arms this process's watchdog (:func:`dflash.watchdog.arm_from_environment`).
+WATCHDOG_ENV = "DFLASH_WATCHDOG_S"
