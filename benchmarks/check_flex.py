@@ -23,7 +23,7 @@ from transformers import Qwen3Config
 
 from dflash import masks
 from dflash.config import TrainConfig
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.train.loss import dflash_loss
 from dflash.train.loss_settings import LossSettings
 
@@ -50,7 +50,7 @@ def build(args, dtype):
         sliding_window=window,
     )
     torch.manual_seed(0)
-    model = DFlashDraftModel._from_config(config, attn_implementation="flex_attention", dtype=dtype)
+    model = AnchoredDrafter._from_config(config, attn_implementation="flex_attention", dtype=dtype)
     return model.to(args.device)
 
 

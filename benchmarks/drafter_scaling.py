@@ -43,7 +43,7 @@ from dflash.compile_watch import DynamoWarnings, raise_recompile_limit
 from dflash.config import TrainConfig
 from dflash.data.batches import Batch
 from dflash.devices import Slot
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.masks import sample_anchors
 from dflash.target_model.model import TargetStates
 from dflash.train.flops import detect_peak_tflops, drafter_step_flops
@@ -122,7 +122,7 @@ def build(devices: list[torch.device], s: dict, compiled: bool, backend: str, wa
     config = create_drafter_config(target, s["layers"], block_size=s["block"], mask_token_id=s["vocab"] - 1)
     torch.manual_seed(0)
     attention = "flex_attention" if devices[0].type == "cuda" else "sdpa"
-    model = DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+    model = AnchoredDrafter._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
     settings = LossSettings.from_config(TrainConfig(), block_size=s["block"], mask_token_id=config.mask_token_id)
     slots = [Slot(f"{d.type}:{i}", d) for i, d in enumerate(devices)]
     optimizer_config = types.SimpleNamespace(lr=1e-4, weight_decay=0.0)

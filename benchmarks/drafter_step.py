@@ -69,7 +69,7 @@ def child(args) -> dict:
     from dflash.config import TrainConfig
     from dflash.data.batches import Batch
     from dflash.devices import Slot
-    from dflash.drafter.model import DFlashDraftModel, drafter_config
+    from dflash.drafter.model import AnchoredDrafter, drafter_config
     from dflash.drafter.modeling_dflash import TRANSFORM_IDENTITY, DFlashDraftConfig
     from dflash.masks import sample_anchors
     from dflash.profiling import profiled_step
@@ -112,7 +112,7 @@ def child(args) -> dict:
         drafter_cfg = DFlashDraftConfig(**{**fields, "dflash_config": {**drafter_cfg.dflash_config, **transforms}})
     torch.manual_seed(args.seed)
     attention = "flex_attention" if cuda else "sdpa"
-    model = DFlashDraftModel._from_config(drafter_cfg, attn_implementation=attention, dtype=torch.float32).train()
+    model = AnchoredDrafter._from_config(drafter_cfg, attn_implementation=attention, dtype=torch.float32).train()
     settings = LossSettings.from_config(
         config, block_size=drafter_cfg.block_size, mask_token_id=drafter_cfg.mask_token_id
     )

@@ -189,7 +189,7 @@ def speculative_generate(
     rejection (:mod:`dflash.target_model.rollback`); attention layers' KV is cropped.
 
     Args:
-        drafter: a ``DFlashDraftModel`` (``draft_block``), same device as the target, tapping
+        drafter: a ``AnchoredDrafter`` (``draft_block``), same device as the target, tapping
             ``target.layer_ids``.
         prompt_ids: int64 ``[1, P]``.
         rollback_strategy (str): how a hybrid target's states advance past a rejection, one of

@@ -203,7 +203,7 @@ def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed:
     """A random SDPA drafter (eval mode) of block size 4 tapping 3 layers of :func:`tiny_target_config`:
     2 full-attention layers, or one layer per entry of ``layer_types``; mask token 63; ``is_causal``
     as in its config (None: the engines' rule, sliding layers causal); ``arch`` dflash or dflash2."""
-    from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+    from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 
     layers = len(layer_types) if layer_types else 2
     config = create_drafter_config(
@@ -218,7 +218,7 @@ def tiny_drafter(layer_types=None, *, sliding_window=None, is_causal=None, seed:
         arch=arch,
     )
     torch.manual_seed(seed)
-    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+    return AnchoredDrafter._from_config(config, attn_implementation="sdpa").eval()
 
 
 def random_heads(config, device="cpu", dtype=torch.float32, seed: int = 1):
@@ -306,7 +306,7 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its step directory."""
     from transformers import AutoTokenizer
 
-    from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+    from dflash.drafter.model import AnchoredDrafter, create_drafter_config
     from dflash.run.checkpoint import save_checkpoint
     from dflash.target_model.model import load_target
 
@@ -315,7 +315,7 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     config = create_drafter_config(
         target.config, 1, block_size=4, target_layer_ids=target.layer_ids, mask_token_id=mask_id
     )
-    drafter = DFlashDraftModel._from_config(config)
+    drafter = AnchoredDrafter._from_config(config)
     return save_checkpoint(
         out, step, weights=drafter.state_dict(), drafter_config=config.to_diff_dict(), training_state={"step": step}
     )

@@ -181,14 +181,15 @@ def drafter_config(
     )
 
 
-class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
+class AnchoredDrafter(modeling_dflash.DFlashDraftModel):
     """The DFlash drafter with the training forward (N anchored blocks) and the decoding step.
 
     Same modules, weights and config as :class:`dflash.drafter.modeling_dflash.DFlashDraftModel` (what
-    ``trust_remote_code`` loads from a checkpoint); only :meth:`forward` differs: it takes block
-    anchors and builds the DFlash mask. Pick the attention backend with transformers' usual
-    switch: ``from_pretrained(..., attn_implementation=...)``, ``DFlashDraftModel._from_config(config,
-    attn_implementation=...)`` or ``model.set_attn_implementation(...)``; one of
+    ``trust_remote_code`` loads from a checkpoint, and what a saved ``config.json`` names); only
+    :meth:`forward` differs: it takes block anchors and builds the DFlash mask. Pick the attention
+    backend with transformers' usual switch: ``from_pretrained(..., attn_implementation=...)``,
+    ``AnchoredDrafter._from_config(config, attn_implementation=...)`` or
+    ``model.set_attn_implementation(...)``; one of
     :data:`dflash.drafter.modeling_dflash.SUPPORTED_ATTENTION`. Use "flex_attention" on GPU (BlockMask,
     compiles); "sdpa" on CPU (torch 2.13 has no CPU flex_attention backward). Both give the same result.
 
@@ -197,6 +198,14 @@ class DFlashDraftModel(modeling_dflash.DFlashDraftModel):
     """
 
     main_input_name = "draft_embeds"
+
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """``PreTrainedModel.save_pretrained``, with ``architectures`` naming the served class
+        (``DFlashDraftModel``, or ``DFlash2DraftModel``: what vLLM, SGLang and the drafter's
+        ``auto_map`` load) rather than this subclass, whose name transformers writes."""
+        super().save_pretrained(save_directory, **kwargs)
+        self.config.architectures = [modeling_dflash.DFLASH2 if self.config.is_dflash2 else modeling_dflash.DFLASH]
+        self.config.save_pretrained(save_directory)
 
     def build_attention_mask(
         self, anchors: Tensor, valid: Tensor, context_len: int, document_ids: Tensor | None = None
@@ -383,7 +392,7 @@ def load_drafter_dir(
     directory: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu", attn_implementation: str = "sdpa"
 ):
     """The drafter of a directory, every weight loaded strictly (module docstring), as the
-    trainer's :class:`DFlashDraftModel`.
+    trainer's :class:`AnchoredDrafter`.
 
     Args:
         directory: holds ``config.json`` and ``model.safetensors``.
@@ -392,7 +401,7 @@ def load_drafter_dir(
         attn_implementation (str): "sdpa" or "flex_attention".
 
     Returns:
-        DFlashDraftModel: in train mode (call ``.eval()`` to decode).
+        AnchoredDrafter: in train mode (call ``.eval()`` to decode).
 
     Raises:
         CheckpointError: see :func:`read_drafter_config` and :func:`check_tensors`.
@@ -401,6 +410,6 @@ def load_drafter_dir(
 
     config = read_drafter_config(directory)
     check_tensors(directory, config)
-    model = DFlashDraftModel._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model = AnchoredDrafter._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     model.load_state_dict(load_file(str(Path(directory) / WEIGHTS_NAME)), strict=True)
     return model.to(device)

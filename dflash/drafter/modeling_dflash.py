@@ -8,7 +8,7 @@ shows builds this drafter and loads every weight::
 
 The file therefore imports only torch and transformers, and runs unchanged under transformers
 4.57 (the version z-lab/dflash pins) and 5.x. The project's training model
-(``dflash.model.DFlashDraftModel``) subclasses the classes here, so the served copy and the
+(``dflash.drafter.model.AnchoredDrafter``) subclasses the classes here, so the served copy and the
 trained model share one implementation.
 
 The drafter is a stack of Qwen3-style decoder layers with no embedding and no LM head of its own:

@@ -23,7 +23,7 @@ def drafter_step_flops(drafter, *, draft_tokens: float, context_tokens: float, v
 
     Count only useful work: ``draft_tokens`` = valid blocks * Bs (padding blocks excluded),
     ``context_tokens`` = B * S, ``visible_pairs`` = (query, key) pairs the masks allow, summed over
-    the drafter's layers (``DFlashDraftModel.attention_pairs``: sliding layers see fewer).
+    the drafter's layers (``AnchoredDrafter.attention_pairs``: sliding layers see fewer).
     6 * params * tokens for the drafter layers on the draft tokens and for the context
     ``k_proj``/``v_proj`` on the context tokens; 4 * params * tokens for ``fc`` (its input, the
     target states, needs no grad); 4 * V * H per draft token for the frozen

@@ -16,7 +16,7 @@ import torch
 
 from dflash.assets import default_data_dir
 from dflash.config import TrainConfig
-from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.model import AnchoredDrafter
 from dflash.evaluate import evaluate, load_prompts, stop_token_ids
 from dflash.run import acceptance_log
 from dflash.run.layout import step_dir_name
@@ -63,7 +63,7 @@ class HeldOutAcceptance:
         ``step`` and kept in ``acceptance.json`` (for ``step``'s checkpoint when ``saved``)."""
         began = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
-            copy = DFlashDraftModel._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
+            copy = AnchoredDrafter._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
         copy.load_state_dict(drafter.state_dict())
         report = evaluate(
             target,

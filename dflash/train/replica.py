@@ -38,7 +38,7 @@ class DrafterReplica:
     Args:
         name (str): the replica's name in logs (``drafter0 (cuda:1)``).
         device (torch.device)
-        model (DFlashDraftModel): fp32 master weights; bf16 compute comes from autocast.
+        model (AnchoredDrafter): fp32 master weights; bf16 compute comes from autocast.
         heads (Heads)
         optimizer (torch.optim.Optimizer): AdamW (:func:`build_optimizer`).
         flat (FlatGradients): ``.grad`` views, then the :class:`StatsLayout` slots.

@@ -171,7 +171,7 @@ def drafter_step(
 
     Args:
         step_fn: :func:`drafter_forward_loss` or a compiled copy of it.
-        drafter (DFlashDraftModel): the replica being trained.
+        drafter (AnchoredDrafter): the replica being trained.
         heads: the target's frozen ``embed_tokens`` and ``lm_head`` on the drafter's device.
         batch (TargetBatch): on the drafter's device.
         anchors (Tensor): int64 ``[B, N]``; valid (Tensor): bool ``[B, N]`` (drafter's device).

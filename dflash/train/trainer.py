@@ -40,7 +40,7 @@ from dflash.devices import DeviceLayout, Slot, compute_dtype, parse_layout, reso
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.drafter.mask_token import resolve_mask_token_id
-from dflash.drafter.model import DFlashDraftModel, architecture_name, drafter_config, load_drafter_dir
+from dflash.drafter.model import AnchoredDrafter, architecture_name, drafter_config, load_drafter_dir
 from dflash.patching.importhook import active_finder
 from dflash.progress_logging import log_above_progress_bars
 from dflash.run import checkpoint, compile_cache
@@ -247,7 +247,7 @@ class Trainer:
             is_causal=resumed.get("is_causal"),
         )
         # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
-        return DFlashDraftModel._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+        return AnchoredDrafter._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
 
     def _build_engine(self, targets, drafter) -> StepEngine:
         cfg = self.config

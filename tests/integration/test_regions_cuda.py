@@ -17,7 +17,7 @@ import torch
 from tiny import micro_batch, random_heads, step_settings, tiny_target_config
 
 from dflash.compile_watch import StepWatch
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.target_model.model import TargetStates
 from dflash.train.regions import GRAPHS_PER_SHAPE, compile_step
 from dflash.train.replica import Heads
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_atte
 SEEDS = (2, 3)
 
 
-def _flex_drafter(arch: str) -> DFlashDraftModel:
+def _flex_drafter(arch: str) -> AnchoredDrafter:
     """5 layers (4 sliding, 1 full) at head_dim 16, flex_attention's smallest tile width."""
     target = tiny_target_config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     config = create_drafter_config(
@@ -44,10 +44,10 @@ def _flex_drafter(arch: str) -> DFlashDraftModel:
         arch=arch,
     )
     torch.manual_seed(0)
-    return DFlashDraftModel._from_config(config, attn_implementation="flex_attention").cuda().train()
+    return AnchoredDrafter._from_config(config, attn_implementation="flex_attention").cuda().train()
 
 
-def _fp32_gradients(model: DFlashDraftModel, heads, batch, settings, monkeypatch) -> dict[str, torch.Tensor]:
+def _fp32_gradients(model: AnchoredDrafter, heads, batch, settings, monkeypatch) -> dict[str, torch.Tensor]:
     """The eager step's gradients with bf16 autocast off, on the bf16 inputs the other steps read
     (upcast): the reference each compiled form's rounding is measured from."""
     import contextlib

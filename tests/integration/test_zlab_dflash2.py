@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.model import AnchoredDrafter
 from dflash.drafter.modeling_dflash import DFlashDraftConfig
 from dflash.run.checkpoint import write_drafter_files
 
@@ -34,7 +34,7 @@ def _zlab():
     return module
 
 
-def _ours(layer_types: list[str], transforms: dict | None = None) -> DFlashDraftModel:
+def _ours(layer_types: list[str], transforms: dict | None = None) -> AnchoredDrafter:
     """A random DFlash2 drafter in the published form (every weight random, the conv and the
     selector included, so neither can hide behind its identity initialisation), with ``transforms``
     in its ``dflash_config``."""
@@ -63,7 +63,7 @@ def _ours(layer_types: list[str], transforms: dict | None = None) -> DFlashDraft
         },
     )
     torch.manual_seed(0)
-    model = DFlashDraftModel._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model = AnchoredDrafter._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.rand_like(p) + 0.5 if name.endswith("norm.weight") else torch.randn_like(p) * 0.2)

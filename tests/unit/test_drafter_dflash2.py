@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from tiny import loss_settings, make_target, tiny_target_config, write_chat_data
 
 from dflash.drafter.files import CheckpointError, check_tensors, read_drafter_config
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.drafter.modeling_dflash import DFlashDraftConfig
 from dflash.train.loss import chunk_loss, dflash_loss
 from dflash.train.selector_loss import selector_loss
@@ -64,7 +64,7 @@ def _published_dir(tmp_path, **changes):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = DFlashDraftConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in AnchoredDrafter(config).state_dict().items()}
     save_file({k: torch.zeros(shape) for k, shape in shapes.items()}, str(tmp_path / "model.safetensors"))
     return tmp_path
 
@@ -145,7 +145,7 @@ def _pair(seed: int = 0):
             tiny_target_config(), 2, block_size=4, num_captured_layers=3, mask_token_id=63, arch=arch
         )
         torch.manual_seed(seed)
-        models.append(DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval())
+        models.append(AnchoredDrafter._from_config(config, attn_implementation="sdpa").eval())
     dflash, dflash2 = models
     dflash2.load_state_dict(dflash.state_dict(), strict=False)
     return dflash, dflash2
@@ -369,7 +369,7 @@ def test_init_from_a_published_dflash2_directory_keeps_its_architecture(tmp_path
     published.mkdir()
     (published / "config.json").write_text(json.dumps(raw))
     torch.manual_seed(4)
-    weights = DFlashDraftModel._from_config(config).state_dict()
+    weights = AnchoredDrafter._from_config(config).state_dict()
     save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(published / "model.safetensors"))
 
     run = tmp_path / "run"
@@ -421,11 +421,12 @@ def test_a_dflash2_drafter_trains_threaded_on_a_hybrid_target_with_sliding_layer
 
 
 def test_a_dflash2_drafter_saved_by_transformers_stays_dflash2(tmp_path):
-    """``save_pretrained`` writes the class name ("DFlashDraftModel"); the DFlash2 fields decide."""
+    """transformers' ``save_pretrained`` writes the class name; the served one is written, and the
+    DFlash2 fields decide which."""
     _, dflash2 = _pair()
     dflash2.save_pretrained(tmp_path)
     assert read_drafter_config(tmp_path).is_dflash2
-    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    loaded = AnchoredDrafter.from_pretrained(tmp_path)
     assert loaded.config.architectures == ["DFlash2DraftModel"] and hasattr(loaded, "candidate_selector")
 
 

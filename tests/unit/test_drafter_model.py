@@ -12,7 +12,7 @@ from transformers import LlamaConfig, Qwen3Config
 
 from dflash import masks
 from dflash.drafter.hf_config import rope_parameters_of
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.drafter.modeling_dflash import DFlashDraftConfig
 from dflash.target_model.taps import default_target_layer_ids
 
@@ -20,12 +20,12 @@ HIDDEN, VOCAB, BLOCK = 32, 64, 4
 MASK_ID = VOCAB - 1
 
 
-def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0, arch: str = "dflash") -> DFlashDraftModel:
+def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0, arch: str = "dflash") -> AnchoredDrafter:
     config = create_drafter_config(
         tiny_target_config(), layers, block_size=BLOCK, num_captured_layers=3, mask_token_id=MASK_ID, arch=arch
     )
     torch.manual_seed(seed)
-    model = DFlashDraftModel._from_config(config, attn_implementation=attn).eval()
+    model = AnchoredDrafter._from_config(config, attn_implementation=attn).eval()
     # Non-trivial norms (and DFlash2 convolutions), so a bug in where one applies cannot hide behind
     # an identity.
     with torch.no_grad():
@@ -37,7 +37,7 @@ def _drafter(attn: str = "sdpa", *, layers: int = 2, seed: int = 0, arch: str = 
     return model
 
 
-def _batch(model: DFlashDraftModel, *, batch=2, seq_len=19, num_anchors=5, seed=1):
+def _batch(model: AnchoredDrafter, *, batch=2, seq_len=19, num_anchors=5, seed=1):
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB - 1, (batch, seq_len), generator=gen)
     loss_mask = torch.rand(batch, seq_len, generator=gen) < 0.8
@@ -144,7 +144,7 @@ def test_save_load_round_trip_uses_the_z_lab_layout(tmp_path):
     assert raw["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3, 5]}
     assert raw["num_hidden_layers"] == 2
 
-    loaded = DFlashDraftModel.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    loaded = AnchoredDrafter.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     batch = _batch(model)
     with torch.no_grad():
         assert torch.equal(model(*batch), loaded(*batch))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tiny import loss_settings, make_target, micro_batch, random_heads, step_settings, tiny_drafter, write_chat_data
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash.drafter.model import DFlashDraftModel
+from dflash.drafter.model import AnchoredDrafter
 from dflash.drafter.modeling_dflash import DFlashDraftConfig, LogitTransform
 from dflash.train import loss as L
 
@@ -23,16 +23,16 @@ from dflash.train import loss as L
 FIXTURE = {"output_multiplier": 0.19611613513818404, "final_logit_softcapping": 20.0}
 
 
-def _with_transforms(drafter, **transforms) -> DFlashDraftModel:
+def _with_transforms(drafter, **transforms) -> AnchoredDrafter:
     """``drafter``'s weights under its config with ``transforms`` added to ``dflash_config``."""
     fields = {k: v for k, v in drafter.config.to_dict().items() if k != "model_type"}
     fields["dflash_config"] = {**drafter.config.dflash_config, **transforms}
-    model = DFlashDraftModel._from_config(DFlashDraftConfig(**fields), attn_implementation="sdpa").eval()
+    model = AnchoredDrafter._from_config(DFlashDraftConfig(**fields), attn_implementation="sdpa").eval()
     model.load_state_dict(drafter.state_dict())
     return model
 
 
-def _random_dflash2(seed: int = 0) -> DFlashDraftModel:
+def _random_dflash2(seed: int = 0) -> AnchoredDrafter:
     """A tiny DFlash2 drafter with every weight random (the selector's codebooks included)."""
     drafter = tiny_drafter(arch="dflash2", seed=seed)
     with torch.no_grad():
@@ -231,7 +231,7 @@ def test_a_drafter_with_zlabs_transforms_fine_tunes_evaluates_and_exports(tmp_pa
     published.mkdir()
     (published / "config.json").write_text(json.dumps(raw))
     torch.manual_seed(4)
-    weights = DFlashDraftModel._from_config(config).state_dict()
+    weights = AnchoredDrafter._from_config(config).state_dict()
     save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(published / "model.safetensors"))
 
     run = tmp_path / "run"

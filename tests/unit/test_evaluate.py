@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import ScriptedDrafter, make_target, write_chat_data
 
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.evaluate import Generation, evaluate, greedy_generate, load_prompts, speculative_generate, summarize
 from dflash.target_model.model import load_target
 
@@ -36,7 +36,7 @@ def _random_drafter(target, tokenizer, block_size=4, seed=0):
         target_layer_ids=target.layer_ids,
         mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"),
     )
-    return DFlashDraftModel._from_config(config, attn_implementation="sdpa").eval()
+    return AnchoredDrafter._from_config(config, attn_implementation="sdpa").eval()
 
 
 def test_speculative_output_equals_greedy_output(setup):

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tiny import TINY_TRAINING, make_target, train_config, write_chat_data
 
 from dflash.cli import main
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
 from dflash.run import acceptance_log
 from dflash.run.settle import settle
@@ -43,7 +43,7 @@ def _published_drafter(target_dir, out, **config_changes):
         sliding_window=8,
     )
     torch.manual_seed(5)
-    drafter = DFlashDraftModel._from_config(config)
+    drafter = AnchoredDrafter._from_config(config)
     raw = {k: v for k, v in config.to_dict().items() if k not in ("rope_parameters", "is_causal", "auto_map")}
     raw |= {"rope_theta": ROPE_THETA, "rope_scaling": None, **config_changes}
     out.mkdir(parents=True)

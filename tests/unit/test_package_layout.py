@@ -20,8 +20,6 @@ FLOORS = (
 #: Folder names that tools reading a global gitignore take for build output and skip (Rust's and
 #: Maven's target/, Python's build/ and dist/, .NET's bin/ and obj/).
 BUILD_OUTPUT = {"target", "build", "dist", "out", "bin", "obj"}
-#: The startup hook arms the watchdog, which reads the hook's variable name: one unit.
-HOOK = ("patching", "watchdog")
 
 
 def _modules() -> dict[str, Path]:
@@ -52,8 +50,7 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def _room(module: str) -> str:
-    part = module.split(".")[1] if "." in module else module
-    return "hook" if part in HOOK else part
+    return module.split(".")[1] if "." in module else module
 
 
 def _floor(room: str) -> int:
@@ -74,7 +71,6 @@ def test_no_room_imports_its_floor_or_one_above_it_except_itself():
 
 def test_no_import_circle():
     imports = _imports(_modules())
-    imports = {m: {t for t in ts if _room(t) != "hook" or _room(m) != "hook"} for m, ts in imports.items()}
     done, path = set(), []
 
     def visit(module):
@@ -96,3 +92,14 @@ def test_no_folder_is_named_as_build_output_is():
     """dflash/target/ was skipped by tools reading a global gitignore that names target/."""
     folders = {path.parent.name for path in PACKAGE.rglob("*.py")}
     assert "target_model" in folders and not folders & BUILD_OUTPUT
+
+
+def test_no_two_classes_of_a_folder_share_a_name():
+    """drafter/ had two DFlashDraftModel classes, the served one and the trainer's subclass of it."""
+    by_folder: dict[tuple[Path, str], list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                by_folder.setdefault((path.parent, node.name), []).append(path.name)
+    shared = {f"{folder.name}/{name}": files for (folder, name), files in by_folder.items() if len(files) > 1}
+    assert not shared

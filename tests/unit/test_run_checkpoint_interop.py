@@ -27,7 +27,7 @@ from tiny import loss_settings, make_tokenizer
 from dflash import masks
 from dflash.drafter.hf_config import rope_parameters_of
 from dflash.drafter.mask_token import UNUSED_ROW, resolve_mask_token_id
-from dflash.drafter.model import DFlashDraftModel, create_drafter_config
+from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.run.checkpoint import MASTER_WEIGHTS_KEY, load_training_state, resume_weights, save_checkpoint
 from dflash.target_model.model import load_target
 from dflash.train.loss import dflash_loss
@@ -75,7 +75,7 @@ def trained(tmp_path_factory):
         explicit=None, drafter_config=None, tokenizer=tokenizer, vocab_size=target.embed_tokens.num_embeddings
     )
     drafter_config = create_drafter_config(target.config, DRAFT_LAYERS, block_size=BLOCK, mask_token_id=mask_id)
-    drafter = DFlashDraftModel._from_config(drafter_config, attn_implementation="sdpa", dtype=torch.float32)
+    drafter = AnchoredDrafter._from_config(drafter_config, attn_implementation="sdpa", dtype=torch.float32)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(4, len(tokenizer), (2, 48), generator=gen)
@@ -183,7 +183,7 @@ def test_trust_remote_code_builds_the_drafter_and_loads_every_weight(trained, wr
 def test_project_model_loads_the_checkpoint(trained, writer):
     target, drafter, step_dirs, _ = trained
     step_dir = step_dirs[writer]
-    loaded = DFlashDraftModel.from_pretrained(step_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    loaded = AnchoredDrafter.from_pretrained(step_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     context, block = _block_inputs(target, drafter)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -341,7 +341,7 @@ def sliding(trained, tmp_path_factory, request):
         is_causal=request.param,
     )
     torch.manual_seed(1)
-    drafter = DFlashDraftModel._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    drafter = AnchoredDrafter._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("sliding")
     step_dir = save_checkpoint(
         root, 1, weights=drafter.state_dict(), drafter_config=drafter.config.to_diff_dict(), training_state=None

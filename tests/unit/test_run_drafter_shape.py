@@ -255,7 +255,7 @@ def test_the_drafter_of_a_qwen3_5_target_carries_only_the_rope_it_uses(tmp_path,
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash.drafter.model import DFlashDraftModel
+    from dflash.drafter.model import AnchoredDrafter
     from dflash.run.checkpoint import save_checkpoint
 
     target_dir = make_target(tmp_path / "target", arch=arch)
@@ -265,7 +265,7 @@ def test_the_drafter_of_a_qwen3_5_target_carries_only_the_rope_it_uses(tmp_path,
     assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
     assert raw["rope_theta"] == 1e7 and raw["rope_scaling"] is None
     # The drafter rotates all of head_dim, and so does every loader of its checkpoint.
-    drafter = DFlashDraftModel._from_config(modeling_dflash.DFlashDraftConfig.from_dict(raw))
+    drafter = AnchoredDrafter._from_config(modeling_dflash.DFlashDraftConfig.from_dict(raw))
     full = 1.0 / 1e7 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)
     torch.testing.assert_close(drafter.rotary_emb.inv_freq, full)
     step_dir = save_checkpoint(

@@ -103,7 +103,7 @@ def test_grad_accumulation_normalises_over_the_whole_optimizer_step(assets, tmp_
 def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path):
     from transformers import AutoConfig
 
-    from dflash.drafter.model import DFlashDraftModel
+    from dflash.drafter.model import AnchoredDrafter
 
     trainer = Trainer(settle(_config(assets, tmp_path, steps=2, save_every=0)))
     trainer.train()
@@ -114,7 +114,7 @@ def test_checkpoint_is_a_z_lab_drafter_that_transformers_loads(assets, tmp_path)
     assert raw["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 2]}
     config = AutoConfig.from_pretrained(step_dir)
     assert config.model_type == "qwen3" and config.dflash_config["target_layer_ids"] == [1, 2]
-    loaded = DFlashDraftModel.from_pretrained(step_dir)
+    loaded = AnchoredDrafter.from_pretrained(step_dir)
     from safetensors import safe_open
 
     with safe_open(str(step_dir / "model.safetensors"), "pt") as f:
