@@ -1,4 +1,6 @@
-"""Subcommands of the ``dflash`` console command, one module each.
+"""Subcommands of the ``dflash`` console command, one module each: :mod:`~dflash.commands.train`,
+:mod:`~dflash.commands.evaluate` (``dflash eval``), :mod:`~dflash.commands.export` and
+:mod:`~dflash.commands.patches`.
 
 Each module exposes ``register(subparsers)``, which adds its parser (with
 ``parents=[COMMON]``) and sets ``func`` to a callable taking the parsed

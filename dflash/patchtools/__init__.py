@@ -4,7 +4,10 @@
   its absence on patched torch (``dflash patches verify``);
 - :mod:`dflash.patchtools.wheel`: rebuild a torch wheel with the series built in
   (``dflash patches build-wheel``);
-- :mod:`dflash.patchtools.upstream`: the upstream PyTorch PR kit (``dflash patches upstream``).
+- :mod:`dflash.patchtools.upstream`: the upstream PyTorch PR kit (``dflash patches upstream``);
+- :mod:`dflash.patchtools.refresh`: each release's variant of every concern regenerated from its
+  source diff (``dflash patches refresh``);
+- :mod:`dflash.patchtools.coverage`: which torch releases the series covers (``dflash patches coverage``).
 
 What runs at import (the finder, the loader, the plan, the cache) is :mod:`dflash.patching`.
 

@@ -1,13 +1,17 @@
-"""The package's import structure: no import circle, and every room imports only the floors below it
-(leaves -> target, patchtools -> data, drafter -> run -> evaluate, export -> train -> commands), read
-from the sources (function-level imports count too)."""
+"""The package's structure: no import circle, and every room imports only the floors below it
+(leaves -> target_model, patchtools -> data, drafter -> run -> evaluate, export -> train -> commands),
+read from the sources (function-level imports count too); every module named in the README's layout
+block and in its folder's docstring; no folder named as build output is; no two classes of a folder
+named alike."""
 
 import ast
+import re
 from pathlib import Path
 
 import dflash
 
 PACKAGE = Path(dflash.__file__).parent
+README = PACKAGE.parent / "README.md"
 #: Bottom up; a module outside these rooms and not named here is a leaf (config, masks, files, ...).
 FLOORS = (
     ("target_model", "patchtools"),
@@ -103,3 +107,67 @@ def test_no_two_classes_of_a_folder_share_a_name():
                 by_folder.setdefault((path.parent, node.name), []).append(path.name)
     shared = {f"{folder.name}/{name}": files for (folder, name), files in by_folder.items() if len(files) > 1}
     assert not shared
+
+
+def _members(folder: Path) -> set[str]:
+    """The modules of a package folder (``__main__`` aside) and its subpackages (``name/``)."""
+    modules = {p.stem for p in folder.glob("*.py") if not p.stem.startswith("__")}
+    return modules | {p.name + "/" for p in folder.iterdir() if (p / "__init__.py").is_file()}
+
+
+def _names(text: str, member: str) -> bool:
+    return re.search(rf"(?<![\w/]){re.escape(member.rstrip('/'))}\b", text) is not None
+
+
+def _layout_block() -> dict[str, str]:
+    """The README's layout block: each entry's text by its first word (``dflash/run/``), continuation lines joined."""
+    block = README.read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    entries, current = {}, None
+    for line in block.splitlines():
+        if line[:1].strip():
+            current, _, text = line.partition(" ")
+            entries[current] = text
+        elif current and line.strip():
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def _folders() -> list[Path]:
+    return sorted(init.parent for init in PACKAGE.rglob("__init__.py"))
+
+
+def test_every_module_is_named_in_its_folders_docstring():
+    missing = [
+        f"{folder.relative_to(PACKAGE.parent)}: {member}"
+        for folder in _folders()
+        for member in sorted(_members(folder))
+        if not _names(ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or "", member)
+    ]
+    assert not missing
+
+
+def test_every_module_is_named_in_the_readmes_layout_block():
+    """A folder with an entry of its own names its modules there; any other folder is named in its parent's."""
+    entries = _layout_block()
+    missing = []
+    for folder in _folders():
+        key = f"{folder.relative_to(PACKAGE.parent)}/"
+        if key in entries:
+            missing += [
+                f"{key} {member}"
+                for member in sorted(_members(folder))
+                if f"{key}{member}" not in entries and not _names(entries[key], member)
+            ]
+        elif not _names(entries.get(f"{folder.parent.relative_to(PACKAGE.parent)}/", ""), folder.name):
+            missing.append(f"{key} (in its parent's entry)")
+    assert "dflash/" in entries and not missing
+
+
+#: The self-contained file every checkpoint carries (it may import only torch and transformers).
+SHIPPED = "drafter/modeling_dflash.py"
+
+
+def test_no_module_is_over_700_lines_but_the_shipped_modeling_file():
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert SHIPPED in lengths
+    assert not {name: n for name, n in lengths.items() if n > 700 and name != SHIPPED}

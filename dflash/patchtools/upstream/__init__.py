@@ -13,6 +13,7 @@ main checkout only:
 - :mod:`.lint`: the imports the series adds tidied, PyTorch's lint checked on every commit;
 - :mod:`.text`, :mod:`.documents`: commit messages, PR descriptions, the cover note, the design note,
   the design proposals, and the check that none of it carries project-internal or release-bound text;
+- :mod:`.tree`: the PyTorch checkout read without changing it (its version, its files, git plumbing);
 - :mod:`.kit`: :func:`make_kit`, which does all of the above.
 """
 
