@@ -341,6 +341,12 @@ class TrainConfig:
             )
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft slot), got {self.block_size}")
+        if self.block_size is not None and self.block_size > self.seq_len:
+            raise ValueError(
+                f"block_size {self.block_size} is longer than --seq-len {self.seq_len}: a draft block (the anchor and "
+                f"the {self.block_size - 1} tokens after it) must fit in a row; pass --block-size {self.seq_len} or "
+                f"less, or --seq-len {self.block_size} or more"
+            )
         if (self.steps is None) == (self.epochs is None):
             raise ValueError(
                 "steps/epochs: give --steps or --epochs"

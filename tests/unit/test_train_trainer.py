@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -147,6 +148,26 @@ def test_config_errors_name_the_field():
     # It was refused later with a fix that does not work ("pass --max-anchors 0 or less").
     with pytest.raises(ValueError, match=r"seq_len must be >= 2 \(an anchor and the token after it\), got 1"):
         TrainConfig(seq_len=1)
+
+
+@pytest.mark.parametrize("block_size", [129, 200, 4096])
+def test_a_block_longer_than_a_row_is_refused(block_size):
+    """129 and 200 against --seq-len 128 trained silently; 4096 died in step 1 allocating 137 GB."""
+    with pytest.raises(
+        ValueError, match=f"block_size {block_size} is longer than --seq-len 128: .*pass --block-size 128"
+    ):
+        TrainConfig(block_size=block_size, gamma=block_size / 2)
+    assert TrainConfig(block_size=128, gamma=64).block_size == 128
+
+
+def test_the_cli_refuses_a_block_longer_than_a_row_before_anything_loads(tmp_path, caplog):
+    from dflash.cli import main
+
+    started = time.perf_counter()
+    argv = ["train", "--block-size", "4096", "--gamma", "2048", "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 2
+    assert time.perf_counter() - started < 5 and not (tmp_path / "run").exists()
+    assert "--block-size 4096 is longer than --seq-len 128" in caplog.text
 
 
 def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
