@@ -137,9 +137,41 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         values |= _layer_types(config, values, sliding_rule=sliding)
         values |= _default_taps_that_fit(config, values, target)
         values |= _published_dflash2_taps(config, values, target, family)
+        _warn_if_far_wider(values, target)
     config = dataclasses.replace(config, **values)
     _refuse_selector_flags_without_a_selector(config)
     return config
+
+
+#: The drafter's attention width (heads x head dim) past which a warning says it is far wider than
+#: its target's hidden size (the published 27B drafters: 4,096 against 5,120).
+FAR_WIDER = 4
+
+
+def _warn_if_far_wider(values: dict, target: dict) -> None:
+    """The published shape is for the published targets: on a small target of their family (a test
+    model of hidden size 64) its 32 heads of 128 make a drafter many times wider than its target,
+    slow to train and no better for it. Said when the rule, not a flag, gave the heads."""
+    if "draft_heads" not in values or "draft_head_dim" not in values:
+        return
+    text = target.get("text_config") or target
+    hidden, width = text.get("hidden_size"), values["draft_heads"] * values["draft_head_dim"]
+    if not isinstance(hidden, int) or width <= FAR_WIDER * hidden:
+        return
+    heads, kv_heads, head_dim = (text.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    theirs = f" (e.g. the target's {heads} / {kv_heads} / {head_dim})" if heads and kv_heads and head_dim else ""
+    logger.warning(
+        "drafter: the published shape of this target family's drafters, %d heads of %d (%d KV heads), is %d wide, "
+        "%.0fx this target's hidden size %d: a drafter far wider than its target trains slowly and accepts no more "
+        "for it; pass --draft-heads, --draft-kv-heads and --draft-head-dim%s for one that fits",
+        values["draft_heads"],
+        values["draft_head_dim"],
+        values.get("draft_kv_heads", 0),
+        width,
+        width / hidden,
+        hidden,
+        theirs,
+    )
 
 
 def _refuse_selector_flags_without_a_selector(config: TrainConfig) -> None:

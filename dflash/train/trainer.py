@@ -191,10 +191,15 @@ class Trainer:
         if not config.save:
             logger.warning("--no-save: no checkpoint will be written, this run cannot be resumed or evaluated")
         logger.info(
-            "drafter: %s, %d layer(s), %.2fM trainable parameters, block size %d, %s attention%s; %d steps of %d "
-            "replica(s) x %d micro-batch(es) x %d rows x %d tokens (%s); %s (process %d/%d)",
+            "drafter: %s, %d layer(s) of %d heads x %d (%d KV heads), hidden %d, %.2fM trainable parameters, block "
+            "size %d, %s attention%s; %d steps of %d replica(s) x %d micro-batch(es) x %d rows x %d tokens (%s); %s "
+            "(process %d/%d)",
             architecture_name(drafter.config),
             drafter.config.num_hidden_layers,
+            drafter.config.num_attention_heads,
+            drafter.config.head_dim,
+            drafter.config.num_key_value_heads,
+            drafter.config.hidden_size,
             sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
             config.block_size,
             drafter.config._attn_implementation,

@@ -5,6 +5,8 @@ targets keep their own geometry; flags win and contradictions are named."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -360,3 +362,33 @@ def test_contradicting_flags_are_named(tmp_path):
     assert parse_layer_types("sliding sliding_attention,full") == [SLIDING_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION]
     # This module spells the layer types as the served modeling file does (it must not import it).
     assert LAYER_TYPES == modeling_dflash.LAYER_TYPES
+
+
+@needs_qwen3_5
+def test_a_drafter_far_wider_than_its_small_target_is_warned_about(tmp_path, caplog):
+    """The published 32 x 128 shape on a hidden-32 target: 128x wider, and nothing said."""
+    target_dir = make_target(tmp_path / "target", arch="qwen3_5", num_layers=8)
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        resolve_drafter_shape(TrainConfig(target=str(target_dir)))
+    assert "32 heads of 128 (8 KV heads), is 4096 wide, 128x this target's hidden size 32" in caplog.text
+    assert "pass --draft-heads, --draft-kv-heads and --draft-head-dim (e.g. the target's " in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        resolve_drafter_shape(TrainConfig(target=str(target_dir), draft_heads=4, draft_kv_heads=2, draft_head_dim=8))
+    assert "wide" not in caplog.text
+
+
+def test_the_start_line_names_the_drafters_heads_and_width(tmp_path, caplog):
+    from tiny import train_config
+
+    from dflash.run.settle import settle
+    from dflash.train.trainer import Trainer
+
+    config = train_config(
+        target=make_target(tmp_path / "target", num_layers=5),
+        data=write_chat_data(tmp_path / "d.jsonl"),
+        out=tmp_path / "run",
+    )
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        Trainer(settle(config))
+    assert re.search(r"drafter: DFlash, 1 layer\(s\) of \d+ heads x \d+ \(\d+ KV heads\), hidden 32, ", caplog.text)
