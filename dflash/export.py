@@ -15,6 +15,7 @@ What each engine needs, and where it is written (``docs/dflash.md``, :mod:`dflas
   unless it was measured while verification was wrong (a float32 mismatch against greedy decoding).
 
 The directory is written next to its final place and renamed into it, so it is never half there.
+Importing this module loads neither torch nor transformers: a path mistake is refused before they load.
 """
 
 from __future__ import annotations
@@ -24,42 +25,70 @@ import logging
 import shlex
 import shutil
 from pathlib import Path
-
-import torch
+from typing import Literal
 
 from dflash.assets import default_target_dir
 from dflash.drafter.files import DRAFTER_FILES, check_tensors, read_drafter_config
-from dflash.drafter.modeling_dflash import DFLASH2_FIELDS
 from dflash.run import acceptance_log
-from dflash.run.checkpoint import write_drafter_files
 from dflash.run.layout import ACCEPTANCE_NAME, SAVED_CONFIG_NAME, read_saved_config, run_of
 from dflash.run.step_dirs import find_checkpoint
 
 logger = logging.getLogger(__name__)
 
 README_NAME = "README.md"
+#: ``--dtype`` of ``dflash export``: the exported floating weights' (published drafters are bf16).
+ExportDtype = Literal["bfloat16", "float16", "float32"]
 
 
-def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export(run: str | Path, out: str | Path, *, dtype: ExportDtype) -> Path:
     """Write the newest checkpoint of ``run`` (or the step directory ``run``) as a drafter in ``out``.
 
     Args:
         run: a run directory (``--out`` of ``dflash train``), its ``checkpoints/`` or a step directory.
         out: the new directory; its name must contain ``dflash``; it must not exist (or be empty).
-        dtype (torch.dtype): of the floating weights.
+        dtype (ExportDtype): of the floating weights.
 
     Returns:
         Path: ``out``.
 
     Raises:
         ValueError: ``out``'s name lacks ``dflash``, ``out`` holds files, or ``out`` lies inside the run
-            (or the drafter directory) exported.
-        CheckpointError: no checkpoint in ``run``, a corrupt file, or weights that disagree with
-            their config (named), before anything is written.
+            (or the drafter directory) exported: each before torch loads.
+        CheckpointError: no checkpoint in ``run`` (before torch loads), a corrupt file, or weights that
+            disagree with their config (named), before anything is written.
     """
+    out = Path(out)
+    step_dir, run_dir = _checked_paths(run, out)
+    import torch
     from safetensors.torch import load_file
 
-    out = Path(out)
+    from dflash.run.checkpoint import write_drafter_files
+
+    config = read_drafter_config(step_dir)
+    check_tensors(step_dir, config)
+    weights = load_file(str(step_dir / "model.safetensors"))
+    readme = serving_readme(config, out=out, target=_trained_target(run_dir), step_dir=step_dir, dtype=dtype)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_drafter_files(tmp, weights=weights, drafter_config=config.to_diff_dict(), dtype=getattr(torch, dtype))
+        (tmp / README_NAME).write_text(readme)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _checked_paths(run: str | Path, out: Path) -> tuple[Path, Path | None]:
+    """``(step directory, its run directory or None)`` of ``run``, checked with ``out`` without torch.
+
+    Raises:
+        ValueError, CheckpointError: see :func:`export`.
+    """
     if "dflash" not in out.name.lower():
         raise ValueError(
             f"--out {out}: vLLM recognises a DFlash drafter by 'dflash' in its path; name the directory so, "
@@ -76,23 +105,7 @@ def export(run: str | Path, out: str | Path, *, dtype: torch.dtype = torch.bfloa
             f"other files there stops a resume); export beside it, e.g. --out {source.parent / out.name} "
             "(nothing was written)"
         )
-    config = read_drafter_config(step_dir)
-    check_tensors(step_dir, config)
-    weights = load_file(str(step_dir / "model.safetensors"))
-    readme = serving_readme(config, out=out, target=_trained_target(run_dir), step_dir=step_dir, dtype=dtype)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write_drafter_files(tmp, weights=weights, drafter_config=config.to_diff_dict(), dtype=dtype)
-        (tmp / README_NAME).write_text(readme)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return step_dir, run_dir
 
 
 def _trained_target(run_dir: Path | None) -> str:
@@ -105,8 +118,10 @@ def _trained_target(run_dir: Path | None) -> str:
     return "TARGET"
 
 
-def serving_readme(config, *, out: Path, target: str, step_dir: Path, dtype: torch.dtype) -> str:
+def serving_readme(config, *, out: Path, target: str, step_dir: Path, dtype: ExportDtype) -> str:
     """The README of an exported drafter: what it is, its measured acceptance, how to serve it."""
+    from dflash.drafter.modeling_dflash import DFLASH2_FIELDS
+
     block = config.block_size
     draft_path, target_path = shlex.quote(str(out.resolve())), shlex.quote(target)
     kinds = list(dict.fromkeys(config.layer_types))
@@ -133,7 +148,7 @@ exported by `dflash export` from `{step_dir}`.
 - {config.num_hidden_layers} layers: {layers}{window}
 - block size {block}; {heads}{extra}
 - taps target layers {config.target_layer_ids}; mask token {config.mask_token_id}
-- {str(dtype).removeprefix("torch.")} weights
+- {dtype} weights
 
 ## Measured acceptance
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.commands import COMMON, positive
-from dflash.data.chats import DatasetError, prompt_messages, read_conversations
+from dflash.data.chats import DatasetError, prompt_messages, read_conversations, require_data_file
 from dflash.devices import check_cpu_threads, compute_dtype, resolve_device
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
 from dflash.files import check_weight_files
@@ -182,21 +182,13 @@ def _print_report(report) -> None:
 
 def _evaluate(args: argparse.Namespace):
     """``(HeldOutPrompts, EvalReport, the run's train_config.json (path, flags) or None)`` of the
-    command's arguments."""
-    import torch
-
-    from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
-    from dflash.target_model.model import load_target
-
-    if not Path(args.drafter).is_dir():  # before the held-out data is read and tokenized
+    command's arguments. Every path is checked before torch and transformers load (seconds)."""
+    if not Path(args.drafter).is_dir():
         raise CheckpointError(
-            f"{args.drafter}: does not exist; pass a run directory (--out of dflash "
+            f"--drafter {args.drafter}: does not exist; pass a run directory (--out of dflash "
             "train), a step_N directory or a drafter directory (config.json + model.safetensors)"
         )
-    device = resolve_device(args.device)
     check_cpu_threads(args.cpu_threads)
-    if args.cpu_threads is not None:
-        torch.set_num_threads(args.cpu_threads)
     run = _run_config(Path(args.drafter))
     _note_training_in_progress(run)
     _refuse_a_run_without_checkpoint(run)
@@ -206,7 +198,15 @@ def _evaluate(args: argparse.Namespace):
     check_drafter_fits_target(step_dir, target_dir, trained_on=run[1].get("target") if run else None)
     require_transformers_for(read_target_config(target_dir), target_dir / "config.json", decoding=True)
     check_weight_files(target_dir)
-    data = _held_out_data(args.data, run)
+    data = require_data_file(_held_out_data(args.data, run))
+    import torch
+
+    from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
+    from dflash.target_model.model import load_target
+
+    device = resolve_device(args.device)
+    if args.cpu_threads is not None:
+        torch.set_num_threads(args.cpu_threads)
     dtype = compute_dtype(device)
     # Tokenizer and prompts first: their errors come before the (slow) target loads.
     context = context_length(target_dir)

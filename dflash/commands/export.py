@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import typing
 
 from dflash.commands import COMMON
+from dflash.export import README_NAME, ExportDtype, export
 
 logger = logging.getLogger(__name__)
-
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 def register(subparsers) -> None:
@@ -28,18 +28,17 @@ def register(subparsers) -> None:
         "--out", required=True, help="new directory; its name must contain 'dflash' (vLLM detects DFlash by it)"
     )
     parser.add_argument(
-        "--dtype", choices=DTYPES, default="bfloat16", help="dtype of the exported weights (default: bfloat16)"
+        "--dtype",
+        choices=typing.get_args(ExportDtype),
+        default="bfloat16",
+        help="dtype of the exported weights (default: bfloat16)",
     )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from dflash.export import README_NAME, export
-
     try:
-        out = export(args.run, args.out, dtype=getattr(torch, args.dtype))
+        out = export(args.run, args.out, dtype=args.dtype)
     except ValueError as e:  # bad input: the message names the problem and the fix
         logger.error("%s", e)
         return 2

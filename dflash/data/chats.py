@@ -93,8 +93,11 @@ class Conversation(list):
         return Conversation([*self, *other], self.tools)
 
 
-def require_data_file(path: str | Path) -> Path:
+def require_data_file(path: str | Path, *, flag: str = "--data") -> Path:
     """``path`` as a Path, checked to be a file before any expensive work reads it.
+
+    Args:
+        flag: the flag that named it, for the message (``--eval-data``).
 
     Raises:
         DatasetError: it does not exist or is a directory.
@@ -102,12 +105,17 @@ def require_data_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         what = "a directory, not a file" if path.is_dir() else "no such data file"
-        raise DatasetError(f"{path}: {what}; pass --data with a JSONL chat file")
+        raise DatasetError(f"{path}: {what}; pass {flag} with a JSONL chat file")
     return path
 
 
 def read_conversations(
-    path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES, progress: bool = True, max_records: int | None = None
+    path: str | Path,
+    *,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    progress: bool = True,
+    max_records: int | None = None,
+    flag: str = "--data",
 ) -> list[list[dict[str, str]]]:
     """Read a JSONL chat file into conversations of ``{"role", "content"}`` messages.
 
@@ -116,7 +124,7 @@ def read_conversations(
     file over 64 MiB shows a progress bar unless ``progress`` is off. ``max_records``: stop
     after that many conversations (a quick check of the file's start). Records with fields that
     are not rendered (tool calls and schemas, reasoning, OpenAI's ``weight: 0``) are counted in
-    one warning naming the first.
+    one warning naming the first. ``flag``: the flag that named the file, for the messages.
 
     Raises:
         DatasetError: missing or empty file, a line over ``max_line_bytes`` bytes (found
@@ -129,7 +137,7 @@ def read_conversations(
     """
     from tqdm import tqdm
 
-    path = require_data_file(path)
+    path = require_data_file(path, flag=flag)
     conversations, unrendered, bad_lines = [], _UnrenderedFields(), []
     size = os.path.getsize(path)
     with (
@@ -147,7 +155,7 @@ def read_conversations(
             bar.update(len(raw))
             if lineno == 1:  # Windows editors start UTF-8 files with a byte order mark
                 raw = raw.removeprefix(codecs.BOM_UTF8)
-                _refuse_binary(path, raw)
+                _refuse_binary(path, raw, flag)
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):  # the rest of it is not read
                 bad_lines.append(
                     f"{where}: line longer than {max_line_bytes:,} bytes; one conversation this long "
@@ -155,7 +163,9 @@ def read_conversations(
                 )
                 break
             if not conversations and not bad_lines and raw.lstrip().startswith(b"["):
-                raise DatasetError(f"{where}: a JSON array, not JSONL (one JSON object per line); {_convert(path)}")
+                raise DatasetError(
+                    f"{where}: a JSON array, not JSONL (one JSON object per line); {_convert(path, flag)}"
+                )
             try:
                 line = raw.decode("utf-8")
                 if not line.strip():
@@ -199,7 +209,7 @@ def _bad_lines_message(path: Path, bad_lines: list[str]) -> str:
     return f"{path}: {len(bad_lines)} bad lines{stopped}; fix or remove each:\n  " + "\n  ".join(bad_lines)
 
 
-def _refuse_binary(path: Path, head: bytes) -> None:
+def _refuse_binary(path: Path, head: bytes, flag: str) -> None:
     """Raise DatasetError naming the format and the conversion when ``head`` starts a compressed or
     Parquet file."""
     for magic, (name, command) in _BINARY_FORMATS.items():
@@ -207,7 +217,7 @@ def _refuse_binary(path: Path, head: bytes) -> None:
             out = shlex.quote(str(_jsonl_beside(path)))
             command = command.format(path=shlex.quote(str(path)), out=out)
             raise DatasetError(
-                f"{path}: a {name} file, not JSONL text; convert it with `{command}` and pass --data {out}"
+                f"{path}: a {name} file, not JSONL text; convert it with `{command}` and pass {flag} {out}"
             )
 
 
@@ -218,10 +228,10 @@ def _jsonl_beside(path: Path) -> Path:
     return out if not out.exists() else path.with_name(f"{stem}.converted.jsonl")
 
 
-def _convert(path: Path) -> str:
-    """How to turn the JSON array file ``path`` into JSONL."""
+def _convert(path: Path, flag: str) -> str:
+    """How to turn the JSON array file ``path`` into JSONL (and pass it with ``flag``)."""
     source, lines = shlex.quote(str(path)), shlex.quote(str(_jsonl_beside(path)))
-    return f"convert it with `jq -c '.[]' {source} > {lines}` and pass --data {lines}"
+    return f"convert it with `jq -c '.[]' {source} > {lines}` and pass {flag} {lines}"
 
 
 class _UnrenderedFields:

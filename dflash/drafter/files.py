@@ -148,9 +148,9 @@ def read_drafter_config(directory: str | Path):
     Raises:
         CheckpointError: see :func:`read_raw_config`; a field out of range (named).
     """
+    read_raw_config(directory)  # before transformers loads (seconds)
     from dflash.drafter.modeling_dflash import DFlashDraftConfig
 
-    read_raw_config(directory)
     try:
         return DFlashDraftConfig.from_pretrained(directory, local_files_only=True)
     except (ValueError, TypeError, *_CONFIG_ERRORS) as e:

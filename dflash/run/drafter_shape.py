@@ -254,10 +254,20 @@ def _layer_types(config: TrainConfig, values: dict, *, sliding_rule: bool | str)
 
 def _drafter_directory(init_from: str) -> str:
     """``--init-from`` as the drafter directory it names: itself, or the latest checkpoint of a
-    run directory (``--out`` of ``dflash train``, as ``dflash eval`` and ``dflash export`` take)."""
+    run directory (``--out`` of ``dflash train``, as ``dflash eval`` and ``dflash export`` take).
+
+    Raises:
+        CheckpointError: no such directory (before anything reads it).
+    """
     path = Path(init_from)
-    if (path / CONFIG_NAME).is_file() or not path.is_dir():
-        return init_from  # a drafter directory, or a missing one that read_drafter_config names
+    if not path.is_dir():
+        what = "a file, not a directory" if path.exists() else "no such directory"
+        raise CheckpointError(
+            f"--init-from {init_from}: {what}; pass a drafter directory (config.json + model.safetensors, as "
+            "published) or a dflash train run directory"
+        )
+    if (path / CONFIG_NAME).is_file():
+        return init_from
     try:
         step_dir = find_checkpoint(path, verify=False, files=DRAFTER_FILES)
     except CheckpointError:

@@ -55,7 +55,7 @@ def validate_inputs(config: TrainConfig) -> None:
       files (:mod:`dflash.run.layout`); without ``--resume`` it must not hold a run, with it it must hold a
       checkpoint and the flags must be ones it can continue with (:mod:`dflash.run.resume`);
     - ``--max-anchors`` (new runs): at most ``--seq-len - 1``;
-    - ``--data`` (or the embedded corpus): a readable file whose first records parse;
+    - ``--data`` (or the embedded corpus) and ``--eval-data``: readable files whose first records parse;
     - ``--target`` (or the embedded target): a directory with ``config.json``, tokenizer files and
       whole weight files (:mod:`dflash.files`); the layers to tap (``--num-target-layers``/
       ``--target-layer-ids``), ``--mask-token-id`` and ``--seq-len`` fit its config;
@@ -80,6 +80,8 @@ def validate_inputs(config: TrainConfig) -> None:
         max_records=HEAD_RECORDS,
         progress=False,
     )
+    if config.eval_data:
+        read_conversations(config.eval_data, max_records=HEAD_RECORDS, progress=False, flag="--eval-data")
     target_dir = Path(config.target) if config.target else default_target_dir()
     target_config = check_target_fits(target_dir, config)
     check_devices(config)
