@@ -29,7 +29,14 @@ from dflash.data.chats import read_conversations
 from dflash.devices import check_cpu_threads, parse_layout, resolve_device
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.files import check_weight_files
-from dflash.run.layout import check_out_location, checkpoints_dir, read_saved_config, run_of, saved_steps
+from dflash.run.layout import (
+    check_out_location,
+    checkpoints_dir,
+    is_run_file,
+    read_saved_config,
+    run_of,
+    saved_steps,
+)
 from dflash.run.resume import check_resume_config
 from dflash.run.step_dirs import find_checkpoint
 from dflash.target_model.files import (
@@ -189,14 +196,32 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
     refuse_existing_run(out, resume=resume)
     check_out_location(out, allow_nonempty=allow_nonempty)
     if resume:
-        journals = sorted(out.glob("*.partial")) if not checkpoints_dir(out).is_dir() else []
-        if journals:  # dflash.data.regenerate's journals of a run stopped before its first checkpoint
-            raise CheckpointError(
-                f"{out} has no checkpoint yet, only the replies regenerated before the run stopped "
-                f"({', '.join(p.name for p in journals)}); start the same run again without --resume: "
-                "it continues the regeneration"
-            )
+        _refuse_a_resume_before_the_first_checkpoint(out)
         find_checkpoint(out, verify=False)  # loading verifies the files
+
+
+def _refuse_a_resume_before_the_first_checkpoint(out: Path) -> None:
+    """A run stopped before its first checkpoint has nothing ``--resume`` can continue: say so, and
+    that the fix is to start the same run again (what it kept is reused).
+
+    Raises:
+        CheckpointError: ``out`` holds a run's files but no complete step directory.
+    """
+    if saved_steps(out) or not out.is_dir():
+        return
+    kept = sorted(p.name for p in out.iterdir() if is_run_file(p.name) and not p.name.startswith("."))
+    journals = [name for name in kept if name.endswith(".partial")]
+    if journals:  # dflash.data.regenerate's journals
+        raise CheckpointError(
+            f"{out} has no checkpoint yet, only the replies regenerated before the run stopped "
+            f"({', '.join(journals)}); start the same run again without --resume: it continues the regeneration"
+        )
+    if kept:
+        raise CheckpointError(
+            f"{out} has no checkpoint yet: the run stopped before its first save (it saves every --save-every steps "
+            f"and at its end), so --resume has nothing to continue; start the same run again without --resume "
+            f"(it reuses what it kept: {', '.join(kept)})"
+        )
 
 
 def refuse_existing_run(out: Path, *, resume: bool) -> None:

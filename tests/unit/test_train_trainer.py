@@ -551,6 +551,17 @@ def test_resume_of_a_run_stopped_while_regenerating_says_to_start_it_again(tmp_p
     assert "start the same run again without --resume" in caplog.text
 
 
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_to_start_it_again(tmp_path, caplog):
+    """It said "no checkpoint here ... pass a run directory" about the run directory it was given."""
+    run = tmp_path / "run"
+    (run / "tokenized").mkdir(parents=True)
+    (run / "train_config.json").write_text("{}")
+    (run / "checkpoints" / "step_00000100.tmp").mkdir(parents=True)  # killed during its first save
+    assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 2
+    assert f"{run} has no checkpoint yet: the run stopped before its first save" in caplog.text
+    assert "start the same run again without --resume (it reuses what it kept: checkpoints, tokenized" in caplog.text
+
+
 def test_resume_with_flags_that_change_the_math_is_refused_before_the_target_loads(
     assets, tmp_path, caplog, monkeypatch
 ):
