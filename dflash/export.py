@@ -123,11 +123,13 @@ def serving_readme(config, *, out: Path, target: str, step_dir: Path, dtype: Exp
     from dflash.drafter.modeling_dflash import DFLASH2_FIELDS
 
     block = config.block_size
-    draft_path, target_path = shlex.quote(str(out.resolve())), shlex.quote(target)
+    # The lines name both models relatively: the training host's paths mean nothing where it is served.
+    target_name = Path(target).name
+    draft_path, target_path = shlex.quote(out.name), shlex.quote(target_name)
     kinds = list(dict.fromkeys(config.layer_types))
     layers = ", ".join(f"{config.layer_types.count(k)} x {k}" for k in kinds)
     window = f"; sliding window {config.sliding_window}" if "sliding_attention" in kinds else ""
-    speculative = json.dumps({"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": block - 1})
+    speculative = json.dumps({"method": "dflash", "model": out.name, "num_speculative_tokens": block - 1})
     # vLLM serves a drafter mixing sliding and full layers, and DFlash2's selector (PR #52816), only
     # with its V2 model runner.
     v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 or config.is_dflash2 else ""
@@ -145,7 +147,7 @@ def serving_readme(config, *, out: Path, target: str, step_dir: Path, dtype: Exp
 {what} for `{target}`,
 exported by `dflash export` from `{step_dir}`.
 
-- {config.num_hidden_layers} layers: {layers}{window}
+- {config.num_hidden_layers} layer{"" if config.num_hidden_layers == 1 else "s"}: {layers}{window}
 - block size {block}; {heads}{extra}
 - taps target layers {config.target_layer_ids}; mask token {config.mask_token_id}
 - {dtype} weights
@@ -155,6 +157,9 @@ exported by `dflash export` from `{step_dir}`.
 {_measured(step_dir)}
 
 ## Serve it
+
+Run these from the directory that holds `{out.name}`, with `{target_name}` the target's directory (or
+Hub id) on the serving host.
 
 vLLM (it ignores `block_size`: `num_speculative_tokens` = block size - 1 = {block - 1}):
 
@@ -171,7 +176,7 @@ python -m sglang.launch_server --model-path {target_path} \\
   --speculative-num-draft-tokens {block} --trust-remote-code
 ```
 
-transformers: `AutoModel.from_pretrained({str(out.resolve())!r}, trust_remote_code=True)`;
+transformers: `AutoModel.from_pretrained({out.name!r}, trust_remote_code=True)`;
 `dflash eval --drafter {draft_path} --target {target_path}` measures it again.
 """
 
@@ -194,9 +199,11 @@ def _sglang_caveat(config) -> str:
 
 
 def _measured(step_dir: Path) -> str:
-    """The acceptance kept for this checkpoint in its run's acceptance.json, in words."""
+    """The most complete acceptance measurement kept for this checkpoint in its run's acceptance.json
+    (:func:`dflash.run.acceptance_log.most_complete_for`), in words, with its 95% intervals when it
+    decoded a sample of the held-out prompts."""
     run_dir = run_of(step_dir) or step_dir
-    found = acceptance_log.latest_for(run_dir, step_dir.name)
+    found = acceptance_log.most_complete_for(run_dir, step_dir.name)
     if found is None:
         return (
             f"Not measured: run `dflash eval --drafter {shlex.quote(str(run_dir))}` on held-out conversations "
@@ -216,9 +223,26 @@ def _measured(step_dir: Path) -> str:
             f"/{found['num_prompts']} speculative outputs differed from greedy decoding in float32); run `dflash eval "
             f"--drafter {shlex.quote(str(run_dir))}` again and export again."
         )
-    return (
-        f"Acceptance length tau {found['tau_per_prompt']:.3f} per prompt (z-lab's convention, as its benchmark "
-        f"counts it) and {found['tau_per_step']:.3f} per step, greedy, on {found['num_prompts']} held-out prompts "
-        f"of `{found['data']}` ({found['max_new_tokens']} new tokens each); speedup over target-only decoding "
-        f"{found['speedup']:.2f}x on the machine it was measured on ({found['source']})."
+    intervals = found.get("intervals") or {}
+
+    def interval(name: str, digits: int = 3) -> str:
+        low, high = intervals.get(name, (None, None))
+        return "" if low is None else f" [{low:.{digits}f}, {high:.{digits}f}]"
+
+    prompts = (
+        f"a random sample of {found['num_prompts']} held-out prompts (95% bootstrap intervals over prompts)"
+        if intervals
+        else f"all {found['num_prompts']} usable held-out prompts"
     )
+    return (
+        f"Acceptance length tau {found['tau_per_prompt']:.3f}{interval('tau_per_prompt')} per prompt (z-lab's "
+        f"convention, as its benchmark counts it) and {found['tau_per_step']:.3f}{interval('tau_per_step')} per step, "
+        f"greedy, on {prompts} of `{found['data']}` ({found['max_new_tokens']} new tokens each); speedup over "
+        f"target-only decoding {found['speedup']:.2f}x{interval('speedup', 2)} on the machine it was measured on "
+        f"({found['source']}; the most complete of the {_count(run_dir, step_dir.name)} kept for this checkpoint)."
+    )
+
+
+def _count(run_dir: Path, checkpoint: str) -> str:
+    n = sum(m.get("checkpoint") == checkpoint for m in acceptance_log.read(run_dir))
+    return "one measurement" if n == 1 else f"{n} measurements"

@@ -59,6 +59,11 @@ def read(run_dir: str | Path) -> list[dict]:
         return []
 
 
-def latest_for(run_dir: str | Path, checkpoint: str) -> dict | None:
-    """The newest measurement of the checkpoint named ``checkpoint``, or None."""
-    return next((m for m in reversed(read(run_dir)) if m.get("checkpoint") == checkpoint), None)
+def most_complete_for(run_dir: str | Path, checkpoint: str) -> dict | None:
+    """The measurement of the checkpoint named ``checkpoint`` that rests on the most prompts (then the
+    most tokens; the newest of equals), or None: a 20-prompt sample measured last is not what the
+    whole held-out set measured before it."""
+    measured = [m for m in read(run_dir) if m.get("checkpoint") == checkpoint]
+    if not measured:
+        return None
+    return max(reversed(measured), key=lambda m: (m.get("num_prompts", 0), m.get("num_tokens", 0)))

@@ -4,6 +4,7 @@ trust_remote_code strictly, in bf16, with the launch lines and the measured acce
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -75,10 +76,12 @@ def test_the_readme_has_the_launch_lines_and_the_measured_acceptance(run, tmp_pa
     readme = (out / "README.md").read_text()
     block = json.loads((out / "config.json").read_text())["block_size"]
     assert f'"num_speculative_tokens": {block - 1}' in readme and '"method": "dflash"' in readme
-    assert f"vllm serve {target_dir}" in readme and "VLLM_USE_V2_MODEL_RUNNER=1" in readme  # mixed layer types
+    assert f"vllm serve {target_dir.name}" in readme and "VLLM_USE_V2_MODEL_RUNNER=1" in readme  # mixed layer types
     assert "--speculative-algorithm DFLASH" in readme and f"--speculative-num-draft-tokens {block}" in readme
-    measured = acceptance_log.latest_for(run_dir, find_checkpoint(run_dir).name)
-    assert f"tau {measured['tau_per_prompt']:.3f} per prompt" in readme and str(heldout) in readme
+    measured = acceptance_log.most_complete_for(run_dir, find_checkpoint(run_dir).name)
+    low, high = measured["intervals"]["tau_per_prompt"]  # a sample of 2 prompts
+    assert f"tau {measured['tau_per_prompt']:.3f} [{low:.3f}, {high:.3f}] per prompt" in readme
+    assert "a random sample of 2 held-out prompts (95% bootstrap intervals" in readme and str(heldout) in readme
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
 
 
@@ -107,3 +110,33 @@ def test_bad_destinations_are_refused_before_anything_is_written(run, tmp_path, 
     for inside in (run_dir / "export-dflash", run_dir / "checkpoints" / "dflash"):
         assert main(["export", str(run_dir), "--out", str(inside)]) == 2
         assert f"--out {inside} is inside {run_dir.resolve()}" in caplog.text and not inside.exists()
+
+
+def test_the_readme_quotes_the_most_complete_measurement_and_no_host_paths(run, tmp_path):
+    """It quoted the newest measurement (a 20-prompt sample, no interval) over the whole held-out
+    set's, wrote the training host's absolute paths into the vLLM and SGLang lines, and "1 layers"."""
+    from dflash.export import serving_readme
+    from dflash.run import acceptance_log
+
+    run_dir = shutil.copytree(run[0], tmp_path / "run")
+    step = find_checkpoint(run_dir).name
+    complete = acceptance_log.most_complete_for(run_dir, step)
+    smaller = {**complete, "num_prompts": 1, "num_tokens": 3, "tau_per_prompt": 9.999, "source": "a later sample"}
+    acceptance_log.record(run_dir, smaller)
+    out = tmp_path / "serve" / "tiny-dflash"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    readme = (out / "README.md").read_text()
+    assert f"tau {complete['tau_per_prompt']:.3f} [" in readme and "9.999" not in readme
+    assert "the most complete of the 2 measurements kept for this checkpoint" in readme
+    commands = [
+        line for line in readme.splitlines() if "vllm serve" in line or "sglang" in line or "--speculative" in line
+    ]
+    assert len(commands) >= 4 and not [line for line in commands if "/" in line.replace("--", "")]
+    assert "vllm serve target " in readme + " " and '"model": "tiny-dflash"' in readme
+
+    from dflash.drafter.files import read_drafter_config
+
+    config = read_drafter_config(find_checkpoint(run_dir))
+    config.num_hidden_layers, config.layer_types = 1, ["full_attention"]
+    one = serving_readme(config, out=out, target="TARGET", step_dir=find_checkpoint(run_dir), dtype="bfloat16")
+    assert "- 1 layer: 1 x full_attention" in one and "1 layers" not in one
