@@ -13,6 +13,7 @@ import sys
 
 from dflash.commands import COMMON, positive
 from dflash.patchtools import MissingExtra
+from dflash.patchtools.verify.catalogue import BUG_CLASSES
 
 
 def _status(args) -> int:
@@ -244,7 +245,9 @@ def register(subparsers) -> None:
         parents=[COMMON],
         help="two-thread check of each bug class, with and without the patches, in fresh interpreters",
     )
-    verify.add_argument("classes", nargs="*", metavar="CLASS", help="bug classes to check (default: all, A-K)")
+    verify.add_argument(
+        "classes", nargs="*", metavar="CLASS", help=f"bug classes to check (default: all, {', '.join(BUG_CLASSES)})"
+    )
     verify.add_argument("--seconds", type=positive(float), default=1.5, help="race duration per check (default 1.5)")
     verify.add_argument("--jobs", type=positive(int), default=2, help="checks run at once (default 2)")
     verify.add_argument(

@@ -57,3 +57,13 @@ def test_a_misspelled_flag_is_named_by_its_command_with_the_flag_it_meant(argv, 
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith(f"usage: {usage} ")
     assert f"unrecognized arguments: {unknown} (did you mean {meant}?)" in err
+
+
+def test_patches_verify_help_lists_the_bug_classes_of_the_catalogue(capsys):
+    """It said A-K after class L was added to the catalogue."""
+    from dflash.patchtools.verify.catalogue import BUG_CLASSES
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["patches", "verify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "L" in BUG_CLASSES and f"(default: all, {', '.join(BUG_CLASSES)})" in text

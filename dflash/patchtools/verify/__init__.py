@@ -1,4 +1,4 @@
-"""Two-thread checks of the torch.compile / FX thread-safety bug classes A-K.
+"""Two-thread checks of the torch.compile / FX thread-safety bug classes (:data:`.catalogue.BUG_CLASSES`).
 
 - :mod:`.catalogue`: the classes, and which torch releases have each (``docs/bug-classes.md``);
 - :mod:`.workloads`: the compiled functions, traces and steps the checks race;
