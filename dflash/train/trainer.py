@@ -362,8 +362,9 @@ class Trainer:
                     elif self.step != cfg.profile_step:  # a profiled step runs slower
                         throughput.add(stats)
                     metrics = log.metrics(stats, lr=self._lr())
-                    bar.update(1)
+                    # The step's figures first: update() draws the bar with the postfix it finds.
                     bar.set_postfix(progress_postfix(metrics), refresh=False)
+                    bar.update(1)
                     if self._log_due():
                         log.log_step(self.step, metrics, self.engine.interval_report())
                     # Several processes stop together at the step whose gradients carried the

@@ -635,3 +635,22 @@ def test_an_error_raised_while_an_out_of_memory_error_was_handled_keeps_its_trac
     flags = ["--steps", "2", "--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48"]
     with pytest.raises(KeyError, match="a bug in the handler"):
         main(["train", *inputs, *flags, "--batch-size", "2", "--max-anchors", "4", "--no-progress"])
+
+
+def test_the_progress_bar_shows_the_loss_of_the_step_it_counts(assets, tmp_path, monkeypatch, capfd):
+    """It drew step n with step n-1's loss (the postfix was set after the update that drew it)."""
+    import re
+
+    import tqdm
+
+    class EveryStep(tqdm.tqdm):  # draws on every update, as a step of seconds does
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "mininterval": 0, "miniters": 1})
+
+    monkeypatch.setattr(tqdm, "tqdm", EveryStep)
+    trainer = record_losses(Trainer(settle(_config(assets, tmp_path, steps=4, log_every=100, progress=True))))
+    trainer.train()
+    frames = re.findall(r"train:[^\r\n]*?\b(\d)/4 \[[^\]]*loss=([\d.]+)", capfd.readouterr().err)
+    shown = {int(step): float(loss) for step, loss in frames}
+    assert set(shown) == {1, 2, 3, 4}
+    assert shown == {step: round(loss, 3) for step, loss in enumerate(trainer.losses, start=1)}
