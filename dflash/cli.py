@@ -8,7 +8,7 @@ import logging
 import sys
 
 from dflash import __version__
-from dflash.progress_logging import log_above_progress_bars, output_may_close
+from dflash.progress_logging import LOG_FORMAT, log_above_progress_bars, output_may_close
 
 # Modules under dflash.commands, in the order their subcommands are listed in --help.
 _COMMANDS = ("train", "evaluate", "export", "patches")
@@ -56,9 +56,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     with output_may_close():
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-        )
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
         # -v: this package's debug lines only (the libraries' would bury them: file locks, HTTP, ...).
         logging.getLogger("dflash").setLevel(logging.DEBUG if args.verbose else logging.NOTSET)
         with log_above_progress_bars():

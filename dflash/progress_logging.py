@@ -22,6 +22,9 @@ import os
 import sys
 from collections.abc import Iterator
 
+#: The format of a log line, on the console and in a run's log file (:mod:`dflash.run.log_file`).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 def _prints_to_console(logger: logging.Logger) -> bool:
     return any(isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr) for h in logger.handlers)

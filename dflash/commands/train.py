@@ -24,6 +24,7 @@ from dflash.config import TrainConfig, field_docs
 from dflash.drafter.files import CheckpointError
 from dflash.run.layout import checkpoints_dir, read_saved_config
 from dflash.run.lock import run_lock
+from dflash.run.log_file import RunLog
 from dflash.run.preflight import refuse_existing_run
 from dflash.run.resume import resumed_values
 from dflash.run.settle import settle
@@ -128,15 +129,16 @@ def _resumed_values(given: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _out_lock(config):
+def _out_lock(config, run_log: RunLog):
     """One training per ``--out``: rank 0 holds its lock from before the first write (replies
-    regenerated into it) to the end, and checks again under the lock that no other run got there
-    first (:mod:`dflash.run.lock`)."""
+    regenerated into it) to the end, checks again under the lock that no other run got there
+    first (:mod:`dflash.run.lock`), and from then on appends its log to the run's log file."""
     if int(os.environ.get("RANK", 0)) != 0:
         yield
         return
     with run_lock(config.out):
         refuse_existing_run(Path(config.out), resume=config.resume)
+        run_log.write_to(config.out)
         yield
 
 
@@ -177,6 +179,14 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    run_log = RunLog()  # from here: what settling the flags says goes into the run's log file too
+    try:
+        return _train(args, run_log)
+    finally:
+        run_log.close()
+
+
+def _train(args: argparse.Namespace, run_log: RunLog) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     if "epochs" in values and "steps" not in values:
         values["steps"] = None  # --epochs alone means "train by epochs"
@@ -189,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         from dflash.train.trainer import Trainer  # torch, transformers: seconds
 
-        with _out_lock(config):
+        with _out_lock(config, run_log):
             trainer = Trainer(config)
             metrics = trainer.train()
         trainer.close()  # not after a failure: the other ranks may be inside a collective
@@ -232,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
     )
     ends = dict(list(trainer.acceptance.items())[:1] + list(trainer.acceptance.items())[-1:])  # the rest: metrics.jsonl
     measured = "".join(f"; held-out tau {tau:.3f} {when}" for when, tau in ends.items())
-    print(
+    summary = (
         f"trained {trainer.step} steps: loss {metrics['loss']:.4f}, tau_hat {metrics['tau_hat']:.3f}{measured}; {saved}"
     )
+    print(summary)
+    run_log.note(summary)
     return 0

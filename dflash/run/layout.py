@@ -5,6 +5,7 @@ may be one.
 A run's directory::
 
     train_config.json           the run's flags (read back by --resume, dflash eval and dflash export)
+    train.log                   its log lines, every start and resume appended (:mod:`dflash.run.log_file`)
     checkpoints/step_00000300/  a step directory (:mod:`dflash.run.step_dirs`: its files, verified)
     checkpoints/latest          the name of the newest complete step directory
     tensorboard/, metrics.jsonl the logged figures
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: The run's flags, written by the trainer; read back by --resume, dflash eval and dflash export.
 SAVED_CONFIG_NAME = "train_config.json"
+#: The run's log lines (:mod:`dflash.run.log_file`).
+LOG_NAME = "train.log"
 CHECKPOINTS_DIR = "checkpoints"
 #: In ``checkpoints/``: the name of the newest complete step directory.
 LATEST_NAME = "latest"
@@ -57,6 +60,7 @@ COMPILE_CACHE_NAME = "compile_cache.bin"
 AUTOTUNE_NAME = "triton_autotune.json"
 _RUN_FILES = {
     SAVED_CONFIG_NAME,
+    LOG_NAME,
     CHECKPOINTS_DIR,
     TENSORBOARD_DIR,
     METRICS_NAME,

@@ -207,6 +207,44 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     assert "--device cuda" in caplog.text
 
 
+def test_every_run_directory_keeps_its_log(assets, tmp_path, capsys, caplog):
+    """There was no log file in --out: a run's history scrolled away with the console."""
+    caplog.set_level(logging.INFO)  # the CLI's level (its basicConfig defers to pytest's handlers here)
+    run = tmp_path / "run"
+    argv = ["train", "--target", str(assets["qwen3"]), "--data", str(assets["data"]), "--out", str(run)]
+    argv += ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--batch-size", "2"]
+    argv += ["--max-anchors", "4", "--no-progress", "--log-every", "1"]
+    assert main([*argv, "--steps", "2", "--save-every", "2"]) == 0
+    assert main(["train", "--resume", "--out", str(run), "--steps", "3", "--no-progress"]) == 0
+    log = (run / "train.log").read_text()
+    first, resumed = log.split("resumed from ")
+    assert "drafter: DFlash, 1 layer(s)" in first and "step 2/2 loss" in first and "trained 2 steps: loss" in first
+    assert "step 3/3 loss" in resumed and "trained 3 steps: loss" in resumed
+    assert "step 3/3 loss" in caplog.text  # the console has the lines too
+
+
+def test_the_log_file_gets_the_lines_logged_before_the_run_directory_was_known(tmp_path):
+    from dflash.run.log_file import RunLog
+
+    named = logging.getLogger("dflash.test_log_file")
+    run_log = RunLog()
+    try:
+        named.warning("said while the flags settle")
+        run_log.write_to(tmp_path)
+        named.warning("said while training")
+        run_log.note("trained 3 steps")
+    finally:
+        run_log.close()
+    named.warning("said after the command")
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "said while the flags settle",
+        "said while training",
+        "trained 3 steps",
+    ]
+    assert " WARNING dflash.test_log_file: " in lines[0]
+
+
 def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, tmp_path):
     from tiny import CONVERSATIONS
     from transformers import AutoTokenizer
