@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     else:
         shape, device = "qwen3.6-27b", "cuda"
-    from dflash.evaluate import greedy_generate, speculative_generate
+    from dflash.evaluation.decoding import greedy_generate, speculative_generate
     from dflash.target_model.rollback import STRATEGIES
 
     device = torch.device(device)

@@ -7,15 +7,16 @@ Rooms (each folder's docstring names its modules; ``tests/unit/test_package_layo
 the README's layout block complete): :mod:`~dflash.patching` (what runs inside ``import torch``),
 :mod:`~dflash.patchtools` (the tools around the series), :mod:`~dflash.target_model` (the frozen
 target), :mod:`~dflash.drafter` (the trained model), :mod:`~dflash.data` (chats to batches),
-:mod:`~dflash.run` (one run and its ``--out``), :mod:`~dflash.train` (the loop and its engines),
+:mod:`~dflash.run` (one run and its ``--out``), :mod:`~dflash.evaluation` (speculative decoding and
+tau), :mod:`~dflash.train` (the loop and its engines),
 :mod:`~dflash.commands` (the subcommands) and :mod:`~dflash.assets` (the embedded default).
 
 Modules of their own: :mod:`~dflash.cli` (the ``dflash`` command), :mod:`~dflash.config` (``dflash
 train``'s flags) with its :mod:`~dflash.choices`, :mod:`~dflash.environment` (the startup hook's
 variables), :mod:`~dflash.masks` (anchors, labels, the DFlash mask), :mod:`~dflash.devices`,
 :mod:`~dflash.distributed` (gradient sums across threads and processes), :mod:`~dflash.files`,
-:mod:`~dflash.signals` (a clean stop), :mod:`~dflash.evaluate` (speculative decoding and tau),
-:mod:`~dflash.export` (a serving directory), :mod:`~dflash.compile_watch` (what torch.compile did),
+:mod:`~dflash.signals` (a clean stop), :mod:`~dflash.export` (a serving directory),
+:mod:`~dflash.compile_watch` (what torch.compile did),
 :mod:`~dflash.profiling` (a step under the profiler), :mod:`~dflash.progress_logging` (log lines
 above progress bars) and :mod:`~dflash.watchdog` (every thread's stack on a hang).
 """

@@ -281,7 +281,7 @@ def step_settings(soft_label_weight: float = 0.0):
 
 
 class ScriptedDrafter:
-    """Stands in for a drafter in :func:`dflash.evaluate.speculative_generate`: proposes the target's
+    """Stands in for a drafter in :func:`dflash.evaluation.decoding.speculative_generate`: proposes the target's
     greedy continuation ``reference`` (generated tokens, prompt excluded) with the first ``correct``
     drafts of every block right and the rest wrong (the right token - 1, or 1 for token 0), or, with
     ``correct=None``, a count drawn uniformly from 0..Bs-1 per block (``seed``), so every rejection

@@ -2,9 +2,9 @@
 
 Prints the acceptance length tau (per step, and per prompt as z-lab's published numbers count
 it), its histogram and the speedup over target-only greedy decoding with and without prefill on
-held-out prompts (``--json`` for machine-readable output; conventions in :mod:`dflash.evaluate`).
+held-out prompts (``--json`` for machine-readable output; conventions in :mod:`dflash.evaluation.report`).
 Exits 1 when a speculative output differs from the target's greedy output in float32
-(:attr:`dflash.evaluate.EvalReport.verification_failed`), 2 on bad input.
+(:attr:`dflash.evaluation.report.EvalReport.verification_failed`), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -201,7 +201,9 @@ def _evaluate(args: argparse.Namespace):
     data = require_data_file(_held_out_data(args.data, run))
     import torch
 
-    from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
+    from dflash.evaluation.decoding import stop_token_ids
+    from dflash.evaluation.measure import evaluate, load_drafter
+    from dflash.evaluation.prompts import load_prompts
     from dflash.target_model.model import load_target
 
     device = resolve_device(args.device)

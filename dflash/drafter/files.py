@@ -14,7 +14,7 @@ each step before anything is allocated:
 3. :func:`dflash.drafter.model.load_drafter_dir`: the model is built from the config and every
    weight loaded with ``strict=True``.
 
-``dflash eval`` (:func:`dflash.evaluate.load_drafter`) and ``dflash train --init-from`` use it.
+``dflash eval`` (:func:`dflash.evaluation.measure.load_drafter`) and ``dflash train --init-from`` use it.
 
 A DFlash drafter is built for one target (arXiv 2602.06036, Sec. 3; ``docs/dflash.md``): its
 ``fc`` takes the K tapped layers' states concatenated, ``[.., K * H]`` with H the target's hidden

@@ -3,7 +3,7 @@
 Written by ``dflash eval`` (when the drafter it evaluates belongs to a run) and by ``dflash train
 --init-from`` (the starting drafter before step 1, the fine-tuned one after the last step); read by
 ``dflash export`` for the README it writes. One JSON object, ``{"measurements": [entry, ...]}``,
-oldest first; an entry is :func:`entry` (the :class:`dflash.evaluate.EvalReport` fields plus what
+oldest first; an entry is :func:`entry` (the :class:`dflash.evaluation.report.EvalReport` fields plus what
 was measured, on what and by whom).
 """
 
@@ -23,7 +23,7 @@ def entry(report, prompts, *, checkpoint: str | None, source: str) -> dict:
     """One measurement.
 
     Args:
-        report (EvalReport): what :func:`dflash.evaluate.evaluate` returned.
+        report (EvalReport): what :func:`dflash.evaluation.measure.evaluate` returned.
         prompts (HeldOutPrompts): the held-out prompts it decoded.
         checkpoint (str, optional): the step directory's name (``step_00000300``); None for a
             drafter that is not a checkpoint of the run (the ``--init-from`` starting point).

@@ -1,6 +1,6 @@
 """Putting a hybrid target's cache back to the last accepted token after a rejected draft.
 
-Greedy verification (:func:`dflash.evaluate.speculative_generate`) runs the target over a whole
+Greedy verification (:func:`dflash.evaluation.decoding.speculative_generate`) runs the target over a whole
 draft block and keeps only the tokens up to the first rejection. Attention layers keep a KV cache,
 which is cropped. Linear-attention layers (Qwen3.5 / Qwen3.6 Gated DeltaNet) keep a recurrent state
 and a conv window instead, summaries of every token they saw, which cannot be cropped: after a

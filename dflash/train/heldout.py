@@ -1,5 +1,5 @@
 """Held-out acceptance during a run (``--eval-data``, or ``--init-from``'s before and after): tau as
-``dflash eval`` measures it (:func:`dflash.evaluate.evaluate`: real greedy speculative decoding
+``dflash eval`` measures it (:func:`dflash.evaluation.measure.evaluate`: real greedy speculative decoding
 against the run's target), before step 1, every ``--eval-every`` steps and after the last step,
 into the log, TensorBoard and ``metrics.jsonl`` (``heldout/*``; step 0 before step 1) and the run's
 ``acceptance.json`` (:mod:`dflash.run.acceptance_log`, which ``dflash export`` quotes). Training
@@ -17,7 +17,9 @@ import torch
 from dflash.assets import default_data_dir
 from dflash.config import TrainConfig
 from dflash.drafter.model import AnchoredDrafter
-from dflash.evaluate import evaluate, load_prompts, stop_token_ids
+from dflash.evaluation.decoding import stop_token_ids
+from dflash.evaluation.measure import evaluate
+from dflash.evaluation.prompts import load_prompts
 from dflash.run import acceptance_log
 from dflash.run.layout import step_dir_name
 from dflash.target_model.files import context_length

@@ -13,7 +13,7 @@ from tiny import make_target, save_random_drafter
 
 from dflash.drafter.files import CheckpointError
 from dflash.drafter.model import load_drafter_dir
-from dflash.evaluate import load_drafter
+from dflash.evaluation.measure import load_drafter
 
 
 @pytest.fixture(scope="module")

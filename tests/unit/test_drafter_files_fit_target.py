@@ -12,7 +12,7 @@ import pytest
 from tiny import make_target, save_random_drafter
 
 import dflash.commands.evaluate
-import dflash.evaluate
+import dflash.evaluation.measure
 import dflash.target_model.files
 import dflash.target_model.model
 from dflash.drafter.files import CheckpointError, check_drafter_fits_target
@@ -60,7 +60,7 @@ def nothing_loads(monkeypatch):
         (dflash.commands.evaluate, "load_tokenizer"),
     ):
         monkeypatch.setattr(owner, name, fail)
-    monkeypatch.setattr(dflash.evaluate, "load_drafter", fail)
+    monkeypatch.setattr(dflash.evaluation.measure, "load_drafter", fail)
 
 
 @pytest.mark.parametrize(

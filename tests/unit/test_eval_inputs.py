@@ -12,7 +12,7 @@ from tiny import CONVERSATIONS, RecordingTokenizer, make_target, make_tokenizer,
 
 from dflash.data.chats import DatasetError
 from dflash.data.tokenize import char_budget
-from dflash.evaluate import load_prompts
+from dflash.evaluation.prompts import load_prompts
 
 
 def _chat(user: str):

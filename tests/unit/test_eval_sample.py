@@ -8,7 +8,8 @@ import logging
 import pytest
 from tiny import CONVERSATIONS, make_target, save_random_drafter, write_chat_data, write_jsonl
 
-from dflash.evaluate import Generation, bootstrap_intervals, summarize
+from dflash.evaluation.decoding import Generation
+from dflash.evaluation.report import bootstrap_intervals, summarize
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""dflash.evaluate: speculative output == greedy output; acceptance is counted right, both ways."""
+"""dflash.evaluation: speculative output == greedy output; acceptance is counted right, both ways."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,10 @@ import torch
 from tiny import ScriptedDrafter, make_target, write_chat_data
 
 from dflash.drafter.model import AnchoredDrafter, create_drafter_config
-from dflash.evaluate import Generation, evaluate, greedy_generate, load_prompts, speculative_generate, summarize
+from dflash.evaluation.decoding import Generation, greedy_generate, speculative_generate
+from dflash.evaluation.measure import evaluate
+from dflash.evaluation.prompts import load_prompts
+from dflash.evaluation.report import summarize
 from dflash.target_model.model import load_target
 
 MAX_NEW = 24
@@ -180,7 +183,7 @@ def test_a_missing_drafter_is_named_before_the_held_out_data_is_read(tmp_path, c
     def unread(*args, **kwargs):
         raise AssertionError("the held-out data was read")
 
-    monkeypatch.setattr("dflash.evaluate.load_prompts", unread)
+    monkeypatch.setattr("dflash.evaluation.prompts.load_prompts", unread)
     assert main(["eval", "--drafter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
     assert "nope: does not exist; pass a run directory" in caplog.text
 

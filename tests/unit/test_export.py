@@ -41,7 +41,7 @@ def test_the_export_loads_with_trust_remote_code_strictly_in_bf16(run, tmp_path,
     import transformers.dynamic_module_utils as dynamic_modules
     from transformers import AutoModel
 
-    from dflash.evaluate import load_drafter
+    from dflash.evaluation.measure import load_drafter
 
     run_dir, target_dir, _ = run
     out = tmp_path / "tiny-dflash"

@@ -14,7 +14,9 @@ from tiny import TINY_TRAINING, make_target, train_config, write_chat_data
 
 from dflash.cli import main
 from dflash.drafter.model import AnchoredDrafter, create_drafter_config
-from dflash.evaluate import evaluate, load_drafter, load_prompts, stop_token_ids
+from dflash.evaluation.decoding import stop_token_ids
+from dflash.evaluation.measure import evaluate, load_drafter
+from dflash.evaluation.prompts import load_prompts
 from dflash.run import acceptance_log
 from dflash.run.settle import settle
 from dflash.run.step_dirs import find_checkpoint

@@ -1,5 +1,5 @@
 """The package's structure: no import circle, and every room imports only the floors below it
-(leaves -> target_model, patchtools -> data, drafter -> run -> evaluate, export -> train -> commands),
+(leaves -> target_model, patchtools -> data, drafter -> run -> evaluation, export -> train -> commands),
 read from the sources (function-level imports count too); every module named in the README's layout
 block and in its folder's docstring; no folder named as build output is; no two classes of a folder
 named alike."""
@@ -17,7 +17,7 @@ FLOORS = (
     ("target_model", "patchtools"),
     ("data", "drafter"),
     ("run",),
-    ("evaluate", "export"),
+    ("evaluation", "export"),
     ("train",),
     ("commands",),
 )

@@ -13,7 +13,7 @@ from tiny import make_target, save_random_drafter, write_chat_data
 
 from dflash.drafter.files import WEIGHTS_NAME, CheckpointError
 from dflash.drafter.hf_config import MODELING_FILE
-from dflash.evaluate import load_drafter
+from dflash.evaluation.measure import load_drafter
 from dflash.run.checkpoint import STATE_NAME
 from dflash.run.layout import MANIFEST_NAME
 from dflash.run.step_dirs import find_checkpoint

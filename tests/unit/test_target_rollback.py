@@ -12,7 +12,7 @@ from dflash.target_model.model import load_target
 def test_speculative_decoding_equals_greedy_decoding(hybrid_dir, strategy):
     from types import SimpleNamespace
 
-    from dflash.evaluate import greedy_generate, speculative_generate
+    from dflash.evaluation.decoding import greedy_generate, speculative_generate
 
     target = load_target(hybrid_dir, layer_ids=[1, 6], device="cpu")
     config = SimpleNamespace(block_size=5, mask_token_id=3, target_layer_ids=[1, 6])
@@ -45,7 +45,7 @@ def test_a_sliding_window_target_decodes_past_its_window(tmp_path):
     from tiny import make_tokenizer
     from transformers import MistralConfig, MistralForCausalLM
 
-    from dflash.evaluate import greedy_generate, speculative_generate
+    from dflash.evaluation.decoding import greedy_generate, speculative_generate
 
     tokenizer = make_tokenizer(tmp_path)
     torch.manual_seed(0)

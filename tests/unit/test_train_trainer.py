@@ -251,7 +251,7 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
 
     from dflash.data.chats import read_conversations
     from dflash.data.regenerate import prompt_that_fits
-    from dflash.evaluate import greedy_generate
+    from dflash.evaluation.decoding import greedy_generate
 
     trainer = Trainer(
         settle(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))

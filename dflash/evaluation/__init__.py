@@ -1,0 +1,5 @@
+"""Evaluation of a drafter against its target (``dflash eval``, and the trainer's held-out
+measurement): :mod:`~dflash.evaluation.decoding` (target-only and speculative decoding),
+:mod:`~dflash.evaluation.prompts` (the held-out prompts), :mod:`~dflash.evaluation.report` (tau,
+histogram, speedup, intervals) and :mod:`~dflash.evaluation.measure` (the two decoders on the
+same prompts)."""
