@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     else:
         shape, device = "qwen3.6-27b", "cuda"
-    from dflash.evaluation.decoding import greedy_generate, speculative_generate
+    from dflash.evaluation.decoding import speculative_generate, target_generate
+    from dflash.evaluation.sampling import GREEDY_DECODER
     from dflash.target_model.rollback import STRATEGIES
 
     device = torch.device(device)
@@ -106,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, vocab, (1, args.prompt_tokens), generator=generator) for _ in range(args.prompts + 1)]
-    kwargs = dict(max_new_tokens=args.max_new_tokens, eos_ids=set())
+    kwargs = dict(max_new_tokens=args.max_new_tokens, eos_ids=set(), decoder=GREEDY_DECODER)
     ms = {name: [] for name in ("greedy", *STRATEGIES)}
     taus, mismatches = [], 0
     for i, prompt in enumerate(prompts):  # prompt 0 warms up every path
-        greedy = greedy_generate(target, prompt, **kwargs)
+        greedy = target_generate(target, prompt, **kwargs)
         runs = {"greedy": greedy}
         for strategy in STRATEGIES:
             drafter = ScriptedDrafter(

@@ -198,6 +198,13 @@ def _sglang_caveat(config) -> str:
     )
 
 
+def _decoding(measurement: dict) -> str:
+    """``greedy`` or ``sampled at temperature 1, top-p 0.9``: how a measurement chose tokens
+    (:meth:`dflash.evaluation.report.EvalReport.to_dict`; entries from before sampling are greedy)."""
+    decoding = measurement.get("decoding", "greedy")
+    return decoding if decoding == "greedy" else f"sampled at {decoding}"
+
+
 def _measured(step_dir: Path) -> str:
     """The most complete acceptance measurement kept for this checkpoint in its run's acceptance.json
     (:func:`dflash.run.acceptance_log.most_complete_for`), in words, with its 95% intervals when it
@@ -237,7 +244,7 @@ def _measured(step_dir: Path) -> str:
     return (
         f"Acceptance length tau {found['tau_per_prompt']:.3f}{interval('tau_per_prompt')} per prompt (z-lab's "
         f"convention, as its benchmark counts it) and {found['tau_per_step']:.3f}{interval('tau_per_step')} per step, "
-        f"greedy, on {prompts} of `{found['data']}` ({found['max_new_tokens']} new tokens each); speedup over "
+        f"{_decoding(found)}, on {prompts} of `{found['data']}` ({found['max_new_tokens']} new tokens each); speedup over "
         f"target-only decoding {found['speedup']:.2f}x{interval('speedup', 2)} on the machine it was measured on "
         f"({found['source']}; the most complete of the {_count(run_dir, step_dir.name)} kept for this checkpoint)."
     )

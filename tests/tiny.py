@@ -98,7 +98,37 @@ def make_target(
     tied: bool = False,
     sliding_window: int | None = None,
 ):
-    """Save a random tiny causal LM plus the tiny tokenizer in ``directory`` and return the directory.
+    """Save a random tiny causal LM (:func:`random_causal_lm`) plus the tiny tokenizer in
+    ``directory`` and return the directory."""
+    tokenizer = make_tokenizer(directory)
+    model = random_causal_lm(
+        arch,
+        vocab_size=len(tokenizer),
+        num_layers=num_layers,
+        hidden=hidden,
+        seed=seed,
+        tied=tied,
+        sliding_window=sliding_window,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.save_pretrained(directory)
+    return directory
+
+
+def random_causal_lm(
+    arch: str,
+    *,
+    vocab_size: int,
+    num_layers: int = 4,
+    hidden: int = 32,
+    seed: int = 0,
+    tied: bool = False,
+    sliding_window: int | None = None,
+    **config,
+):
+    """A random tiny causal LM of ``vocab_size`` tokens (``config``: more config fields, e.g.
+    ``initializer_range``).
 
     ``arch``: ``qwen3``, ``llama`` or ``mistral`` (dense; with ``sliding_window``, Mistral's layers
     all slide, Qwen3's second half), or one of :data:`HYBRID_ARCHS`: Qwen3.6's layout
@@ -107,7 +137,6 @@ def make_target(
     single MLP width), transformers 5 only. ``tied``: the LM head is the embedding matrix (the
     multimodal checkpoint says so at its top level, as ``save_pretrained`` writes it).
     """
-    import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -117,9 +146,8 @@ def make_target(
         Qwen3ForCausalLM,
     )
 
-    tokenizer = make_tokenizer(directory)
     common = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=num_layers,
@@ -128,23 +156,19 @@ def make_target(
         head_dim=hidden // 4,
         max_position_embeddings=512,
         tie_word_embeddings=tied,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        **config,
     )
     torch.manual_seed(seed)
     if arch == "qwen3":
         sliding = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=num_layers // 2)
-        model = Qwen3ForCausalLM(Qwen3Config(**common, **(sliding if sliding_window else {})))
-    elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
-    elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch in (*HYBRID_ARCHS, MOE_ARCH):
-        model = _hybrid_model(arch, common, hidden, tied)
-    else:
-        raise ValueError(arch)
-    model.save_pretrained(directory)
-    return directory
+        return Qwen3ForCausalLM(Qwen3Config(**common, **(sliding if sliding_window else {})))
+    if arch == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if arch in (*HYBRID_ARCHS, MOE_ARCH):
+        return _hybrid_model(arch, common, hidden, tied)
+    raise ValueError(arch)
 
 
 def _hybrid_model(arch: str, common: dict, hidden: int, tied: bool):
@@ -301,9 +325,10 @@ class ScriptedDrafter:
         return torch.tensor([drafts], device=target_hidden.device)
 
 
-def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
+def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7, arch: str = "dflash") -> Path:
     """A run directory ``out`` holding one complete checkpoint (step ``step``) of a random 1-layer
-    drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its step directory."""
+    ``arch`` drafter of block size 4 for the target in ``target_dir`` (2 tapped layers); returns its
+    step directory."""
     from transformers import AutoTokenizer
 
     from dflash.drafter.model import AnchoredDrafter, create_drafter_config
@@ -313,7 +338,7 @@ def save_random_drafter(target_dir: Path, out: Path, *, step: int = 7) -> Path:
     target = load_target(target_dir, num_capture_layers=2, device="cpu")
     mask_id = AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids("<|mask|>")
     config = create_drafter_config(
-        target.config, 1, block_size=4, target_layer_ids=target.layer_ids, mask_token_id=mask_id
+        target.config, 1, block_size=4, target_layer_ids=target.layer_ids, mask_token_id=mask_id, arch=arch
     )
     drafter = AnchoredDrafter._from_config(config)
     return save_checkpoint(

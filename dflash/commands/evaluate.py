@@ -1,10 +1,12 @@
-"""`dflash eval`: greedy speculative decoding of a trained drafter against its target.
+"""`dflash eval`: speculative decoding of a trained drafter against its target, greedy or sampled.
 
 Prints the acceptance length tau (per step, and per prompt as z-lab's published numbers count
-it), its histogram and the speedup over target-only greedy decoding with and without prefill on
+it), its histogram and the speedup over target-only decoding with and without prefill on
 held-out prompts (``--json`` for machine-readable output; conventions in :mod:`dflash.evaluation.report`).
-Exits 1 when a speculative output differs from the target's greedy output in float32
-(:attr:`dflash.evaluation.report.EvalReport.verification_failed`), 2 on bad input.
+``--temperature`` above 0 samples both (with ``--top-p``, ``--top-k``, seeded by ``--seed``) and
+verifies drafts by speculative sampling (:mod:`dflash.evaluation.sampling`); each figure then comes
+with its 95% interval. Exits 1 when a greedy speculative output differs from the target's greedy
+output in float32 (:attr:`dflash.evaluation.report.EvalReport.verification_failed`), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dflash.commands import COMMON, positive
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations, require_data_file
 from dflash.devices import check_cpu_threads, compute_dtype, resolve_device
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
+from dflash.evaluation.sampling_settings import Sampling
 from dflash.files import check_weight_files
 from dflash.run import acceptance_log
 from dflash.run.layout import SAVED_CONFIG_NAME, read_saved_config, run_of, saved_steps
@@ -34,8 +37,9 @@ def register(subparsers) -> None:
         "eval",
         parents=[COMMON],
         help="measure a drafter: acceptance length tau, histogram, speedup",
-        description="Greedy (T=0) speculative decoding with a DFlash drafter against its target on held-out "
-        "conversations (prompt = the conversation up to its first assistant turn).",
+        description="Speculative decoding with a DFlash drafter against its target on held-out conversations "
+        "(prompt = the conversation up to its first assistant turn): greedy (T=0) by default, sampled with "
+        "--temperature.",
     )
     parser.add_argument(
         "--drafter",
@@ -62,7 +66,34 @@ def register(subparsers) -> None:
         help="decode a random sample of this many of the held-out set's usable prompts, and give each figure's 95%% "
         "interval (default: all of them)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the --num-prompts sample (default: 0)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the --num-prompts sample and, with --temperature, of the sampling (default: 0)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy decoding, each speculative output checked against the target's; above 0: both methods "
+        "sample at this temperature and drafts are verified by speculative sampling (lossless: the output is "
+        "distributed as the target's own sampling), each figure with its 95%% interval (default: 0)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="with --temperature: sample from the smallest set of most likely tokens whose probability reaches "
+        "this, target and drafter alike (default: 1, every token)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="with --temperature: sample from the k most likely tokens, target and drafter alike (default: 0, "
+        "every token)",
+    )
     parser.add_argument(
         "--random-target-weights",
         action=argparse.BooleanOptionalAction,
@@ -97,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**report.to_dict(), "prompts": held_out}, indent=2))
     else:
         _print_prompts(prompts, embedded_default=args.data is None)
-        _print_report(report)
+        _print_report(report, args.seed)
     # A measurement against a wrongly verified target is no measurement: scripts must see it fail.
     return 1 if report.verification_failed else 0
 
@@ -139,9 +170,16 @@ def _interval(report, name: str, unit: str = "") -> str:
     return f" [{low:.3f}{unit}, {high:.3f}{unit}] 95%" if not unit else f" [{low:.2f}{unit}, {high:.2f}{unit}] 95%"
 
 
-def _print_report(report) -> None:
+def _print_report(report, seed: int) -> None:
     total = sum(report.histogram.values())
-    if report.mismatches:
+    greedy = report.sampling.greedy
+    if not greedy:
+        print(
+            f"sampled at {report.sampling.describe()} (--seed {seed}), target-only and speculative alike: the outputs "
+            "are draws of the target's distribution, lossless by the speculative sampling rule, not compared token "
+            "for token"
+        )
+    elif report.mismatches:
         exact = "verification is wrong" if report.verification_failed else "argmax ties, see the warning above"
         print(f"greedy check: {report.mismatches}/{report.num_prompts} outputs differ ({report.dtype}: {exact})")
     else:
@@ -150,8 +188,10 @@ def _print_report(report) -> None:
         f"acceptance length tau (block size {report.block_size}, {report.num_prompts} prompts, "
         f"{report.num_tokens} tokens, {total} steps):"
     )
-    if report.intervals:
+    if report.intervals and greedy:
         print("  (a sample: each figure with its 95% interval over samples of these prompts, percentile bootstrap)")
+    elif report.intervals:
+        print("  (sampled: each figure with its 95% interval over resamples of the prompts, percentile bootstrap)")
     print(
         f"  {report.tau_per_step:.3f}{_interval(report, 'tau_per_step')} per step   (mean over all steps; last step "
         "cut at EOS/token budget)"
@@ -166,7 +206,7 @@ def _print_report(report) -> None:
         count = report.histogram.get(length, 0)
         share = count / max(total, 1)
         print(f"  {length:3d}: {count:6d} {100 * share:5.1f}% {'#' * round(40 * share)}")
-    print("speedup over target-only greedy decoding:")
+    print(f"speedup over target-only {'greedy decoding' if greedy else 'decoding, sampled alike'}:")
     print(
         f"  {report.speedup:.2f}x{_interval(report, 'speedup', 'x')} with prefill    (target-only "
         f"{report.target_ms_per_token:.2f} ms/token, speculative {report.speculative_ms_per_token:.2f} ms/token; all "
@@ -182,7 +222,8 @@ def _print_report(report) -> None:
 
 def _evaluate(args: argparse.Namespace):
     """``(HeldOutPrompts, EvalReport, the run's train_config.json (path, flags) or None)`` of the
-    command's arguments. Every path is checked before torch and transformers load (seconds)."""
+    command's arguments. Every flag and path is checked before torch and transformers load (seconds)."""
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if not Path(args.drafter).is_dir():
         raise CheckpointError(
             f"--drafter {args.drafter}: does not exist; pass a run directory (--out of dflash "
@@ -236,6 +277,8 @@ def _evaluate(args: argparse.Namespace):
         prompts.prompts,
         max_new_tokens=args.max_new_tokens,
         eos_ids=stop_token_ids(tokenizer, target.config),
+        sampling=sampling,
+        seed=args.seed,
         progress=True,
         sample=prompts.sampled,
     )

@@ -1,13 +1,15 @@
-"""Decoding for ``dflash eval``: target-only greedy decoding and greedy (T=0) speculative decoding
-with a DFlash drafter, each timed.
+"""Decoding for ``dflash eval``: target-only decoding and speculative decoding with a DFlash
+drafter, each timed, greedy or sampled (:mod:`dflash.evaluation.sampling` chooses the tokens).
 
 One speculative step (paper Sec. 3; gpt-fast ``speculative_decode`` has the same shape):
 the drafter fills a block ``[last token, MASK x (Bs-1)]`` from the target hidden states of
-the verified prefix; the target verifies the block in one forward; drafts are accepted while
-they equal the target's argmax, and the target's next argmax is the bonus token. Each step
-therefore emits ``accepted + 1`` tokens, and the output is exactly the target's greedy output
-(:func:`greedy_generate`; ``tests/unit/test_evaluate.py`` checks it). The counts each step
-records are those of :mod:`dflash.evaluation.report`.
+the verified prefix; the target verifies the block in one forward. Greedy, drafts are accepted
+while they equal the target's argmax and the target's next argmax is the bonus token, so the
+output is exactly the target's greedy output (:func:`target_generate`;
+``tests/unit/test_evaluate.py`` checks it). Sampled, drafts are accepted by the rejection rule
+of speculative sampling and the output is distributed as the target's own sampling
+(``tests/unit/test_speculative_sampling.py`` checks it). Each step emits ``accepted + 1`` tokens;
+the counts each step records are those of :mod:`dflash.evaluation.report`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.evaluation.sampling import Decoder
 from dflash.target_model.model import Target
 from dflash.target_model.rollback import StateRollback, crop, new_cache
 
@@ -67,8 +70,11 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_ids: set[int]) -> Generation:
-    """Plain greedy decoding with the target alone, one token per forward (KV cache).
+def target_generate(
+    target: Target, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_ids: set[int], decoder: Decoder
+) -> Generation:
+    """Decoding with the target alone, one token per forward (KV cache), each token chosen by
+    ``decoder`` (the argmax, or a draw from the processed distribution).
 
     Args:
         prompt_ids: int64 ``[1, P]``.
@@ -79,7 +85,7 @@ def greedy_generate(target: Target, prompt_ids: torch.Tensor, *, max_new_tokens:
     out = target.decoder_forward(prompt_ids.to(target.device), past_key_values=cache)
     tokens, prefill_seconds = [], None
     while True:
-        token = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1]
+        token = decoder.next_token(target.lm_head(out.last_hidden_state[:, -1]))  # [1]
         tokens.append(int(token))  # int() waits for the device
         if prefill_seconds is None:
             prefill_seconds = time.perf_counter() - start
@@ -102,17 +108,20 @@ def speculative_generate(
     *,
     max_new_tokens: int,
     eos_ids: set[int],
+    decoder: Decoder,
     rollback_strategy: str = "mixers",
 ) -> Generation:
-    """Greedy speculative decoding; output identical to :func:`greedy_generate`.
+    """Speculative decoding: greedy, its output identical to :func:`target_generate`'s; sampled,
+    distributed as it (``decoder``, module docstring).
 
     A hybrid target's linear-attention states are rolled back to the last kept token after each
     rejection (:mod:`dflash.target_model.rollback`); attention layers' KV is cropped.
 
     Args:
-        drafter: an ``AnchoredDrafter`` (``draft_block``), same device as the target, tapping
-            ``target.layer_ids``.
+        drafter: an ``AnchoredDrafter`` (``draft_block``; ``block_hidden`` to sample), same device
+            as the target, tapping ``target.layer_ids``.
         prompt_ids: int64 ``[1, P]``.
+        decoder (Decoder): chooses, drafts and verifies the tokens.
         rollback_strategy (str): how a hybrid target's states advance past a rejection, one of
             :data:`dflash.target_model.rollback.STRATEGIES`.
 
@@ -132,23 +141,22 @@ def speculative_generate(
     out = target.decoder_forward(prompt_ids.to(device), past_key_values=cache)
     rollback = StateRollback.for_target(target, cache, rollback_strategy)
     context = target.select(out.hidden_states)  # [1, P, K*H]: states of every verified token
-    last = target.lm_head(out.last_hidden_state[:, -1]).argmax(-1)  # [1], no target state yet
+    last = decoder.next_token(target.lm_head(out.last_hidden_state[:, -1]))  # [1], no target state yet
     tokens, accept_lengths = [int(last)], []  # int() waits for the device
     prefill_seconds = time.perf_counter() - start
     masks = torch.full((1, block_size - 1), mask_id, dtype=torch.long, device=device)
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
         block = torch.cat([last[:, None], masks], dim=1)  # [1, Bs]
-        draft = drafter.draft_block(context, target.embed_tokens(block), target.lm_head, last)  # [1, Bs-1]
+        draft = decoder.draft(drafter, context, target.embed_tokens(block), target.lm_head, last)
         verified = context.shape[1]
-        block = torch.cat([last[:, None], draft], dim=1)
+        block = torch.cat([last[:, None], draft.tokens], dim=1)
         with rollback.verifying() if rollback else contextlib.nullcontext():
             out = target.decoder_forward(block, past_key_values=cache)
-        greedy = target.lm_head(out.last_hidden_state).argmax(-1)[0]  # [Bs]: next token after each slot
-        matches = (draft[0] == greedy[:-1]).int()
-        accepted = int(matches.cumprod(0).sum())
-        # Emit the accepted drafts and the bonus token, but nothing past EOS or the token budget:
+        # [Bs, V]: the target's logits of the token after each slot.
+        accepted, last = decoder.verify(draft, target.lm_head(out.last_hidden_state)[0])
+        # Emit the accepted drafts and the token after them, but nothing past EOS or the token budget:
         # tau counts tokens the step really contributed, so sum(accept_lengths) + 1 == len(tokens).
-        proposed = draft[0, :accepted].tolist() + [int(greedy[accepted])]
+        proposed = draft.tokens[0, :accepted].tolist() + [int(last)]
         emitted = _finish(proposed, max_new_tokens - len(tokens), eos_ids)
         tokens.extend(emitted)
         accept_lengths.append(len(emitted))
@@ -158,7 +166,6 @@ def speculative_generate(
             rollback.keep(block[:, : accepted + 1], verified)
         else:
             crop(cache, verified + accepted + 1)
-        last = greedy[accepted : accepted + 1]
     _sync(device)
     return Generation(
         tokens=tokens,

@@ -1,6 +1,6 @@
 """What ``dflash eval`` and the trainer's held-out measurement run: a drafter loaded from a run
-or a shipped directory, decoded against its target with target-only decoding on the same
-prompts, summarised as an :class:`dflash.evaluation.report.EvalReport`."""
+or a shipped directory, decoded against its target beside target-only decoding on the same
+prompts, greedily or sampled, summarised as an :class:`dflash.evaluation.report.EvalReport`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 
 from dflash.drafter.files import DRAFTER_FILES
 from dflash.drafter.model import architecture_name, load_drafter_dir
-from dflash.evaluation.decoding import greedy_generate, speculative_generate
+from dflash.evaluation.decoding import speculative_generate, target_generate
 from dflash.evaluation.report import EvalReport, bootstrap_intervals, summarize
+from dflash.evaluation.sampling import Decoder
+from dflash.evaluation.sampling_settings import Sampling
 from dflash.run.step_dirs import find_checkpoint
 from dflash.target_model.model import Target
 
@@ -52,43 +54,65 @@ def evaluate(
     *,
     max_new_tokens: int,
     eos_ids: set[int],
-    progress: bool = False,
-    sample: bool = False,
+    sampling: Sampling,
+    seed: int,
+    progress: bool,
+    sample: bool,
 ) -> EvalReport:
-    """Run target-only greedy and speculative decoding on every prompt and compare.
+    """Run target-only and speculative decoding on every prompt, both choosing tokens by
+    ``sampling``, and compare.
 
-    The first prompt is run once untimed by both methods as a warm-up. Each speculative output
-    is checked against the greedy one and the report counts the mismatches
+    The first prompt is run once untimed by both methods as a warm-up. Greedy, each speculative
+    output is checked against the target-only one and the report counts the mismatches
     (:attr:`EvalReport.verification_failed` in float32, where verification must be exact; a
     warning in bf16, where the batched verify forward and one-token decoding round differently and
-    can break argmax ties). ``sample``: the prompts are a random sample of the held-out set, and
-    the report gets the 95% interval of each figure.
+    can break argmax ties). Sampled, the two outputs of a prompt are independent draws (each
+    generation has its own stream, seeded from ``seed``, the prompt and the method), so none is
+    compared, and the report gets the 95% interval of each figure over the prompts. ``sample``:
+    the prompts are a random sample of the held-out set, and the report gets the intervals too.
     """
     from tqdm import tqdm
 
     kwargs = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    greedy_generate(target, prompts[0], **kwargs)
-    speculative_generate(target, drafter, prompts[0], **kwargs)
+    decoder = lambda prompt, method: Decoder(sampling, _generator(sampling, seed, prompt, method, target.device))
+    target_generate(target, prompts[0], decoder=decoder(-1, 0), **kwargs)
+    speculative_generate(target, drafter, prompts[0], decoder=decoder(-1, 1), rollback_strategy="mixers", **kwargs)
     plains, specs = [], []
-    for prompt in tqdm(prompts, desc="eval", disable=not progress):
-        plains.append(greedy_generate(target, prompt, **kwargs))
-        specs.append(speculative_generate(target, drafter, prompt, **kwargs))
-    report = summarize(plains, specs, block_size=drafter.config.block_size, dtype=target.dtype)
+    for index, prompt in enumerate(tqdm(prompts, desc="eval", disable=not progress)):
+        plains.append(target_generate(target, prompt, decoder=decoder(index, 0), **kwargs))
+        specs.append(
+            speculative_generate(
+                target, drafter, prompt, decoder=decoder(index, 1), rollback_strategy="mixers", **kwargs
+            )
+        )
+    report = summarize(plains, specs, block_size=drafter.config.block_size, dtype=target.dtype, sampling=sampling)
+    if sampling.greedy:
+        _check_exactness(report)
+    if sample or not sampling.greedy:
+        report.intervals = bootstrap_intervals(plains, specs)
+    return report
+
+
+def _generator(sampling: Sampling, seed: int, prompt: int, method: int, device: torch.device):
+    """The random stream of one generation (None when greedy): method 0 is target-only, 1 speculative."""
+    if sampling.greedy:
+        return None
+    return torch.Generator(device).manual_seed(((seed * 1_000_003) + prompt + 1) * 2 + method)
+
+
+def _check_exactness(report: EvalReport) -> None:
     if report.verification_failed:
         logger.error(
             "%d/%d speculative outputs differ from the target's greedy output in float32: verification is wrong, so "
             "is the acceptance measured; please report it",
             report.mismatches,
-            len(prompts),
+            report.num_prompts,
         )
     elif report.mismatches:
         logger.warning(
             "%d/%d speculative outputs differ from the target's greedy output: in %s the batched verify forward and "
             "one-token decoding round differently and can break argmax ties; rerun with float32 to check exactness",
             report.mismatches,
-            len(prompts),
+            report.num_prompts,
             report.dtype,
         )
-    if sample:
-        report.intervals = bootstrap_intervals(plains, specs)
-    return report

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.evaluation.decoding import Generation
+from dflash.evaluation.sampling_settings import Sampling
 
 
 @dataclass
@@ -49,11 +50,14 @@ class EvalReport:
         target_decode_ms_per_token, speculative_decode_ms_per_token (float): mean over prompts of
             the decoding time per output token.
         num_prompts, num_tokens, block_size (int): speculative output tokens over all prompts.
-        intervals (dict[str, tuple[float, float]]): for a sample of the held-out prompts, the 95%
-            interval of each of tau_per_step, tau_per_prompt, speedup and decode_speedup
-            (:func:`bootstrap_intervals`); empty for the whole set.
-        mismatches (int): prompts whose speculative output differs from the target's greedy output.
+        intervals (dict[str, tuple[float, float]]): for a sample of the held-out prompts or a
+            sampled measurement, the 95% interval of each of tau_per_step, tau_per_prompt, speedup
+            and decode_speedup (:func:`bootstrap_intervals`); empty for the whole set decoded greedily.
+        mismatches (int, optional): prompts whose speculative output differs from the target's greedy
+            output; None when sampled (two draws of one distribution are not compared).
         dtype (str): the target's dtype during the measurement (``"float32"``, ``"bfloat16"``).
+        temperature, top_p (float), top_k (int): how both methods chose tokens
+            (:class:`dflash.evaluation.sampling.Sampling`; temperature 0 is greedy).
     """
 
     tau_per_step: float
@@ -69,24 +73,35 @@ class EvalReport:
     num_tokens: int
     block_size: int
     intervals: dict = field(default_factory=dict)
-    mismatches: int = 0
+    mismatches: int | None = 0
     dtype: str = "float32"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def sampling(self) -> Sampling:
+        """How both methods chose tokens."""
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
     @property
     def verification_failed(self) -> bool:
         """Whether a speculative output differed from greedy decoding in float32, where verification
         is exact (in lower precision the batched verify forward may break argmax ties otherwise)."""
-        return self.mismatches > 0 and self.dtype == "float32"
+        return bool(self.mismatches) and self.dtype == "float32"
 
     def to_dict(self) -> dict:
-        return {k: (dict(sorted(v.items())) if isinstance(v, dict) else v) for k, v in vars(self).items()}
+        """The fields, and ``decoding``: how tokens were chosen, in words (``greedy``, ``temperature 1, top-p 0.9``)."""
+        fields = {k: (dict(sorted(v.items())) if isinstance(v, dict) else v) for k, v in vars(self).items()}
+        return {**fields, "decoding": self.sampling.describe()}
 
 
 def summarize(
-    plains: list[Generation], specs: list[Generation], *, block_size: int, dtype: torch.dtype = torch.float32
+    plains: list[Generation], specs: list[Generation], *, block_size: int, dtype: torch.dtype, sampling: Sampling
 ) -> EvalReport:
     """The report of target-only (``plains``) and speculative (``specs``) generations of the same
-    prompts by a target in ``dtype``, in both conventions of the module docstring.
+    prompts by a target in ``dtype``, both choosing tokens by ``sampling``, in both conventions of
+    the module docstring.
 
     A generation without steps (its prefill token was a stop token, or the whole budget) has no
     per-prompt tau and is left out of ``tau_per_prompt``; a figure with nothing to average is NaN.
@@ -110,8 +125,11 @@ def summarize(
         num_prompts=len(specs),
         num_tokens=sum(len(s.tokens) for s in specs),
         block_size=block_size,
-        mismatches=sum(plain.tokens != spec.tokens for plain, spec in zip(plains, specs)),
+        mismatches=sum(plain.tokens != spec.tokens for plain, spec in zip(plains, specs)) if sampling.greedy else None,
         dtype=str(dtype).removeprefix("torch."),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
     )
 
 

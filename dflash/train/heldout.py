@@ -20,6 +20,7 @@ from dflash.drafter.model import AnchoredDrafter
 from dflash.evaluation.decoding import stop_token_ids
 from dflash.evaluation.measure import evaluate
 from dflash.evaluation.prompts import load_prompts
+from dflash.evaluation.sampling_settings import GREEDY
 from dflash.run import acceptance_log
 from dflash.run.layout import step_dir_name
 from dflash.target_model.files import context_length
@@ -73,6 +74,10 @@ class HeldOutAcceptance:
             self.prompts.prompts,
             max_new_tokens=self.prompts.max_new_tokens,
             eos_ids=stop_token_ids(self.tokenizer, target.config),
+            sampling=GREEDY,
+            seed=0,
+            progress=False,
+            sample=False,
         )
         seconds = time.perf_counter() - began
         against = " against the FP8 target" if self.config.target_dtype == "fp8" else ""

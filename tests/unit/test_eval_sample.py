@@ -1,15 +1,19 @@
 """``dflash eval`` reports on the whole held-out set by default; ``--num-prompts N`` is a random sample,
-said so, with each figure's 95% interval; prompts that are also the training data's are warned about;
-a run with no checkpoint yet is called that. The CLI tests decode a few tokens on a tiny target."""
+said so, with each figure's 95% interval; ``--temperature`` samples, for DFlash and DFlash2, each
+figure with its interval, the same digits for the same ``--seed``; bad sampling flags are refused
+first; prompts that are also the training data's are warned about; a run with no checkpoint yet is
+called that. The CLI tests decode a few tokens on a tiny target."""
 
 import json
 import logging
 
 import pytest
+import torch
 from tiny import CONVERSATIONS, make_target, save_random_drafter, write_chat_data, write_jsonl
 
 from dflash.evaluation.decoding import Generation
 from dflash.evaluation.report import bootstrap_intervals, summarize
+from dflash.evaluation.sampling_settings import GREEDY
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +61,43 @@ def test_a_sample_is_said_to_be_one_with_each_figures_interval(run, tmp_path, ca
     assert all(low <= high for low, high in report["intervals"].values())
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_a_sampled_eval_gives_each_figure_its_interval(run, tmp_path, capsys, arch):
+    run_dir = tmp_path / "run"
+    save_random_drafter(run[0].parent / "target", run_dir, arch=arch)
+    data = write_jsonl(tmp_path / "heldout.jsonl", [{"messages": c} for c in CONVERSATIONS[:3]])
+    sampled = ("--temperature", "1.0", "--top-p", "0.9", "--target", str(run[0].parent / "target"))
+    _eval(run_dir, data, *sampled)
+    out = capsys.readouterr().out
+    assert "sampled at temperature 1, top-p 0.9 (--seed 0)" in out and "greedy check" not in out
+    assert "(sampled: each figure with its 95% interval" in out and out.count("] 95%") == 4
+    reports = []
+    for seed in ("0", "0"):
+        _eval(run_dir, data, *sampled, "--seed", seed, "--json")
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0]["decoding"] == "temperature 1, top-p 0.9" and reports[0]["mismatches"] is None
+    assert set(reports[0]["intervals"]) == {"tau_per_step", "tau_per_prompt", "speedup", "decode_speedup"}
+    same = ("tau_per_step", "tau_per_prompt", "histogram", "num_tokens")
+    assert [reports[0][k] for k in same] == [reports[1][k] for k in same]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--top-p", "0.9"], "top-p 0.9 / top-k 0 with temperature 0"),
+        (["--temperature", "-1"], "temperature must be 0 (greedy) or a positive number, got -1.0"),
+        (["--temperature", "1", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+        (["--temperature", "1", "--top-k", "-2"], "top-k must be 0 (every token) or a positive count, got -2"),
+    ],
+)
+def test_bad_sampling_flags_are_refused_before_anything_loads(tmp_path, caplog, flags, named):
+    from dflash.cli import main
+
+    with caplog.at_level(logging.ERROR):
+        assert main(["eval", "--drafter", str(tmp_path / "nowhere"), *flags]) == 2
+    assert named in caplog.text and "nowhere" not in caplog.text
+
+
 def test_bootstrap_intervals_resample_prompts():
     def prompt(lengths, seconds=1.0):
         tokens = list(range(sum(lengths) + 1))
@@ -69,7 +110,9 @@ def test_bootstrap_intervals_resample_prompts():
     mixed = [prompt([1, 1, 1]) for _ in range(10)] + [prompt([8, 8]) for _ in range(10)]
     plains, specs = map(list, zip(*mixed))
     low, high = bootstrap_intervals(plains, specs)["tau_per_step"]
-    assert 1 < low < summarize(plains, specs, block_size=8).tau_per_step < high < 8
+    assert (
+        1 < low < summarize(plains, specs, block_size=8, dtype=torch.float32, sampling=GREEDY).tau_per_step < high < 8
+    )
 
 
 def test_prompts_of_the_training_data_are_warned_about(run, caplog):

@@ -8,10 +8,12 @@ import torch
 from tiny import ScriptedDrafter, make_target, write_chat_data
 
 from dflash.drafter.model import AnchoredDrafter, create_drafter_config
-from dflash.evaluation.decoding import Generation, greedy_generate, speculative_generate
+from dflash.evaluation.decoding import Generation, speculative_generate, target_generate
 from dflash.evaluation.measure import evaluate
 from dflash.evaluation.prompts import load_prompts
 from dflash.evaluation.report import summarize
+from dflash.evaluation.sampling import GREEDY_DECODER
+from dflash.evaluation.sampling_settings import GREEDY
 from dflash.target_model.model import load_target
 
 MAX_NEW = 24
@@ -46,8 +48,10 @@ def test_speculative_output_equals_greedy_output(setup):
     target, tokenizer, prompts = setup
     drafter = _random_drafter(target, tokenizer)
     for prompt in prompts:
-        plain = greedy_generate(target, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
-        spec = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
+        plain = target_generate(target, prompt, max_new_tokens=MAX_NEW, eos_ids=set(), decoder=GREEDY_DECODER)
+        spec = speculative_generate(
+            target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set(), decoder=GREEDY_DECODER
+        )
         assert len(plain.tokens) == MAX_NEW
         assert spec.tokens == plain.tokens
         assert sum(spec.accept_lengths) + 1 == len(spec.tokens)  # the first token comes from the prefill
@@ -57,35 +61,46 @@ def test_speculative_output_equals_greedy_output(setup):
 def test_acceptance_length_counts_accepted_drafts_plus_the_bonus(setup, correct):
     target, tokenizer, prompts = setup
     prompt = prompts[0]
-    reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
+    reference = target_generate(
+        target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set(), decoder=GREEDY_DECODER
+    ).tokens
     drafter = ScriptedDrafter(_random_drafter(target, tokenizer).config, reference, prompt.shape[1], correct=correct)
-    spec = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set())
+    spec = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW, eos_ids=set(), decoder=GREEDY_DECODER)
     assert spec.tokens == reference[:MAX_NEW]
     assert spec.accept_lengths[:-1] == [correct + 1] * (len(spec.accept_lengths) - 1)
 
 
 def test_generation_stops_at_eos_like_greedy(setup):
     target, tokenizer, prompts = setup
-    reference = greedy_generate(target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=set()).tokens
+    reference = target_generate(
+        target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=set(), decoder=GREEDY_DECODER
+    ).tokens
     eos = {reference[5]}
-    plain = greedy_generate(target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos)
+    plain = target_generate(target, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos, decoder=GREEDY_DECODER)
     spec = speculative_generate(
-        target, _random_drafter(target, tokenizer), prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos
+        target,
+        _random_drafter(target, tokenizer),
+        prompts[1],
+        max_new_tokens=MAX_NEW,
+        eos_ids=eos,
+        decoder=GREEDY_DECODER,
     )
     assert spec.tokens == plain.tokens == reference[: reference.index(reference[5]) + 1]
     assert sum(spec.accept_lengths) + 1 == len(spec.tokens)  # nothing counted past EOS
     oracle = ScriptedDrafter(_random_drafter(target, tokenizer).config, reference, prompts[1].shape[1], correct=3)
-    spec = speculative_generate(target, oracle, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos)
+    spec = speculative_generate(target, oracle, prompts[1], max_new_tokens=MAX_NEW, eos_ids=eos, decoder=GREEDY_DECODER)
     assert spec.tokens == plain.tokens and sum(spec.accept_lengths) + 1 == len(spec.tokens)
 
 
 def test_the_last_step_is_cut_at_the_budget(setup):
     target, tokenizer, prompts = setup
     prompt = prompts[0]
-    reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
+    reference = target_generate(
+        target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set(), decoder=GREEDY_DECODER
+    ).tokens
     oracle = ScriptedDrafter(_random_drafter(target, tokenizer).config, reference, prompt.shape[1], correct=3)
     # 1 prefill token + 2 full steps of 4 + a last step cut from 4 to 2 tokens by the budget.
-    spec = speculative_generate(target, oracle, prompt, max_new_tokens=11, eos_ids=set())
+    spec = speculative_generate(target, oracle, prompt, max_new_tokens=11, eos_ids=set(), decoder=GREEDY_DECODER)
     assert spec.tokens == reference[:11]
     assert spec.accept_lengths == [4, 4, 2]
     assert 0 < spec.prefill_seconds < spec.seconds
@@ -101,7 +116,7 @@ def test_summarize_reports_both_conventions():
         _generation(10, 1.0, 0.5, [3, 2, 4]),  # last step cut at EOS
         _generation(4, 0.5, 0.1, [3]),
     ]
-    report = summarize(plains, specs, block_size=8)
+    report = summarize(plains, specs, block_size=8, dtype=torch.float32, sampling=GREEDY)
     assert report.tau_per_step == pytest.approx((3 + 2 + 4 + 3) / 4)
     assert report.tau_per_prompt == pytest.approx(((3 + 2 + 4) / 3 + 3) / 2)
     assert report.histogram == {2: 1, 3: 2, 4: 1}
@@ -113,7 +128,13 @@ def test_summarize_reports_both_conventions():
     assert report.speculative_decode_ms_per_token == pytest.approx(1e3 * (0.5 / 10 + 0.4 / 4) / 2)
     assert report.decode_speedup == pytest.approx((1.8 / 10 + 0.8 / 4) / (0.5 / 10 + 0.4 / 4))
     # A prompt that ended at the prefill token has no steps: left out of the per-prompt mean.
-    report = summarize(plains + [_generation(1, 0.1, 0.1)], specs + [_generation(1, 0.1, 0.1)], block_size=8)
+    report = summarize(
+        plains + [_generation(1, 0.1, 0.1)],
+        specs + [_generation(1, 0.1, 0.1)],
+        block_size=8,
+        dtype=torch.float32,
+        sampling=GREEDY,
+    )
     assert report.tau_per_prompt == pytest.approx(((3 + 2 + 4) / 3 + 3) / 2)
 
 
@@ -121,7 +142,17 @@ def test_evaluate_reports_tau_histogram_and_speedup(setup, capsys):
     from dflash.commands.evaluate import _print_report
 
     target, tokenizer, prompts = setup
-    report = evaluate(target, _random_drafter(target, tokenizer), prompts, max_new_tokens=8, eos_ids=set())
+    report = evaluate(
+        target,
+        _random_drafter(target, tokenizer),
+        prompts,
+        max_new_tokens=8,
+        eos_ids=set(),
+        sampling=GREEDY,
+        seed=0,
+        progress=False,
+        sample=False,
+    )
     assert report.num_prompts == 3 and report.num_tokens == 24
     assert sum(report.histogram.values()) > 0 and set(report.histogram) <= set(range(1, 5))
     steps = sum(report.histogram.values())
@@ -133,7 +164,7 @@ def test_evaluate_reports_tau_histogram_and_speedup(setup, capsys):
     )
     keys = set(json.loads(json.dumps(report.to_dict())))
     assert {"tau_per_step", "tau_per_prompt", "histogram", "speedup", "decode_speedup"} <= keys
-    _print_report(report)
+    _print_report(report, 0)
     printed = capsys.readouterr().out
     assert f"{report.tau_per_step:.3f} per step" in printed and f"{report.tau_per_prompt:.3f} per prompt" in printed
     assert "with prefill" in printed and "without prefill" in printed
@@ -144,7 +175,7 @@ def test_drafter_tapping_other_layers_is_rejected(setup):
     drafter = _random_drafter(target, tokenizer)
     drafter.config.dflash_config["target_layer_ids"] = [0, 3]
     with pytest.raises(ValueError, match=r"drafter taps target layers \[0, 3\]"):
-        speculative_generate(target, drafter, prompts[0], max_new_tokens=4, eos_ids=set())
+        speculative_generate(target, drafter, prompts[0], max_new_tokens=4, eos_ids=set(), decoder=GREEDY_DECODER)
 
 
 def test_eval_command_reports_a_missing_drafter(tmp_path, caplog):
@@ -227,19 +258,23 @@ def _z_lab_acceptance_lengths(
 def test_tau_per_prompt_counts_exactly_what_z_lab_s_loop_counts(setup, max_new_tokens, stop_at):
     target, tokenizer, prompts = setup
     prompt = prompts[0]
-    reference = greedy_generate(target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set()).tokens
+    reference = target_generate(
+        target, prompt, max_new_tokens=MAX_NEW + 8, eos_ids=set(), decoder=GREEDY_DECODER
+    ).tokens
     stop_ids = set() if stop_at is None else {reference[stop_at]}
     drafter = _random_drafter(target, tokenizer)
     oracle = ScriptedDrafter(drafter.config, reference, prompt.shape[1], correct=3)
-    spec = speculative_generate(target, oracle, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids)
-    plain = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids)
+    spec = speculative_generate(
+        target, oracle, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids, decoder=GREEDY_DECODER
+    )
+    plain = target_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=stop_ids, decoder=GREEDY_DECODER)
     assert spec.tokens == plain.tokens
     assert sum(spec.accept_lengths) + 1 == len(spec.tokens)
     z_lab = _z_lab_acceptance_lengths(
         reference, 3, max_new_tokens=max_new_tokens, block_size=drafter.config.block_size, stop_ids=stop_ids
     )
     assert spec.accept_lengths == z_lab
-    report = summarize([plain], [spec], block_size=drafter.config.block_size)
+    report = summarize([plain], [spec], block_size=drafter.config.block_size, dtype=torch.float32, sampling=GREEDY)
     if z_lab:
         assert report.tau_per_prompt == pytest.approx(sum(z_lab) / len(z_lab))
     else:  # z-lab's mean of no steps is NaN; the prompt is left out

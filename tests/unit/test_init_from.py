@@ -17,6 +17,7 @@ from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.evaluation.decoding import stop_token_ids
 from dflash.evaluation.measure import evaluate, load_drafter
 from dflash.evaluation.prompts import load_prompts
+from dflash.evaluation.sampling_settings import GREEDY
 from dflash.run import acceptance_log
 from dflash.run.settle import settle
 from dflash.run.step_dirs import find_checkpoint
@@ -87,7 +88,15 @@ def test_training_starts_from_the_drafter_and_measures_acceptance_before_and_aft
     tokenizer = load_tokenizer(assets["target"])
     prompts = load_prompts(tokenizer, assets["heldout"], num_prompts=3, context=512, max_new_tokens=12)
     report = evaluate(
-        target, drafter, prompts.prompts, max_new_tokens=12, eos_ids=stop_token_ids(tokenizer, target.config)
+        target,
+        drafter,
+        prompts.prompts,
+        max_new_tokens=12,
+        eos_ids=stop_token_ids(tokenizer, target.config),
+        sampling=GREEDY,
+        seed=0,
+        progress=False,
+        sample=False,
     )
     assert (before["tau_per_prompt"], before["tau_per_step"]) == (report.tau_per_prompt, report.tau_per_step)
     # The fine-tuned checkpoint keeps the drafter's shape, window, taps, mask token and RoPE.

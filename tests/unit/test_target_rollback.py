@@ -5,6 +5,7 @@ import pytest
 import torch
 from tiny import ScriptedDrafter
 
+from dflash.evaluation.sampling import GREEDY_DECODER
 from dflash.target_model.model import load_target
 
 
@@ -12,17 +13,23 @@ from dflash.target_model.model import load_target
 def test_speculative_decoding_equals_greedy_decoding(hybrid_dir, strategy):
     from types import SimpleNamespace
 
-    from dflash.evaluation.decoding import greedy_generate, speculative_generate
+    from dflash.evaluation.decoding import speculative_generate, target_generate
 
     target = load_target(hybrid_dir, layer_ids=[1, 6], device="cpu")
     config = SimpleNamespace(block_size=5, mask_token_id=3, target_layer_ids=[1, 6])
     lengths = []
     for seed in range(3):
         prompt = torch.randint(5, 200, (1, 7 + 3 * seed), generator=torch.Generator().manual_seed(seed))
-        greedy = greedy_generate(target, prompt, max_new_tokens=24, eos_ids=set())
+        greedy = target_generate(target, prompt, max_new_tokens=24, eos_ids=set(), decoder=GREEDY_DECODER)
         drafter = ScriptedDrafter(config, greedy.tokens, prompt.shape[1], seed=seed)
         spec = speculative_generate(
-            target, drafter, prompt, max_new_tokens=24, eos_ids=set(), rollback_strategy=strategy
+            target,
+            drafter,
+            prompt,
+            max_new_tokens=24,
+            eos_ids=set(),
+            rollback_strategy=strategy,
+            decoder=GREEDY_DECODER,
         )
         assert spec.tokens == greedy.tokens
         lengths += spec.accept_lengths
@@ -45,7 +52,7 @@ def test_a_sliding_window_target_decodes_past_its_window(tmp_path):
     from tiny import make_tokenizer
     from transformers import MistralConfig, MistralForCausalLM
 
-    from dflash.evaluation.decoding import greedy_generate, speculative_generate
+    from dflash.evaluation.decoding import speculative_generate, target_generate
 
     tokenizer = make_tokenizer(tmp_path)
     torch.manual_seed(0)
@@ -63,8 +70,11 @@ def test_a_sliding_window_target_decodes_past_its_window(tmp_path):
     MistralForCausalLM(config).save_pretrained(tmp_path)
     target = load_target(tmp_path, layer_ids=[1, 2], device="cpu")
     prompt = torch.randint(5, 200, (1, 12), generator=torch.Generator().manual_seed(0))
-    greedy = greedy_generate(target, prompt, max_new_tokens=30, eos_ids=set())
+    greedy = target_generate(target, prompt, max_new_tokens=30, eos_ids=set(), decoder=GREEDY_DECODER)
     drafter = ScriptedDrafter(
         SimpleNamespace(block_size=4, mask_token_id=3, target_layer_ids=[1, 2]), greedy.tokens, prompt.shape[1], seed=0
     )
-    assert speculative_generate(target, drafter, prompt, max_new_tokens=30, eos_ids=set()).tokens == greedy.tokens
+    assert (
+        speculative_generate(target, drafter, prompt, max_new_tokens=30, eos_ids=set(), decoder=GREEDY_DECODER).tokens
+        == greedy.tokens
+    )

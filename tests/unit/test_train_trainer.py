@@ -251,7 +251,8 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
 
     from dflash.data.chats import read_conversations
     from dflash.data.regenerate import prompt_that_fits
-    from dflash.evaluation.decoding import greedy_generate
+    from dflash.evaluation.decoding import target_generate
+    from dflash.evaluation.sampling import GREEDY_DECODER
 
     trainer = Trainer(
         settle(_config(assets, tmp_path, responses="target", regenerate_max_new_tokens=6, steps=1, seq_len=96))
@@ -265,11 +266,12 @@ def test_responses_regenerated_by_the_target_replace_the_corpus_replies(assets, 
     ]
     history, reply = regenerated[0][:-1], regenerated[0][-1]
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    greedy = greedy_generate(
+    greedy = target_generate(
         trainer.engine.target,
         torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]]),
         max_new_tokens=6,
         eos_ids={tokenizer.eos_token_id},
+        decoder=GREEDY_DECODER,
     )
     assert reply == {"role": "assistant", "content": tokenizer.decode(greedy.tokens, skip_special_tokens=True)}
 
