@@ -203,6 +203,10 @@ class TrainConfig:
     --num-prompts --seed 0 draws it)."""
     eval_max_new_tokens: int = 64
     """Tokens generated per held-out prompt."""
+    eval_temperature: float = 0.0
+    """Temperature of that acceptance: 0 decodes greedily (each output checked against the target's); above 0 both
+    methods sample at it and drafts are verified by speculative sampling, as dflash eval --temperature measures (seed
+    0, every token: no top-p or top-k)."""
 
     # ---- schedule -------------------------------------------------------------------------
     steps: int | None = 300
@@ -335,6 +339,11 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_layer_types is not None:
             parse_layer_types(self.draft_layer_types)
+        if self.eval_temperature < 0:
+            raise ValueError(
+                f"eval_temperature must be 0 (greedy) or a positive number, got {self.eval_temperature} "
+                "(--eval-temperature)"
+            )
         if self.eval_every is not None and not (self.eval_data or self.init_from):
             raise ValueError(
                 "eval_every: held-out acceptance needs held-out conversations; pass --eval-data FILE (JSONL chats)"

@@ -1,9 +1,10 @@
 """Held-out acceptance during a run (``--eval-data``, or ``--init-from``'s before and after): tau as
-``dflash eval`` measures it (:func:`dflash.evaluation.measure.evaluate`: real greedy speculative decoding
-against the run's target), before step 1, every ``--eval-every`` steps and after the last step,
-into the log, TensorBoard and ``metrics.jsonl`` (``heldout/*``; step 0 before step 1) and the run's
-``acceptance.json`` (:mod:`dflash.run.acceptance_log`, which ``dflash export`` quotes). Training
-waits while it runs; rank 0 measures, the other processes wait at their next collective.
+``dflash eval`` measures it (:func:`dflash.evaluation.measure.evaluate`: real speculative decoding
+against the run's target, greedy or sampled at ``--eval-temperature``), before step 1, every
+``--eval-every`` steps and after the last step, into the log, TensorBoard and ``metrics.jsonl``
+(``heldout/*``; step 0 before step 1) and the run's ``acceptance.json``
+(:mod:`dflash.run.acceptance_log`, which ``dflash export`` quotes). Training waits while it runs;
+rank 0 measures, the other processes wait at their next collective.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dflash.drafter.model import AnchoredDrafter
 from dflash.evaluation.decoding import stop_token_ids
 from dflash.evaluation.measure import evaluate
 from dflash.evaluation.prompts import load_prompts
-from dflash.evaluation.sampling_settings import GREEDY
+from dflash.evaluation.sampling_settings import Sampling
 from dflash.run import acceptance_log
 from dflash.run.layout import step_dir_name
 from dflash.target_model.files import context_length
@@ -34,7 +35,8 @@ class HeldOutAcceptance:
 
     Args:
         config (TrainConfig): ``eval_data`` (empty: the embedded held-out set), ``eval_prompts``,
-            ``eval_max_new_tokens``, ``eval_every``, ``init_from``, ``target_dtype``, ``out``.
+            ``eval_max_new_tokens``, ``eval_temperature``, ``eval_every``, ``init_from``,
+            ``target_dtype``, ``out``.
         tokenizer: the target's.
         target_dir (Path): the target's directory (its context length bounds the prompts).
 
@@ -74,18 +76,20 @@ class HeldOutAcceptance:
             self.prompts.prompts,
             max_new_tokens=self.prompts.max_new_tokens,
             eos_ids=stop_token_ids(self.tokenizer, target.config),
-            sampling=GREEDY,
+            sampling=Sampling(temperature=self.config.eval_temperature, top_p=1.0, top_k=0),
             seed=0,
             progress=False,
             sample=False,
         )
         seconds = time.perf_counter() - began
         against = " against the FP8 target" if self.config.target_dtype == "fp8" else ""
+        sampled = "" if report.sampling.greedy else f", sampled at {report.sampling.describe()}"
         logger.info(
-            "held-out acceptance %s%s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
+            "held-out acceptance %s%s%s: tau %.3f per prompt (z-lab's convention), %.3f per step, on %d prompts of %s "
             "(%.1f s, %.0f%% of the run's time so far)",
             when,
             against,
+            sampled,
             report.tau_per_prompt,
             report.tau_per_step,
             report.num_prompts,
@@ -97,9 +101,10 @@ class HeldOutAcceptance:
         figures = {
             "heldout/tau_per_prompt": report.tau_per_prompt,
             "heldout/tau_per_step": report.tau_per_step,
-            "heldout/mismatches": report.mismatches,
             "heldout/seconds": seconds,
         }
+        if report.mismatches is not None:  # greedy: the exactness check
+            figures["heldout/mismatches"] = report.mismatches
         log.record(step, figures)
         origin = f" --init-from {self.config.init_from}" if self.config.init_from else ""
         acceptance_log.record(
@@ -108,6 +113,6 @@ class HeldOutAcceptance:
                 report,
                 self.prompts,
                 checkpoint=step_dir_name(step) if saved else None,
-                source=f"dflash train{origin}{against} ({when})",
+                source=f"dflash train{origin}{against}{sampled} ({when})",
             ),
         )

@@ -1,6 +1,7 @@
 """Held-out acceptance during a run trained from scratch (`--eval-data`, `--eval-every`): measured
 before step 1, every N steps and after the last, as dflash eval measures it, into the log,
-metrics.jsonl, TensorBoard and acceptance.json, without changing what the run trains."""
+metrics.jsonl, TensorBoard and acceptance.json, without changing what the run trains; at
+`--eval-temperature` sampled, as dflash eval --temperature measures it."""
 
 from __future__ import annotations
 
@@ -57,3 +58,23 @@ def test_a_scratch_run_measures_acceptance_every_n_steps_without_changing_its_tr
     # --save-every 3: step 6's checkpoint is the last one; steps 2 and 4 have none.
     assert [m["checkpoint"] for m in log] == [None, None, None, step_dir_name(6)]
     assert {m["data"] for m in log} == {str(inputs["heldout"])}
+
+
+def test_held_out_acceptance_is_measured_at_the_chosen_temperature(inputs, tmp_path, caplog):
+    heldout = dict(eval_data=str(inputs["heldout"]), eval_prompts=2, eval_max_new_tokens=8, eval_temperature=1.0)
+    with caplog.at_level("INFO", logger="dflash.train"):
+        _train(inputs, tmp_path / "sampled", **heldout)
+    assert caplog.text.count("held-out acceptance") == 2 and caplog.text.count("sampled at temperature 1:") == 2
+    log = acceptance_log.read(tmp_path / "sampled")
+    assert [m["decoding"] for m in log] == ["temperature 1", "temperature 1"]
+    assert all(m["mismatches"] is None and set(m["intervals"]) >= {"tau_per_prompt"} for m in log)
+    rows = [json.loads(line) for line in (tmp_path / "sampled" / "metrics.jsonl").read_text().splitlines()]
+    measurements = [row for row in rows if "heldout/tau_per_prompt" in row]
+    assert len(measurements) == 2 and not any("heldout/mismatches" in row for row in measurements)
+
+
+def test_a_negative_held_out_temperature_is_refused():
+    from dflash.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"eval_temperature must be 0 \(greedy\) or a positive number, got -0.5"):
+        TrainConfig(eval_temperature=-0.5)
