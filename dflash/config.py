@@ -42,6 +42,8 @@ Responses = Literal["auto", "data", "target"]
 MissingGold = Literal["exclude", "insert"]
 #: ``--compile``.
 Compile = Literal["auto", "on", "off"]
+#: ``--selector-target``: what DFlash2's selector is trained towards (:mod:`dflash.train.selector_loss`).
+SelectorTarget = Literal["hard", "soft"]
 #: ``--compile-scope`` (:mod:`dflash.train.regions`).
 CompileScope = Literal["regional", "step"]
 #: ``--target-dtype`` (:mod:`dflash.target_model.fp8`).
@@ -189,6 +191,11 @@ class TrainConfig:
     """DFlash2: slots whose true token is not among the top-K candidates: `insert` it as the K-th candidate
     (speculators; more held-out acceptance in our measurement, docs/results.md) or `exclude` them from the selector's
     loss (SpecForge, NeMo: only what serving can select)."""
+    selector_target: SelectorTarget = "hard"
+    """DFlash2: what the selector learns over each slot's candidates: `hard`, a cross-entropy to the true token (the
+    public trainers'); `soft`, the target's own distribution over them (a KL to its softmax restricted to the
+    candidates), what sampling at T > 0 draws the path from. `soft` reads the target's last hidden state, as
+    --soft-label-weight does."""
 
     # ---- held-out acceptance ------------------------------------------------------------------
     eval_data: str | None = None

@@ -279,20 +279,21 @@ def micro_batch(drafter, seed: int, device="cpu", dtype=torch.float32):
     return target, anchors.to(device), valid.to(device)
 
 
-def loss_settings(*, block_size: int, mask_token_id: int = 0, **flags):
+def loss_settings(*, block_size: int, mask_token_id: int = 0, selector: bool = True, **flags):
     """:class:`dflash.train.loss_settings.LossSettings` as ``dflash train`` builds it from
     :class:`dflash.config.TrainConfig`'s defaults and ``flags`` (config field names: ``gamma``,
-    ``loss_chunk_blocks``, ``dpace``, ``selector_missing_gold`` ...): the tests write no defaults of their own."""
+    ``loss_chunk_blocks``, ``dpace``, ``selector_missing_gold`` ...) for a drafter with a selector
+    (DFlash2) or, ``selector=False``, without: the tests write no defaults of their own."""
     from dflash.config import TrainConfig
     from dflash.train.loss_settings import LossSettings
 
     config = TrainConfig(**flags)
-    return LossSettings.from_config(config, block_size=block_size, mask_token_id=mask_token_id)
+    return LossSettings.from_config(config, block_size=block_size, mask_token_id=mask_token_id, selector=selector)
 
 
-def step_settings(soft_label_weight: float = 0.0):
+def step_settings(soft_label_weight: float = 0.0, selector_target: str = "hard"):
     """:func:`loss_settings` for :func:`tiny_drafter`: chunks of 4 blocks, gamma 2, DFlash2's selector
-    at weight 0.5 with ``insert``."""
+    at weight 0.5 with ``insert``, towards ``selector_target``."""
     return loss_settings(
         block_size=4,
         mask_token_id=63,
@@ -301,6 +302,7 @@ def step_settings(soft_label_weight: float = 0.0):
         soft_label_weight=soft_label_weight,
         selector_loss_weight=0.5,
         selector_missing_gold="insert",
+        selector_target=selector_target,
     )
 
 

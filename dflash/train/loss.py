@@ -112,7 +112,8 @@ def dflash_loss(
         label_mask (Tensor): bool ``[B, N, Bs]``.
         weights (Tensor): float ``[Bs]`` per-slot weights (:meth:`LossSettings.position_weight`).
         settings (LossSettings): chunk size, position weighting, soft-label and selector weights,
-            the missing-gold rule; ``soft_label_weight > 0`` needs ``teacher_hidden`` and ``anchors``.
+            the missing-gold rule and the selector's target; ``soft_label_weight > 0`` and the soft
+            selector target (:attr:`LossSettings.soft_selector`) need ``teacher_hidden`` and ``anchors``.
         teacher_hidden (Tensor, optional): ``[B, S, H]`` the verifier's last hidden state (the
             input of its ``lm_head``, after the final norm). Slot k of the block anchored at a is
             matched to the target's next-token distribution at position ``a + k - 1``, the
@@ -146,15 +147,16 @@ def dflash_loss(
         )
     if q_len != num_blocks * block_size:
         raise ValueError(f"hidden has {q_len} rows, not a multiple of block size {block_size}")
-    soft = settings.soft_label_weight > 0.0
-    if soft and (teacher_hidden is None or anchors is None or anchors.shape != (batch, num_blocks)):
-        raise ValueError(
-            f"soft_label_weight > 0 needs teacher_hidden [B, S, H] and anchors [B, N] = {(batch, num_blocks)}, got "
-            f"{None if anchors is None else tuple(anchors.shape)}"
-        )
     selecting = selector is not None and settings.selector_weight > 0
     if selecting and (predecessors is None or predecessors.shape != labels.shape):
         raise ValueError(f"a selector needs predecessors [B, N, Bs] = {tuple(labels.shape)}")
+    # The target's distribution is read by soft labels and by the selector's soft target.
+    soft = settings.soft_label_weight > 0.0 or (selecting and settings.soft_selector)
+    if soft and (teacher_hidden is None or anchors is None or anchors.shape != (batch, num_blocks)):
+        raise ValueError(
+            "soft labels and the soft selector target need teacher_hidden [B, S, H] and anchors [B, N] = "
+            f"{(batch, num_blocks)}, got {None if anchors is None else tuple(anchors.shape)}"
+        )
 
     rows = hidden.reshape(batch * num_blocks, block_size, hidden_size)
     labels = labels.reshape(batch * num_blocks, block_size)
@@ -166,7 +168,8 @@ def dflash_loss(
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
     weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
-    slates: list[tuple[Tensor, Tensor, Tensor]] = []  # per chunk: candidates, their logits, slot weights
+    # Per chunk: candidates, their logits, slot weights, the target's logits of the candidates.
+    slates: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
     # split, not a slice per chunk: autograd then gathers the chunks' gradients in one cat, where
     # each slice's backward would build a zero tensor of rows' full size and add it to the rest.
     chunk_blocks = settings.chunk_blocks
@@ -198,7 +201,7 @@ def dflash_loss(
         return LossOutput(loss_sum, weight_sum, correct, total, zero, None)
     # The selector's loss over all blocks at once, outside the chunks: its codebooks' gradients
     # are then formed once per micro-batch, not as a dense [V, r] tensor per chunk.
-    candidates, candidate_logits, slot_weights = (torch.cat(parts) for parts in zip(*slates))
+    candidates, candidate_logits, slot_weights, target_logits = (torch.cat(parts) for parts in zip(*slates))
     selected = (selector_fn or selector_loss)(
         selector,
         rows,
@@ -207,6 +210,7 @@ def dflash_loss(
         slot_weights,
         labels,
         predecessors.reshape(batch * num_blocks, block_size),
+        target_logits if settings.soft_selector else None,
     )
     drafter_sum = loss_sum.detach()
     objective = loss_sum + settings.selector_weight * selected
@@ -224,7 +228,7 @@ def chunk_loss(
     *,
     top_k: int,
     logit_transform=None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One chunk of :func:`dflash_loss` (its arguments, cut to the chunk's C blocks): ``rows``
     ``[C, Bs, H]``, ``labels``/``label_mask`` ``[C, Bs]``, ``teacher`` ``[C, Bs, H]`` or None.
     ``top_k`` > 0 (a DFlash2 selector's K) also picks each slot's candidates for
@@ -234,16 +238,19 @@ def chunk_loss(
 
     Returns:
         (loss sum, normaliser, correct ``[Bs]``, candidates int64 ``[C, Bs, K]``, their float32
-        logits ``[C, Bs, K]``, slot weights float32 ``[C, Bs]``): the loss sum and the candidates'
-        logits carry gradients to ``rows``; without ``top_k`` the candidates and logits are empty.
+        logits ``[C, Bs, K]``, slot weights float32 ``[C, Bs]``, the target's float32 logits of the
+        candidates ``[C, Bs, K]`` from ``teacher``): the loss sum and the candidates' logits carry
+        gradients to ``rows``; without ``top_k`` the candidates and logits are empty, and so are the
+        target's logits without ``settings.soft_selector``.
     """
+    soft_labels = teacher if settings.soft_label_weight > 0 else None
     objective, normaliser, correct, candidates, logits, slot_weights = _FusedChunkLoss.apply(
         rows,
         lm_head_weight,
         labels,
         label_mask,
         weights,
-        teacher,
+        soft_labels,
         settings.soft_label_weight,
         settings.position_weighting,
         settings.dpace_alpha,
@@ -251,7 +258,19 @@ def chunk_loss(
         settings.missing_gold == "insert",
         logit_transform,
     )
-    return objective, normaliser, correct, candidates, logits, slot_weights
+    target_logits = _target_logits(teacher, lm_head_weight, candidates) if top_k and settings.soft_selector else None
+    if target_logits is None:
+        target_logits = logits.new_zeros(0)
+    return objective, normaliser, correct, candidates, logits, slot_weights, target_logits
+
+
+def _target_logits(teacher: Tensor, lm_head_weight: Tensor, candidates: Tensor) -> Tensor:
+    """float32 ``[C, Bs, K]``: the target's logits of each slot's candidates (int64 ``[C, Bs, K]``)
+    from its last hidden states ``teacher`` ``[C, Bs, H]`` through its frozen head; no gradient.
+    Only the candidates' head rows are read (``[C, Bs, K, H]``, as the backward of their logits
+    reads them), never the vocabulary."""
+    rows = lm_head_weight[candidates]
+    return torch.einsum("cbh,cbkh->cbk", teacher.detach().to(rows.dtype), rows).float()
 
 
 def _teacher_rows(teacher_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from dflash.choices import check_choices
-from dflash.config import MissingGold, paper_gamma
+from dflash.config import MissingGold, SelectorTarget, paper_gamma
 
 #: ``decay``: the paper's ``exp(-(k-1)/gamma)`` (arXiv 2602.06036, Sec. 3.3); ``dpace``: D-PACE's
 #: confidence weights (arXiv 2605.18810; ``--dpace``).
@@ -50,6 +50,8 @@ class LossSettings:
         chunk_blocks (int): draft blocks per chunk of the LM head + loss, >= 1.
         selector_weight (float): DFlash2: weight of the selector's loss (:mod:`dflash.train.selector_loss`), >= 0.
         missing_gold (MissingGold): DFlash2: a slot whose true token is not a candidate: ``exclude`` or ``insert``.
+        selector_target (SelectorTarget, optional): DFlash2: ``hard`` (the true token) or ``soft`` (the target's
+            distribution over the candidates); None for a drafter without a selector.
 
     Raises:
         ValueError: a value out of its range or choices (names the field).
@@ -64,6 +66,7 @@ class LossSettings:
     chunk_blocks: int
     selector_weight: float
     missing_gold: MissingGold
+    selector_target: SelectorTarget | None
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -80,10 +83,11 @@ class LossSettings:
             raise ValueError(f"selector_weight must be >= 0, got {self.selector_weight}")
 
     @classmethod
-    def from_config(cls, config, *, block_size: int, mask_token_id: int) -> LossSettings:
+    def from_config(cls, config, *, block_size: int, mask_token_id: int, selector: bool) -> LossSettings:
         """The settings of a run of :class:`dflash.config.TrainConfig` ``config`` whose drafter has
         ``block_size`` and ``mask_token_id`` (its config's: ``--init-from`` and ``--resume`` keep the
-        drafter's own); ``--gamma`` empty takes :func:`dflash.config.paper_gamma`."""
+        drafter's own) and, if ``selector``, DFlash2's candidate selector; ``--gamma`` empty takes
+        :func:`dflash.config.paper_gamma`."""
         return cls(
             mask_token_id=mask_token_id,
             block_size=block_size,
@@ -94,12 +98,19 @@ class LossSettings:
             chunk_blocks=config.loss_chunk_blocks,
             selector_weight=config.selector_loss_weight,
             missing_gold=config.selector_missing_gold,
+            selector_target=config.selector_target if selector else None,
         )
 
     @property
     def needs_last_hidden(self) -> bool:
-        """Soft labels read the target's last hidden state; otherwise it is never moved."""
-        return self.soft_label_weight > 0
+        """Soft labels and the soft selector target read the target's last hidden state; otherwise it is
+        never moved."""
+        return self.soft_label_weight > 0 or self.soft_selector
+
+    @property
+    def soft_selector(self) -> bool:
+        """Whether a selector is trained towards the target's distribution (and is trained at all)."""
+        return self.selector_target == "soft" and self.selector_weight > 0
 
     def position_weight(self, device: torch.device | str) -> torch.Tensor:
         """float32 ``[Bs]`` slot weights on ``device`` (:func:`position_weights`)."""

@@ -12,6 +12,18 @@ NeMo: serving can only select among the candidates) or gets it as the K-th candi
 the weakest (speculators). The selector's gradient also reaches the drafter through the logits
 and the hidden state, as in both trainers by default.
 
+``soft`` (``--selector-target soft``, not in the public trainers) trains the selector towards what
+sampling needs instead: vLLM and SGLang draw DFlash2's path at the request's temperature from the
+softmax of the selector's scores over the candidates and verify it with that distribution (the
+proposal q of speculative sampling, :mod:`dflash.evaluation.sampling`), and a draft is accepted
+with probability min(1, p / q), so a slot accepts ``sum_x min(p(x), q(x))`` in expectation: the
+closer q is to the target's p, the more. The soft target is the target's distribution at the slot
+(its LM head on its last hidden state, the distribution it verifies the slot with) restricted to
+the candidates and renormalised, and the loss the cross-entropy to it (a KL up to the target's own
+entropy), teacher-forced and weighted as the hard one; every supervised slot counts. At T = 1 a
+perfect fit makes q equal p on the candidates; scores matching log p up to a constant make
+``softmax(scores / T)`` the target's own tempered distribution at any T.
+
 The candidates and their logits come from the chunks of the drafter's loss, which compute the
 logits anyway (:func:`dflash.train.loss.chunk_loss`); the selector's loss then runs
 once over every block of the micro-batch, so its codebooks' gradients (``[V, r]`` each, dense: an
@@ -32,10 +44,12 @@ def selector_loss(
     slot_weights: Tensor,
     labels: Tensor,
     predecessors: Tensor,
+    target_logits: Tensor | None,
 ) -> Tensor:
-    """Weighted sum over slots of the selector's cross-entropy (module docstring).
+    """Weighted sum over slots of the selector's cross-entropy (module docstring): to the true token,
+    or with ``target_logits`` to the target's distribution over the candidates.
 
-    A slot whose true token is not among its candidates counts for nothing (``exclude``); for
+    Hard, a slot whose true token is not among its candidates counts for nothing (``exclude``); for
     ``insert`` the candidates already hold it (:func:`dflash.train.loss.chunk_loss`).
 
     Args:
@@ -48,11 +62,16 @@ def selector_loss(
             unsupervised).
         labels (Tensor): int64 ``[C, Bs]``, the true token of each slot.
         predecessors (Tensor): int64 ``[C, Bs]``, the true token before each slot.
+        target_logits (Tensor, optional): float32 ``[C, Bs, K]``, the target's logits of the
+            candidates (no gradient): the soft target; None: the hard one.
 
     Returns:
         Tensor: float32 scalar, differentiable in the selector, ``hidden`` and ``candidate_logits``.
     """
     scores = selector.scores(hidden, candidate_logits, candidates, predecessors).float()
+    if target_logits is not None:
+        soft_cross_entropy = -(target_logits.softmax(-1) * scores.log_softmax(-1)).sum(-1)
+        return (slot_weights * soft_cross_entropy).sum()
     hit = candidates == labels[..., None]
     cross_entropy = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
     return (slot_weights * hit.any(-1) * cross_entropy.view_as(labels)).sum()

@@ -176,7 +176,10 @@ class Trainer:
             check_free_space(self.out, checkpoint_size=self._checkpoint_size(drafter), keep_last=config.keep_last)
         self.eval_target = targets[0]
         self.settings = LossSettings.from_config(
-            config, block_size=drafter.config.block_size, mask_token_id=drafter.config.mask_token_id
+            config,
+            block_size=drafter.config.block_size,
+            mask_token_id=drafter.config.mask_token_id,
+            selector=drafter.config.is_dflash2,
         )
         self.dynamo_warnings = DynamoWarnings()
         self.total_steps = self._total_steps()

@@ -19,6 +19,7 @@ CHOICE_FIELDS = {
     "overflow",
     "responses",
     "selector_missing_gold",
+    "selector_target",
     "compile",
     "compile_scope",
     "target_dtype",

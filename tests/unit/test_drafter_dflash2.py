@@ -214,10 +214,10 @@ def _selected(selector, hidden, head, labels, predecessors, weights, *, insert_g
     """The selector's loss on the candidates a loss chunk picks for it."""
     mask = torch.ones_like(labels, dtype=torch.bool)
     settings = _settings(selector_missing_gold="insert" if insert_gold else "exclude")
-    *_, candidates, logits, slot_weights = chunk_loss(
+    *_, candidates, logits, slot_weights, _ = chunk_loss(
         hidden, head, labels, mask, weights, None, settings, top_k=selector.top_k
     )
-    return candidates, selector_loss(selector, hidden, candidates, logits, slot_weights, labels, predecessors)
+    return candidates, selector_loss(selector, hidden, candidates, logits, slot_weights, labels, predecessors, None)
 
 
 def _settings(**flags):
@@ -240,6 +240,52 @@ def test_the_selector_loss_counts_only_slots_it_can_select_unless_the_true_token
     assert inserted > excluded
     inserted.backward()
     assert hidden.grad.abs().sum() > 0 and selector.successor_codebook.grad[labels.flatten()].abs().sum() > 0
+
+
+def test_the_soft_selector_target_is_the_targets_distribution_over_the_candidates():
+    selector = create_and_randomize_selector()
+    hidden, head, labels, predecessors, weights = _loss_inputs()
+    gen = torch.Generator().manual_seed(9)
+    teacher = torch.randn(2, 6, 32, generator=gen)  # the target's last hidden state of 6 positions
+    anchors = torch.tensor([[0], [2]])  # slot k of the block anchored at a reads position a + k - 1
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    settings = _settings(selector_target="soft", selector_missing_gold="exclude")
+    out = dflash_loss(
+        hidden.reshape(2, 4, 32),
+        head,
+        labels[:, None],
+        mask[:, None],
+        weights,
+        settings,
+        teacher_hidden=teacher,
+        anchors=anchors,
+        selector=selector,
+        predecessors=predecessors[:, None],
+    )
+    # Spelled out: every slot, the candidates' scores against the target's softmax over them.
+    expected = 0.0
+    for row in range(2):
+        for slot in range(4):
+            logits = hidden[row, slot].detach() @ head.t()
+            candidates = logits.topk(selector.top_k).indices
+            position = max(int(anchors[row, 0]) + slot - 1, 0)
+            target = (teacher[row, position] @ head[candidates].t()).softmax(-1)
+            scores = selector.scores(hidden[row, slot], logits[candidates], candidates, predecessors[row, slot])
+            expected = expected + weights[slot] * -(target * scores.log_softmax(-1)).sum()
+    torch.testing.assert_close(out.selector_sum, expected.detach())
+    out.loss_sum.backward()
+    assert hidden.grad.abs().sum() > 0 and selector.successor_codebook.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="the soft selector target need teacher_hidden"):
+        dflash_loss(
+            hidden,
+            head,
+            labels[:, None],
+            mask[:, None],
+            weights,
+            settings,
+            selector=selector,
+            predecessors=predecessors[:, None],
+        )
 
 
 def test_the_selectors_codebooks_get_one_gradient_per_micro_batch_not_one_per_loss_chunk():
@@ -459,7 +505,9 @@ def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_ba
     grad = torch.randn(3, 4, 5, generator=gen)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        *_, candidates, logits, _ = _chunk(hidden, weight, labels, _settings(selector_missing_gold="insert"), top_k=5)
+        *_, candidates, logits, _, _ = _chunk(
+            hidden, weight, labels, _settings(selector_missing_gold="insert"), top_k=5
+        )
     assert max(saved) <= hidden.numel()
     (logits * grad).sum().backward()
     ours, hidden.grad = hidden.grad, None
@@ -484,7 +532,7 @@ def test_the_candidates_logits_compiled_in_float32_give_eagers_gradient():
 
     def gradient(fn):
         hidden = hidden0.clone().requires_grad_(True)
-        loss, _, _, _, logits, _ = fn(hidden, weight, labels, settings, top_k=3)
+        loss, _, _, _, logits, _, _ = fn(hidden, weight, labels, settings, top_k=3)
         (loss + logits.square().sum()).backward()
         return hidden.grad
 
@@ -514,6 +562,8 @@ def test_selector_flags_on_a_dflash_drafter_are_refused(tmp_path):
     target = make_target(tmp_path / "target", num_layers=5)
     with pytest.raises(ValueError, match="--selector-loss-weight 0.5: the candidate selector is DFlash2's"):
         resolve_drafter_shape(TrainConfig(target=str(target), selector_loss_weight=0.5))
+    with pytest.raises(ValueError, match="--selector-target soft: the candidate selector is DFlash2's"):
+        resolve_drafter_shape(TrainConfig(target=str(target), selector_target="soft"))
     assert resolve_drafter_shape(TrainConfig(target=str(target), arch="dflash2", selector_loss_weight=0.5))
 
 

@@ -45,7 +45,7 @@ def test_the_settings_have_no_defaults_and_cannot_change():
 
 def test_the_settings_are_the_configs():
     config = TrainConfig(dpace=True, dpace_alpha=0.25, soft_label_weight=0.5, loss_chunk_blocks=3)
-    settings = LossSettings.from_config(config, block_size=16, mask_token_id=9)
+    settings = LossSettings.from_config(config, block_size=16, mask_token_id=9, selector=True)
     assert settings == LossSettings(
         mask_token_id=9,
         block_size=16,
@@ -56,6 +56,7 @@ def test_the_settings_are_the_configs():
         chunk_blocks=3,
         selector_weight=config.selector_loss_weight,
         missing_gold=config.selector_missing_gold,
+        selector_target=config.selector_target,
     )
     default = loss_settings(block_size=8)
     assert (default.missing_gold, default.position_weighting, default.gamma) == ("insert", "decay", 4.0)
@@ -88,3 +89,11 @@ def test_paper_gamma_and_position_weights():
 def test_bad_settings_are_refused_when_built(field, value, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(loss_settings(block_size=8), **{field: value})
+
+
+def test_the_soft_selector_target_reads_the_targets_last_hidden_state_only_with_a_selector():
+    assert not loss_settings(block_size=8).needs_last_hidden
+    assert loss_settings(block_size=8, selector_target="soft").needs_last_hidden
+    assert not loss_settings(block_size=8, selector_target="soft", selector_loss_weight=0.0).needs_last_hidden
+    dflash = loss_settings(block_size=8, selector_target="soft", selector=False)
+    assert dflash.selector_target is None and not dflash.needs_last_hidden
