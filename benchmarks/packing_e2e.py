@@ -9,6 +9,8 @@
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --arch dflash2 --block-size 8 --modes packed
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --modes packed --target-dtypes auto,fp8
     python benchmarks/packing_e2e.py --recipe specforge                    # SpecForge's 27B DFlash2 recipe
+    python benchmarks/packing_e2e.py --shape qwen3.6-27b --arch dflash2 --block-size 8 --modes packed \
+        --selector-codebooks projected                                    # codebooks from the embeddings
 
 One run trains the same drafter on the same conversations twice through the real CLI, ``python -m
 dflash train ... --pack`` and ``... --no-pack``, each in a fresh interpreter, and prints one table:
@@ -251,6 +253,10 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool, target
         flags["compile-scope"] = args.compile_scope
     if args.arch:
         flags["arch"] = args.arch
+    if args.selector_codebooks:
+        flags["selector-codebooks"] = args.selector_codebooks
+    if args.selector_target:
+        flags["selector-target"] = args.selector_target
     if target_dtype != "auto":
         flags["target-dtype"] = target_dtype
     if args.profile_step:
@@ -347,6 +353,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default=None)
     parser.add_argument("--compile-scope", choices=("step", "regional"), default=None, help="default: the trainer's")
     parser.add_argument("--arch", choices=("dflash", "dflash2"), default=None, help="drafter architecture")
+    parser.add_argument(
+        "--selector-codebooks",
+        choices=("tables", "projected"),
+        default=None,
+        help="DFlash2: dflash train --selector-codebooks (default: the trainer's, tables)",
+    )
+    parser.add_argument(
+        "--selector-target",
+        choices=("hard", "soft"),
+        default=None,
+        help="DFlash2: dflash train --selector-target (default: the trainer's)",
+    )
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per training run")

@@ -44,6 +44,8 @@ MissingGold = Literal["exclude", "insert"]
 Compile = Literal["auto", "on", "off"]
 #: ``--selector-target``: what DFlash2's selector is trained towards (:mod:`dflash.train.selector_loss`).
 SelectorTarget = Literal["hard", "soft"]
+#: ``--selector-codebooks``: DFlash2's selector codebooks in training (:mod:`dflash.drafter.codebooks`).
+SelectorCodebooks = Literal["tables", "projected"]
 #: ``--compile-scope`` (:mod:`dflash.train.regions`).
 CompileScope = Literal["regional", "step"]
 #: ``--target-dtype`` (:mod:`dflash.target_model.fp8`).
@@ -196,6 +198,11 @@ class TrainConfig:
     public trainers'); `soft`, the target's own distribution over them (a KL to its softmax restricted to the
     candidates), what sampling at T > 0 draws the path from. `soft` reads the target's last hidden state, as
     --soft-label-weight does."""
+    selector_codebooks: SelectorCodebooks = "tables"
+    """DFlash2: how the selector's predecessor and successor codebooks are trained: `tables`, free [vocab, rank]
+    tables (the published checkpoints' and the public trainers'); `projected`, rank x hidden projections of the
+    target's frozen token embeddings (3 x hidden x rank selector parameters, what the DFlash2 blog's count suggests).
+    Checkpoints hold the tables either way (projected ones materialised), in the published format."""
 
     # ---- held-out acceptance ------------------------------------------------------------------
     eval_data: str | None = None
@@ -384,6 +391,12 @@ class TrainConfig:
             paper_gamma(self.block_size)
         if not 0.0 <= self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+        if self.selector_codebooks == "projected" and self.init_from:
+            raise ValueError(
+                "selector_codebooks projected trains new codebooks from the target's embeddings; the --init-from "
+                "drafter brings tables of its own: drop --selector-codebooks projected to fine-tune them, or "
+                "--init-from to train projected ones"
+            )
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if not 0.0 <= self.soft_label_weight <= 1.0:

@@ -130,7 +130,8 @@ def save_checkpoint(
         training_state: what :func:`load_training_state` returns on resume; None for a
             weights-only export. When ``dtype`` changes a weight's dtype, the training state also
             keeps the weights as given under :data:`MASTER_WEIGHTS_KEY`, so a resume is exact
-            (:func:`resume_weights`).
+            (:func:`resume_weights`); one that holds that key already (the training weights of a
+            drafter whose ``weights`` are its published form: projected selector codebooks) keeps it.
         keep_last: complete checkpoints to keep; older ones are deleted after the save.
         dtype: dtype of the floating weights in ``model.safetensors`` (see
             :func:`resolve_save_dtype`); None saves them as they are.
@@ -145,7 +146,8 @@ def save_checkpoint(
     """
     exported = {k: _export(v, dtype) for k, v in weights.items()}
     config = portable_config(drafter_config, dtype=_single_dtype(exported))
-    if training_state is not None and any(exported[k].dtype != v.dtype for k, v in weights.items()):
+    narrowed = any(exported[k].dtype != v.dtype for k, v in weights.items())
+    if training_state is not None and MASTER_WEIGHTS_KEY not in training_state and narrowed:
         master = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
         training_state = {**training_state, MASTER_WEIGHTS_KEY: master}
 

@@ -180,7 +180,7 @@ def _refuse_selector_flags_without_a_selector(config: TrainConfig) -> None:
     defaults = TrainConfig.defaults()
     given = [
         f"--{name.replace('_', '-')} {getattr(config, name)}"
-        for name in ("selector_loss_weight", "selector_missing_gold", "selector_target")
+        for name in ("selector_loss_weight", "selector_missing_gold", "selector_target", "selector_codebooks")
         if getattr(config, name) != defaults[name]
     ]
     if config.arch == "dflash" and given:

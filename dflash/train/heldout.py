@@ -17,6 +17,7 @@ import torch
 
 from dflash.assets import default_data_dir
 from dflash.config import TrainConfig
+from dflash.drafter.codebooks import published_state_dict
 from dflash.drafter.model import AnchoredDrafter
 from dflash.evaluation.decoding import stop_token_ids
 from dflash.evaluation.measure import evaluate
@@ -69,7 +70,7 @@ class HeldOutAcceptance:
         began = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
             copy = AnchoredDrafter._from_config(drafter.config, attn_implementation="sdpa", dtype=target.dtype)
-        copy.load_state_dict(drafter.state_dict())
+        copy.load_state_dict(published_state_dict(drafter))
         report = evaluate(
             target,
             copy.to(target.device).eval(),

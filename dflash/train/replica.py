@@ -16,6 +16,7 @@ import torch
 
 from dflash.compile_watch import DynamoWarnings, StepWatch
 from dflash.distributed import FlatGradients, sum_replicas
+from dflash.drafter.codebooks import ProjectedSelector
 from dflash.train.loss_settings import LossSettings
 from dflash.train.regions import compile_step
 from dflash.train.step import StatsLayout, drafter_forward_loss
@@ -124,6 +125,11 @@ def build_replicas(
                 watch=StepWatch(name, regions, warnings),
             )
         )
+    # After every copy is made, so none copies another device's embeddings.
+    for replica in replicas:
+        selector = getattr(replica.model, "candidate_selector", None)
+        if isinstance(selector, ProjectedSelector):
+            selector.attach(replica.heads.embed_tokens.weight, replica.heads.lm_head.weight)
     return replicas
 
 

@@ -38,6 +38,7 @@ from dflash.compile_watch import DynamoWarnings
 from dflash.config import TrainConfig
 from dflash.devices import DeviceLayout, Slot, compute_dtype, parse_layout, resolve_device
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
+from dflash.drafter.codebooks import project_codebooks, published_state_dict
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.drafter.mask_token import resolve_mask_token_id
 from dflash.drafter.model import AnchoredDrafter, architecture_name, drafter_config, load_drafter_dir
@@ -255,7 +256,10 @@ class Trainer:
             is_causal=resumed.get("is_causal"),
         )
         # Built on the host from the seeded RNG: the same initial weights on CPU and GPU.
-        return AnchoredDrafter._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+        drafter = AnchoredDrafter._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
+        if cfg.selector_codebooks == "projected":
+            project_codebooks(drafter)
+        return drafter
 
     def _build_engine(self, targets, drafter) -> StepEngine:
         cfg = self.config
@@ -445,10 +449,13 @@ class Trainer:
         if not self.is_main:
             return None
         self._keep_compile_artifacts()
+        weights = published_state_dict(self.drafter)
+        if weights.keys() != self.drafter.state_dict().keys():  # projected codebooks: resume from the projections
+            state[checkpoint.MASTER_WEIGHTS_KEY] = {k: v.detach().cpu() for k, v in self.drafter.state_dict().items()}
         return checkpoint.save_checkpoint(
             self.out,
             self.step,
-            weights=self.drafter.state_dict(),
+            weights=weights,
             drafter_config=self.drafter.config.to_diff_dict(),
             training_state=state,
             keep_last=self.config.keep_last,
@@ -458,6 +465,8 @@ class Trainer:
     def _checkpoint_size(self, drafter) -> int:
         export = checkpoint.resolve_save_dtype(self.config.save_dtype, self._compute_dtype)
         parameters = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        if self.config.selector_codebooks == "projected":  # the tables are exported beside the projections kept
+            parameters += 2 * drafter.config.vocab_size * drafter.config.dflash2_value("selector_rank")
         return checkpoint_bytes(parameters, export_itemsize=export.itemsize)
 
     @property

@@ -161,3 +161,30 @@ def _compare_with_zlab(tmp_path, monkeypatch, ours, saved, *, head_scale: float 
         f"ours vs z-lab 07ebd93, files {saved}, run in float32, {ours.config.layer_types}, transforms "
         f"{ours.config.transforms}: max abs difference {differences}"
     )
+
+
+def test_an_exported_run_with_projected_codebooks_loads_in_zlabs_reference(tmp_path):
+    """A run trained with --selector-codebooks projected exports the published tables: z-lab's
+    loader finds every weight it expects and nothing else, and its codebooks are the projections'
+    tables (bf16, as dflash export writes them)."""
+    from safetensors.torch import load_file
+    from tiny import make_target, train_config, write_chat_data
+
+    from dflash.export import export
+    from dflash.run.settle import settle
+    from dflash.train.trainer import Trainer
+
+    target, data = make_target(tmp_path / "target", num_layers=5), write_chat_data(tmp_path / "chats.jsonl")
+    flags = dict(arch="dflash2", selector_codebooks="projected", steps=2, num_target_layers=2)
+    trainer = Trainer(settle(train_config(target=target, data=data, out=tmp_path / "run", **flags)))
+    trainer.train()
+    out = export(tmp_path / "run", tmp_path / "exported-dflash", dtype="bfloat16")
+    theirs, loading = _zlab().DFlash2DraftModel.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
+    )
+    assert not any(loading.values()), loading  # nothing missing, unexpected or mismatched
+    predecessors, successors = trainer.drafter.candidate_selector.tables()
+    saved = load_file(str(out / "model.safetensors"))
+    for name, table in (("predecessor_codebook", predecessors), ("successor_codebook", successors)):
+        torch.testing.assert_close(saved[f"candidate_selector.{name}"].float(), table.to(torch.bfloat16).float())
+        torch.testing.assert_close(getattr(theirs.candidate_selector, name).weight, table.to(torch.bfloat16).float())

@@ -20,6 +20,7 @@ CHOICE_FIELDS = {
     "responses",
     "selector_missing_gold",
     "selector_target",
+    "selector_codebooks",
     "compile",
     "compile_scope",
     "target_dtype",

@@ -1,0 +1,107 @@
+"""dflash.drafter.codebooks: a selector whose codebooks are projected from the target's frozen
+embeddings scores as the tables it materialises; a run trained so checkpoints those tables in the
+published layout (loaded strictly, with nothing missing or unexpected) and resumes exactly from the
+projections; the flag is refused where it cannot apply."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import make_target, record_losses, train_config, write_chat_data
+
+from dflash.drafter.codebooks import PROJECTION_NAMES, ProjectedSelector
+from dflash.drafter.modeling_dflash import CandidateSelector
+from dflash.run.settle import settle
+from dflash.train.trainer import Trainer
+
+
+def test_the_projected_codebooks_score_as_the_tables_they_materialise():
+    torch.manual_seed(0)
+    hidden_size, vocab, rank, top_k = 16, 40, 8, 5
+    projected = ProjectedSelector(hidden_size, rank, top_k)
+    for weight in projected.parameters():
+        torch.nn.init.normal_(weight)
+    inputs, outputs = torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size)
+    projected.attach(inputs, outputs)
+    assert sum(p.numel() for p in projected.parameters()) == 3 * hidden_size * rank
+    tables = CandidateSelector(hidden_size, vocab, rank, top_k)
+    predecessors, successors = projected.tables()
+    assert predecessors.shape == successors.shape == (vocab, rank)
+    tables.load_state_dict(
+        {
+            "hidden_projection.weight": projected.hidden_projection.weight,
+            "predecessor_codebook": predecessors,
+            "successor_codebook": successors,
+        }
+    )
+    hidden, logits = torch.randn(3, 4, hidden_size), torch.randn(3, 4, vocab)
+    anchors = torch.randint(0, vocab, (3,))
+    candidates = logits.topk(top_k).indices
+    previous = torch.randint(0, vocab, (3, 4))
+    torch.testing.assert_close(
+        projected.scores(hidden, logits.gather(-1, candidates), candidates, previous),
+        tables.scores(hidden, logits.gather(-1, candidates), candidates, previous),
+    )
+    assert torch.equal(projected.walk(hidden, logits, anchors), tables.walk(hidden, logits, anchors))
+
+
+def test_a_projected_selector_needs_the_targets_embeddings():
+    with pytest.raises(RuntimeError, match=r"call attach\(embed_tokens.weight, lm_head.weight\) first"):
+        ProjectedSelector(8, 4, 2).tables()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("codebooks")
+    return {"target": make_target(root / "target", num_layers=5), "data": write_chat_data(root / "train.jsonl")}
+
+
+def _config(assets, out, **overrides):
+    flags = dict(arch="dflash2", selector_codebooks="projected", steps=4, save_every=2, num_target_layers=2)
+    return train_config(**{"target": assets["target"], "data": assets["data"], "out": out, **flags, **overrides})
+
+
+def test_a_projected_run_checkpoints_the_published_tables_and_resumes_exactly(assets, tmp_path):
+    from dflash.drafter.model import load_drafter_dir
+    from dflash.run.step_dirs import find_checkpoint
+
+    reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full"))))
+    reference.train()
+    selector = reference.drafter.candidate_selector
+    assert isinstance(selector, ProjectedSelector)
+    hidden, rank = reference.drafter.config.hidden_size, reference.drafter.config.dflash2_value("selector_rank")
+    assert sum(p.numel() for p in selector.parameters()) == 3 * hidden * rank
+
+    # The checkpoint is a published DFlash2 drafter: tables, no projections, loaded strictly.
+    step_dir = find_checkpoint(tmp_path / "full")
+    published = load_drafter_dir(step_dir, dtype=torch.float32)
+    predecessors, successors = selector.tables()
+    torch.testing.assert_close(published.candidate_selector.predecessor_codebook, predecessors)
+    torch.testing.assert_close(published.candidate_selector.successor_codebook, successors)
+    saved = load_file(str(step_dir / "model.safetensors"))
+    assert not {f"candidate_selector.{name}" for name in PROJECTION_NAMES} & set(saved)
+
+    crashed = record_losses(Trainer(settle(_config(assets, tmp_path / "split"))), crash_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True))))
+    assert resumed.step == 2 and isinstance(resumed.drafter.candidate_selector, ProjectedSelector)
+    resumed.train()
+    assert crashed.losses + resumed.losses == reference.losses  # bitwise: the projections were restored
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(selector_codebooks="projected"), "--selector-codebooks projected: the candidate selector is DFlash2's"),
+        (
+            dict(arch="dflash2", selector_codebooks="projected", init_from="somewhere"),
+            "selector_codebooks projected trains new codebooks .* drop --selector-codebooks projected",
+        ),
+    ],
+)
+def test_projected_codebooks_are_refused_where_they_cannot_apply(assets, tmp_path, flags, message):
+    from dflash.config import TrainConfig
+    from dflash.run.drafter_shape import resolve_drafter_shape
+
+    with pytest.raises(ValueError, match=message):
+        resolve_drafter_shape(TrainConfig(target=str(assets["target"]), **flags))
