@@ -236,17 +236,20 @@ def _measured(step_dir: Path) -> str:
         low, high = intervals.get(name, (None, None))
         return "" if low is None else f" [{low:.{digits}f}, {high:.{digits}f}]"
 
-    prompts = (
-        f"a random sample of {found['num_prompts']} held-out prompts (95% bootstrap intervals over prompts)"
-        if intervals
-        else f"all {found['num_prompts']} usable held-out prompts"
-    )
+    if _decoding(found) != "greedy":
+        # A sampled measurement has intervals whether or not it decoded every prompt: its draws are a sample too.
+        prompts = f"{found['num_prompts']} held-out prompts (95% bootstrap intervals over prompts)"
+    elif intervals:
+        prompts = f"a random sample of {found['num_prompts']} held-out prompts (95% bootstrap intervals over prompts)"
+    else:
+        prompts = f"all {found['num_prompts']} usable held-out prompts"
     return (
         f"Acceptance length tau {found['tau_per_prompt']:.3f}{interval('tau_per_prompt')} per prompt (z-lab's "
         f"convention, as its benchmark counts it) and {found['tau_per_step']:.3f}{interval('tau_per_step')} per step, "
-        f"{_decoding(found)}, on {prompts} of `{found['data']}` ({found['max_new_tokens']} new tokens each); speedup over "
-        f"target-only decoding {found['speedup']:.2f}x{interval('speedup', 2)} on the machine it was measured on "
-        f"({found['source']}; the most complete of the {_count(run_dir, step_dir.name)} kept for this checkpoint)."
+        f"{_decoding(found)}, on {prompts} of `{found['data']}` ({found['max_new_tokens']} new tokens each); "
+        f"speedup over target-only decoding {found['speedup']:.2f}x{interval('speedup', 2)} on the machine it was "
+        f"measured on ({found['source']}; the most complete of the {_count(run_dir, step_dir.name)} kept for "
+        "this checkpoint)."
     )
 
 

@@ -61,9 +61,13 @@ def read(run_dir: str | Path) -> list[dict]:
 
 def most_complete_for(run_dir: str | Path, checkpoint: str) -> dict | None:
     """The measurement of the checkpoint named ``checkpoint`` that rests on the most prompts (then the
-    most tokens; the newest of equals), or None: a 20-prompt sample measured last is not what the
-    whole held-out set measured before it."""
+    most tokens; the newest of equals), greedy ones first, or None: a 20-prompt sample measured last
+    is not what the whole held-out set measured before it, and tau is published greedy (a measurement
+    at temperature 1 is another figure, not a more complete one)."""
     measured = [m for m in read(run_dir) if m.get("checkpoint") == checkpoint]
     if not measured:
         return None
-    return max(reversed(measured), key=lambda m: (m.get("num_prompts", 0), m.get("num_tokens", 0)))
+    return max(
+        reversed(measured),
+        key=lambda m: (m.get("decoding", "greedy") == "greedy", m.get("num_prompts", 0), m.get("num_tokens", 0)),
+    )

@@ -140,3 +140,33 @@ def test_the_readme_quotes_the_most_complete_measurement_and_no_host_paths(run, 
     config.num_hidden_layers, config.layer_types = 1, ["full_attention"]
     one = serving_readme(config, out=out, target="TARGET", step_dir=find_checkpoint(run_dir), dtype="bfloat16")
     assert "- 1 layer: 1 x full_attention" in one and "1 layers" not in one
+
+
+def test_the_readme_quotes_a_greedy_measurement_before_a_sampled_one_and_says_how_each_decoded(run, tmp_path):
+    """A sampled measurement (intervals from its draws) on more prompts was quoted over the greedy one
+    and called "a random sample" of the prompts."""
+    from dflash.run import acceptance_log
+
+    run_dir = shutil.copytree(run[0], tmp_path / "run")
+    step = find_checkpoint(run_dir).name
+    greedy = acceptance_log.most_complete_for(run_dir, step)
+    sampled = {
+        **greedy,
+        "num_prompts": greedy["num_prompts"] + 5,
+        "tau_per_prompt": 1.234,
+        "temperature": 1.0,
+        "decoding": "temperature 1",
+        "intervals": {"tau_per_prompt": [1.1, 1.3]},
+        "mismatches": None,
+    }
+    acceptance_log.record(run_dir, sampled)
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "a-dflash")]) == 0
+    readme = (tmp_path / "a-dflash" / "README.md").read_text()
+    assert f"tau {greedy['tau_per_prompt']:.3f} [" in readme and "1.234" not in readme and ", greedy, on " in readme
+
+    (run_dir / "acceptance.json").unlink()
+    acceptance_log.record(run_dir, sampled)
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "b-dflash")]) == 0
+    readme = (tmp_path / "b-dflash" / "README.md").read_text()
+    assert "tau 1.234 [1.100, 1.300] per prompt" in readme and "sampled at temperature 1, on " in readme
+    assert f"on {sampled['num_prompts']} held-out prompts (95% bootstrap" in readme and "random sample" not in readme
