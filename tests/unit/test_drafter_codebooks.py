@@ -105,3 +105,34 @@ def test_projected_codebooks_are_refused_where_they_cannot_apply(assets, tmp_pat
 
     with pytest.raises(ValueError, match=message):
         resolve_drafter_shape(TrainConfig(target=str(assets["target"]), **flags))
+
+
+def test_an_exported_projected_run_has_exactly_the_tensors_of_an_exported_tables_run(assets, tmp_path, monkeypatch):
+    """What `dflash export` writes for --selector-codebooks projected is a published DFlash2 drafter:
+    the same tensor names, shapes and dtype as a run with free tables, the codebooks the projections'
+    tables in bf16, and transformers loads it strictly with trust_remote_code."""
+    import sys
+
+    import transformers.dynamic_module_utils as dynamic_modules
+    from transformers import AutoModel
+
+    from dflash.cli import main
+
+    monkeypatch.setattr(dynamic_modules, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    exported = {}
+    for codebooks in ("tables", "projected"):
+        trainer = Trainer(settle(_config(assets, tmp_path / codebooks, selector_codebooks=codebooks, steps=2)))
+        trainer.train()
+        out = tmp_path / f"{codebooks}-dflash2"
+        assert main(["export", str(tmp_path / codebooks), "--out", str(out)]) == 0
+        exported[codebooks] = load_file(str(out / "model.safetensors"))
+        model, info = AutoModel.from_pretrained(out, trust_remote_code=True, dtype="auto", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in exported["tables"].items()}
+    assert {name: (tuple(t.shape), t.dtype) for name, t in exported["projected"].items()} == layout
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"} <= set(layout)
+    predecessors, successors = trainer.drafter.candidate_selector.tables()
+    saved = exported["projected"]
+    assert torch.equal(saved["candidate_selector.predecessor_codebook"], predecessors.to(torch.bfloat16))
+    assert torch.equal(saved["candidate_selector.successor_codebook"], successors.to(torch.bfloat16))
