@@ -75,7 +75,9 @@ def batch(args, model, dtype, seed):
 
 def loss_settings(args) -> LossSettings:
     """``dflash train``'s default loss settings at this block size."""
-    return LossSettings.from_config(TrainConfig(), block_size=args.block_size, mask_token_id=args.vocab - 1)
+    return LossSettings.from_config(
+        TrainConfig(), block_size=args.block_size, mask_token_id=args.vocab - 1, selector=False
+    )
 
 
 def step(model, lm_head, weights, b, attention_mask, settings):

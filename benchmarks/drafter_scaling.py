@@ -123,7 +123,9 @@ def build(devices: list[torch.device], s: dict, compiled: bool, backend: str, wa
     torch.manual_seed(0)
     attention = "flex_attention" if devices[0].type == "cuda" else "sdpa"
     model = AnchoredDrafter._from_config(config, attn_implementation=attention, dtype=torch.float32).train()
-    settings = LossSettings.from_config(TrainConfig(), block_size=s["block"], mask_token_id=config.mask_token_id)
+    settings = LossSettings.from_config(
+        TrainConfig(), block_size=s["block"], mask_token_id=config.mask_token_id, selector=config.is_dflash2
+    )
     slots = [Slot(f"{d.type}:{i}", d) for i, d in enumerate(devices)]
     optimizer_config = types.SimpleNamespace(lr=1e-4, weight_decay=0.0)
     replicas = build_replicas(

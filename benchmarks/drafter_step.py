@@ -5,6 +5,7 @@ the GPU time goes.
     python benchmarks/drafter_step.py --shape qwen3.6-27b --batch-size 2           # one H100 / H200
     python benchmarks/drafter_step.py --shape qwen3.6-27b --runs dflash,dflash2,dflash2:selector_loss_weight=0
     python benchmarks/drafter_step.py --runs 'dflash2;dflash2:output_multiplier=0.196,final_logit_softcapping=20.0'
+    python benchmarks/drafter_step.py --runs 'dflash2;dflash2:selector_codebooks=projected;dflash2:selector_target=soft'
     python benchmarks/drafter_step.py --tiny                                         # CPU smoke test
 
 Each run (``--runs``: an architecture, optionally with ``:field=value,...`` of ``dflash train``'s
@@ -69,6 +70,7 @@ def child(args) -> dict:
     from dflash.config import TrainConfig
     from dflash.data.batches import Batch
     from dflash.devices import Slot
+    from dflash.drafter.codebooks import project_codebooks
     from dflash.drafter.model import AnchoredDrafter, drafter_config
     from dflash.drafter.modeling_dflash import TRANSFORM_IDENTITY, DFlashDraftConfig
     from dflash.masks import sample_anchors
@@ -113,8 +115,13 @@ def child(args) -> dict:
     torch.manual_seed(args.seed)
     attention = "flex_attention" if cuda else "sdpa"
     model = AnchoredDrafter._from_config(drafter_cfg, attn_implementation=attention, dtype=torch.float32).train()
+    if config.selector_codebooks == "projected":  # as the trainer builds it; build_replicas attaches the embeddings
+        project_codebooks(model)
     settings = LossSettings.from_config(
-        config, block_size=drafter_cfg.block_size, mask_token_id=drafter_cfg.mask_token_id
+        config,
+        block_size=drafter_cfg.block_size,
+        mask_token_id=drafter_cfg.mask_token_id,
+        selector=drafter_cfg.is_dflash2,
     )
     vocab, hidden = text.vocab_size, text.hidden_size
     heads = types.SimpleNamespace(
@@ -138,9 +145,13 @@ def child(args) -> dict:
     anchors, valid = sample_anchors(loss_mask, args.max_anchors, generator=gen)
     width = len(layer_ids) * hidden
     context = torch.randn(args.batch_size, args.seq_len, width, generator=gen).to(device, dtype)
+    # Soft labels and the soft selector target read the target's last hidden state.
+    last = torch.randn(args.batch_size, args.seq_len, hidden, generator=gen) if settings.needs_last_hidden else None
     host = Batch(ids, loss_mask, torch.full((args.batch_size,), args.seq_len))
     on_device = [t.to(device) for t in (ids, loss_mask, host.position_ids, host.document_ids)]
-    batch = TargetBatch(*on_device, TargetStates(context, None), host.num_tokens)
+    batch = TargetBatch(
+        *on_device, TargetStates(context, None if last is None else last.to(device, dtype)), host.num_tokens
+    )
     anchors, valid = anchors.to(device), valid.to(device)
 
     def step() -> None:

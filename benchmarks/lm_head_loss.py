@@ -81,7 +81,7 @@ def main() -> int:
     label_mask = torch.rand(1, rows // bs, bs, generator=gen, device=device) < 0.9
     label_mask[..., 0] = False
     config = TrainConfig(loss_chunk_blocks=args.chunk_blocks)  # dflash train's loss otherwise
-    settings = LossSettings.from_config(config, block_size=bs, mask_token_id=0)
+    settings = LossSettings.from_config(config, block_size=bs, mask_token_id=0, selector=False)
     inputs = (weight, labels, label_mask, settings.position_weight(device), settings)
     results = {}
     for name, fn in (("checkpointed", checkpointed_loss), ("fused", fused_loss)):
