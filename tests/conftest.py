@@ -2,12 +2,14 @@
 fresh interpreters, threads, subprocesses, torchrun): ``tiny.py`` importable from both, and a fresh
 empty working directory for every test (the ``slow`` marker is registered in pyproject.toml).
 
-Tests never write to or depend on the directory pytest was started from (the README's quick start
+Tests never write to the user's store of regenerated replies, and never write to or depend on the
+directory pytest was started from (the README's quick start
 leaves ``runs/dflash`` there, and a default ``--out`` would collide with it): the session and each
 test run in empty temp directories, so a relative path can neither reach nor read the checkout,
 and hypothesis keeps its files in a temp directory too.
 """
 
+import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +30,10 @@ def pytest_configure(config):
     home = tempfile.mkdtemp(prefix="dflash-tests-hypothesis-")
     config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
     set_hypothesis_home_dir(home)
+    # Module and session fixtures that regenerate replies file them here (each test: _reply_store).
+    store = tempfile.mkdtemp(prefix="dflash-tests-replies-")
+    config.add_cleanup(lambda: shutil.rmtree(store, ignore_errors=True))
+    os.environ["DFLASH_REPLY_STORE"] = store
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,6 +47,13 @@ def _session_cwd(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _test_cwd(tmp_path_factory, monkeypatch):
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(autouse=True)
+def _reply_store(tmp_path_factory, monkeypatch):
+    """Each test has a store of regenerated replies of its own (dflash.data.reply_store): none
+    writes into the user's cache, or trains on replies another test regenerated."""
+    monkeypatch.setenv("DFLASH_REPLY_STORE", str(tmp_path_factory.mktemp("reply-store")))
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)

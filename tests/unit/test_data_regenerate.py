@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny import CONVERSATIONS, make_target
 
+from dflash.data import reply_store
 from dflash.data.regenerate import ReplyJournal, regenerate_replies, regenerated_corpus
 from dflash.target_model.files import load_tokenizer
 from dflash.target_model.model import load_target
@@ -188,8 +189,50 @@ def test_a_cache_is_reused_for_the_same_key_only(target, target_dir, tmp_path, m
     with pytest.raises(AssertionError, match="generated again"):
         _corpus([target], target_dir, cache, key=other)
     (tmp_path / "regenerated.jsonl.key.json").write_text('{"data_sha')  # cut short by a crash
+    monkeypatch.setenv("DFLASH_REPLY_STORE", "off")  # this --out's cache alone (the store has KEY's)
     with pytest.raises(AssertionError, match="generated again"):
         _corpus([target], target_dir, cache)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("generated again")
+
+
+def test_replies_regenerated_for_one_run_are_reused_by_another_with_the_same_key(
+    target, target_dir, tmp_path, monkeypatch, alone, caplog
+):
+    """A new --out regenerated them again, for hours at a real target's size."""
+    first = tmp_path / "first" / "regenerated.jsonl"
+    assert _corpus([target], target_dir, first) == alone
+    monkeypatch.setattr(target.model, "generate", _refuse)
+    second = tmp_path / "second" / "regenerated.jsonl"
+    with caplog.at_level("INFO", logger="dflash"):
+        assert _corpus([target], target_dir, second) == alone
+    entry = reply_store.entry_dir(KEY)
+    assert (
+        second.read_bytes() == first.read_bytes()
+        and json.loads(second.with_name(second.name + ".key.json").read_text()) == KEY
+    )
+    assert f"regenerated for {first.parent}, reused from {entry}" in caplog.text
+    with pytest.raises(AssertionError, match="generated again"):  # another length: another key
+        _corpus([target], target_dir, tmp_path / "third" / "regenerated.jsonl", key={**KEY, "seq_len": 64})
+    stored = entry / reply_store.REPLIES_NAME
+    stored.write_text(stored.read_text().replace("assistant", "assistant ", 1))  # edited since it was kept
+    with pytest.raises(AssertionError, match="generated again"):
+        _corpus([target], target_dir, tmp_path / "fourth" / "regenerated.jsonl")
+    assert f"{entry}: the stored replies changed since they were kept" in caplog.text
+
+
+def test_the_reply_store_can_be_turned_off(target, target_dir, tmp_path, monkeypatch, alone):
+    store = tmp_path / "store"
+    monkeypatch.setenv("DFLASH_REPLY_STORE", str(store))
+    assert _corpus([target], target_dir, tmp_path / "a" / "regenerated.jsonl") == alone
+    assert [p.name for p in store.iterdir()] == [reply_store.entry_dir(KEY).name]
+    monkeypatch.setenv("DFLASH_REPLY_STORE", "off")
+    assert reply_store.entry_dir(KEY) is None
+    monkeypatch.setattr(target.model, "generate", _refuse)
+    with pytest.raises(AssertionError, match="generated again"):
+        _corpus([target], target_dir, tmp_path / "b" / "regenerated.jsonl")
 
 
 def test_the_key_follows_the_target_files_not_their_directory(target_dir, tmp_path):
