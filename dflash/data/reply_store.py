@@ -60,19 +60,21 @@ def fetch(key: dict, corpus: Path) -> bool:
         return False
     try:
         record = json.loads((entry / RECORD_NAME).read_text())
-        if record.get("key") != key:
+        if not isinstance(record, dict) or record.get("key") != key:
             logger.warning("%s: its key is not the one it is filed under; regenerating instead", entry)
             return False
-        if sha256_file(entry / REPLIES_NAME) != record.get("sha256"):
+        # The copy is what the run trains on, so the copy is what is checked against the record.
+        tmp = corpus.with_name(f".{corpus.name}.tmp")
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(entry / REPLIES_NAME, tmp)
+        if sha256_file(tmp) != record.get("sha256"):
+            tmp.unlink()
             logger.warning(
                 "%s: the stored replies changed since they were kept (sha256 differs); regenerating instead (delete "
                 "the entry to stop this warning)",
                 entry,
             )
             return False
-        tmp = corpus.with_name(f".{corpus.name}.tmp")
-        corpus.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(entry / REPLIES_NAME, tmp)
         tmp.replace(corpus)
     except (OSError, ValueError) as e:
         logger.warning("%s: cannot read the stored replies (%s); regenerating instead", entry, e)

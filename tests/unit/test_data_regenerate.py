@@ -223,6 +223,25 @@ def test_replies_regenerated_for_one_run_are_reused_by_another_with_the_same_key
     assert f"{entry}: the stored replies changed since they were kept" in caplog.text
 
 
+def test_a_stored_entry_is_used_only_when_its_record_names_the_key_and_the_copy_s_sha256(tmp_path, caplog):
+    corpus = tmp_path / "run" / "regenerated.jsonl"
+    corpus.parent.mkdir()
+    corpus.write_text('{"messages": []}\n')
+    reply_store.keep(KEY, corpus)
+    entry = reply_store.entry_dir(KEY)
+    assert reply_store.fetch(KEY, tmp_path / "new" / "regenerated.jsonl")
+    assert (tmp_path / "new" / "regenerated.jsonl").read_text() == corpus.read_text()
+    record = json.loads((entry / reply_store.RECORD_NAME).read_text())
+    with caplog.at_level("WARNING", logger="dflash"):
+        (entry / reply_store.RECORD_NAME).write_text(json.dumps({**record, "key": {**KEY, "seq_len": 64}}))
+        assert not reply_store.fetch(KEY, tmp_path / "other" / "regenerated.jsonl")
+        assert f"{entry}: its key is not the one it is filed under" in caplog.text
+        (entry / reply_store.RECORD_NAME).write_text(json.dumps(record)[:20])  # cut short
+        assert not reply_store.fetch(KEY, tmp_path / "torn" / "regenerated.jsonl")
+        assert f"{entry}: cannot read the stored replies" in caplog.text
+    assert not any((tmp_path / name).exists() and any((tmp_path / name).iterdir()) for name in ("other", "torn"))
+
+
 def test_the_reply_store_can_be_turned_off(target, target_dir, tmp_path, monkeypatch, alone):
     store = tmp_path / "store"
     monkeypatch.setenv("DFLASH_REPLY_STORE", str(store))
