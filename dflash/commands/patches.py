@@ -3,7 +3,8 @@
 ``status`` (is it active here, and what became of each concern), ``verify`` (the bug-class checks,
 plain vs patched; ``--record`` writes a verification record), ``coverage`` (which torch releases
 the series covers), ``refresh`` (regenerate each release's variants), ``build-wheel`` (a torch
-wheel with the series built in) and ``upstream`` (a PyTorch PR stack of it, ``docs/upstream-kit.md``).
+wheel with the series built in), ``upstream`` (a PyTorch PR stack of it, ``docs/upstream-kit.md``)
+and ``pytorch-tests`` (PyTorch's own tests of an exact release tag, plain vs patched).
 """
 
 from __future__ import annotations
@@ -230,6 +231,41 @@ def _upstream(args) -> int:
     return 1 if unshown or broken or any(r.state == DOES_NOT_APPLY for r in reports) else 0
 
 
+def _pytorch_tests(args) -> int:
+    import os
+    from pathlib import Path
+
+    from dflash.patchtools.pytorch_tests.environment import VenvError
+    from dflash.patchtools.pytorch_tests.runner import run_tests
+    from dflash.patchtools.pytorch_tests.selections import SELECTIONS, Entry
+
+    if args.file:
+        entries = tuple(Entry(path, args.keyword) for path in args.file)
+    elif args.keyword is not None:
+        print("dflash patches pytorch-tests: -k narrows the --file entries; give --file too", file=sys.stderr)
+        return 2
+    else:
+        entries = SELECTIONS[args.selection]
+    if args.list:
+        print("\n".join(entry.label for entry in entries))
+        return 0
+    cache = Path(args.cache or os.environ.get("DFLASH_PYTORCH_TESTS") or Path.home() / ".cache/dflash/pytorch-tests")
+    try:
+        return run_tests(
+            args.tag,
+            entries,
+            cache=cache,
+            mirror=args.mirror,
+            jobs=args.jobs,
+            test_timeout_s=args.test_timeout,
+            file_timeout_s=args.file_timeout,
+            out=Path(args.out) if args.out else None,
+        )
+    except (ValueError, OSError, VenvError) as error:
+        print(f"dflash patches pytorch-tests: {error}", file=sys.stderr)
+        return 1
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "patches", parents=[COMMON], help="inspect and check the torch thread-safety patch series"
@@ -320,3 +356,41 @@ def register(subparsers) -> None:
     )
     upstream.add_argument("--benchmark-json", metavar="PATH", help="output of benchmarks/patch_overhead.py --json")
     upstream.set_defaults(func=_upstream)
+
+    from dflash.patchtools.pytorch_tests.selections import SELECTIONS
+    from dflash.patchtools.pytorch_tests.trees import DEFAULT_MIRROR, TREES
+
+    tests = commands.add_parser(
+        "pytorch-tests",
+        parents=[COMMON],
+        help="PyTorch's own tests of an exact release tag, plain vs patched, outcome by outcome",
+    )
+    tests.add_argument(
+        "--tag", default=max(TREES), choices=sorted(TREES), help=f"the torch release (default {max(TREES)})"
+    )
+    tests.add_argument(
+        "--selection",
+        default="full",
+        choices=sorted(SELECTIONS),
+        help="full: what the series touches (about 75 files, hours on 2 cores); ci: the part nearest the series",
+    )
+    tests.add_argument(
+        "--file", action="append", metavar="PATH", help="a test file under test/ instead of a selection (repeatable)"
+    )
+    tests.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression for the --file entries")
+    tests.add_argument("--jobs", type=positive(int), default=1, help="pytest processes at once (default 1)")
+    tests.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="the trees, venvs and runs (default $DFLASH_PYTORCH_TESTS or ~/.cache/dflash/pytorch-tests)",
+    )
+    tests.add_argument("--mirror", default=DEFAULT_MIRROR, help=f"a Debian mirror (default {DEFAULT_MIRROR})")
+    tests.add_argument(
+        "--test-timeout", type=positive(float), default=600, help="seconds a test may take: a hang (default 600)"
+    )
+    tests.add_argument(
+        "--file-timeout", type=positive(float), default=7200, help="seconds a file's run may take (default 7200)"
+    )
+    tests.add_argument("--out", metavar="DIR", help="reports and logs (default <cache>/<tag>/runs/<time>)")
+    tests.add_argument("--list", action="store_true", help="print the entries that would run, and stop")
+    tests.set_defaults(func=_pytorch_tests)

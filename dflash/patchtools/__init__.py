@@ -7,7 +7,9 @@
 - :mod:`dflash.patchtools.upstream`: the upstream PyTorch PR kit (``dflash patches upstream``);
 - :mod:`dflash.patchtools.refresh`: each release's variant of every concern regenerated from its
   source diff (``dflash patches refresh``);
-- :mod:`dflash.patchtools.coverage`: which torch releases the series covers (``dflash patches coverage``).
+- :mod:`dflash.patchtools.coverage`: which torch releases the series covers (``dflash patches coverage``);
+- :mod:`dflash.patchtools.pytorch_tests`: PyTorch's own tests of an exact release tag, plain vs patched
+  (``dflash patches pytorch-tests``).
 
 What runs at import (the finder, the loader, the plan, the cache) is :mod:`dflash.patching`.
 

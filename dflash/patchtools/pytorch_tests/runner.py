@@ -1,0 +1,310 @@
+"""Run a selection of PyTorch's tests plain and patched, compare them outcome by outcome, rerun each
+difference alone both ways, and tabulate.
+
+Every entry (a file, or a ``-k`` subset of one) runs in a fresh pytest process from the tree's
+``test/`` (``PYTHONPATH=.``), once with ``DFLASH_PATCHES=0`` (plain torch) and once with the series.
+A test whose outcome differs is run again alone, plain and patched, each in its own process: a
+difference that holds alone is the series' (``changes outcome``); one that disappears alone
+depended on what ran before it or on load, and is listed but not counted. A test that timed out in
+the full run is a hang and counts whatever it does alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from xml.etree import ElementTree
+
+from dflash.patchtools.pytorch_tests.outcomes import ERROR, FAILED, PASSED, SKIPPED, TIMEOUT, read_outcomes
+from dflash.patchtools.pytorch_tests.selections import Entry
+
+ABSENT = "absent"  # not reported on this side
+HUNG = "hung (killed at the file time limit)"
+RAN = "ran"  # a file run that ended as pytest ends
+ORDER_OR_LOAD = "same outcome alone (depends on order or load)"
+PYTEST_NORMAL_EXITS = (0, 1, 5)  # all passed, some failed, none collected
+
+
+@dataclasses.dataclass
+class FileRun:
+    """One pytest process: its exit, duration and every test's outcome (empty when it left no report)."""
+
+    returncode: int | None  # None: killed at the file time limit
+    seconds: float
+    outcomes: dict[str, str]
+    log: str
+
+    @property
+    def problem(self) -> str | None:
+        """Why the process did not end as pytest ends, or None."""
+        if self.returncode is None:
+            return HUNG
+        if self.returncode not in PYTEST_NORMAL_EXITS and not self.outcomes:
+            return f"no report (exit {self.returncode})"
+        return None
+
+
+@dataclasses.dataclass
+class Difference:
+    """A test (or a whole file run) whose outcome differs plain vs patched."""
+
+    node: str
+    plain: str
+    patched: str
+    plain_alone: str = ""
+    patched_alone: str = ""
+
+    @property
+    def verdict(self) -> str:
+        if {TIMEOUT, HUNG} & {self.plain, self.patched}:
+            return "hang in the full run"
+        if (self.plain_alone, self.patched_alone) == (self.plain, self.patched):
+            return "changes outcome"
+        if self.plain_alone == self.patched_alone:
+            return ORDER_OR_LOAD
+        return "differs alone too"
+
+    @property
+    def counts(self) -> bool:
+        """A difference of the series, not of the order the tests ran in."""
+        return self.verdict != ORDER_OR_LOAD
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """How each pytest process is started: the venv's python, the tree's ``test/``, where reports go."""
+
+    python: Path
+    test_dir: Path
+    out: Path
+    test_timeout_s: float
+    file_timeout_s: float
+
+    def run(self, args: list[str], name: str, *, patched: bool) -> FileRun:
+        side = "patched" if patched else "plain"
+        (self.out / side).mkdir(parents=True, exist_ok=True)
+        xml, log = self.out / side / f"{name}.xml", self.out / side / f"{name}.log"
+        command = [
+            str(self.python),
+            "-m",
+            "pytest",
+            *args,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--rootdir",
+            ".",
+            "-o",
+            "junit_family=xunit1",
+            f"--junitxml={xml}",
+            f"--timeout={self.test_timeout_s:g}",
+        ]
+        env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0", PYTHONPATH=str(self.test_dir))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        started = time.monotonic()
+        with log.open("w") as out:
+            try:
+                returncode = subprocess.run(
+                    command,
+                    cwd=self.test_dir,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=self.file_timeout_s,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                returncode = None
+        try:
+            outcomes = read_outcomes(xml)
+        except (FileNotFoundError, ElementTree.ParseError):
+            outcomes = {}
+        return FileRun(returncode, time.monotonic() - started, outcomes, str(log))
+
+
+def run_selection(runner: Runner, entries: tuple[Entry, ...], jobs: int) -> dict[tuple[Entry, bool], FileRun]:
+    """Every entry plain and patched, ``jobs`` processes at a time; a line on stderr as each ends."""
+    tasks = [(entry, patched) for entry in entries for patched in (False, True)]
+    done: dict[tuple[Entry, bool], FileRun] = {}
+
+    def one(task: tuple[Entry, bool]) -> FileRun:
+        entry, patched = task
+        run = runner.run(entry.pytest_args(), entry.slug, patched=patched)
+        done[task] = run
+        counts = Counter(run.outcomes.values())
+        summary = ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or run.problem or "no tests"
+        side = "patched" if patched else "plain  "
+        print(f"[{len(done)}/{len(tasks)}] {side} {entry.label}: {summary} ({run.seconds:.0f} s)", file=sys.stderr)
+        return run
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(one, tasks))
+    return done
+
+
+def differences(plain: FileRun, patched: FileRun, entry: Entry) -> list[Difference]:
+    """Outcome by outcome; a file run that left no report (or hung) on either side is one difference."""
+    if plain.problem or patched.problem:
+        if plain.problem == patched.problem:
+            return []
+        return [Difference(entry.label, plain.problem or RAN, patched.problem or RAN)]
+    nodes = dict.fromkeys([*plain.outcomes, *patched.outcomes])
+    return [
+        Difference(node, plain.outcomes.get(node, ABSENT), patched.outcomes.get(node, ABSENT))
+        for node in nodes
+        if plain.outcomes.get(node, ABSENT) != patched.outcomes.get(node, ABSENT)
+    ]
+
+
+def rerun_alone(runner: Runner, difference: Difference, entry: Entry) -> None:
+    """Fill in the outcomes of ``difference`` run alone, plain and patched (a whole entry for a file-level one)."""
+    file_level = difference.node == entry.label
+    args = entry.pytest_args() if file_level else [difference.node]
+    name = f"alone__{entry.slug}__{hashlib.sha256(difference.node.encode()).hexdigest()[:8]}"
+    for patched in (False, True):
+        run = runner.run(args, name, patched=patched)
+        if file_level:
+            outcome = run.problem or RAN
+        else:
+            outcome = run.outcomes.get(difference.node, run.problem or ABSENT)
+        if patched:
+            difference.patched_alone = outcome
+        else:
+            difference.plain_alone = outcome
+
+
+def entry_table(entries: tuple[Entry, ...], runs: dict[tuple[Entry, bool], FileRun], found: dict) -> str:
+    """Markdown: per entry, passed / failed (with errors) / skipped plain and patched, and its differences."""
+    lines = [
+        "| test file | plain: passed / failed / skipped | patched: passed / failed / skipped | outcome differences |",
+        "|---|---|---|---|",
+    ]
+    for entry in entries:
+        cells = [_counts(runs[(entry, patched)]) for patched in (False, True)]
+        counted = [d for d in found[entry] if d.counts]
+        lines.append(f"| `{entry.label}` | {cells[0]} | {cells[1]} | {len(counted) or 'none'} |")
+    return "\n".join(lines)
+
+
+def _counts(run: FileRun) -> str:
+    if run.problem:
+        return run.problem
+    counts = Counter(run.outcomes.values())
+    failed = counts[FAILED] + counts[ERROR] + counts[TIMEOUT]
+    return f"{counts[PASSED]} / {failed} / {counts[SKIPPED]}"
+
+
+def difference_table(found: dict) -> str:
+    """Markdown: every difference, its outcomes in the full runs and alone, and the verdict."""
+    rows = [d for diffs in found.values() for d in diffs]
+    if not rows:
+        return "No test changes outcome."
+    lines = ["| test | plain | patched | plain alone | patched alone | verdict |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"| `{d.node}` | {d.plain} | {d.patched} | {d.plain_alone} | {d.patched_alone} | {d.verdict} |" for d in rows
+    ]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, entries: tuple[Entry, ...], runs: dict, found: dict, header: dict) -> None:
+    """Every run's outcomes and every difference, for later comparison."""
+    record = {
+        **header,
+        "entries": [
+            {
+                "entry": entry.label,
+                **{
+                    side: {
+                        "returncode": runs[(entry, patched)].returncode,
+                        "seconds": round(runs[(entry, patched)].seconds, 1),
+                        "outcomes": runs[(entry, patched)].outcomes,
+                        "log": runs[(entry, patched)].log,
+                    }
+                    for side, patched in (("plain", False), ("patched", True))
+                },
+                "differences": [{**dataclasses.asdict(d), "verdict": d.verdict} for d in found[entry]],
+            }
+            for entry in entries
+        ],
+    }
+    path.write_text(json.dumps(record, indent=1))
+
+
+def run_tests(
+    tag: str,
+    entries: tuple[Entry, ...],
+    *,
+    cache: Path,
+    mirror: str,
+    jobs: int,
+    test_timeout_s: float,
+    file_timeout_s: float,
+    out: Path | None,
+) -> int:
+    """Fetch the tag's tree, prepare its venv, run ``entries`` plain and patched, rerun each difference
+    alone, print the tables (stdout; progress on stderr). Exit code 1 when a test changes outcome or a file
+    could be compared on neither side (it left no report).
+
+    Raises:
+        ValueError: an unknown tag, or a tree that is not the pinned one.
+        OSError: the tree could not be downloaded.
+        VenvError: the venv could not be made, or the series would not apply there.
+    """
+    from datetime import datetime, timezone
+
+    from dflash.patchtools.pytorch_tests import environment, trees
+
+    tree = trees.tag_tree(tag)
+    project = Path(__file__).resolve().parents[3]
+    if not (project / "pyproject.toml").exists():
+        raise environment.VenvError(f"{project} is not a dflash source checkout (no pyproject.toml)")
+    started = datetime.now(timezone.utc)
+    print(f"torch {tag}: the test tree of Debian's pytorch {tree.debian_version}", file=sys.stderr)
+    src = trees.fetch(tree, cache, mirror)
+    print(f"preparing {cache / tag / 'venv'} (the first time: torch {tag} and the test packages)", file=sys.stderr)
+    python = environment.prepare(tree, src, cache, project)
+    out = out or cache / tag / "runs" / started.strftime("%Y%m%d-%H%M%S")
+    runner = Runner(python, src / "test", out, test_timeout_s, file_timeout_s)
+    runs = run_selection(runner, entries, jobs)
+    found = {entry: differences(runs[(entry, False)], runs[(entry, True)], entry) for entry in entries}
+    for entry, diffs in found.items():
+        for difference in diffs:
+            print(f"rerunning alone, plain and patched: {difference.node}", file=sys.stderr)
+            rerun_alone(runner, difference, entry)
+    minutes = (datetime.now(timezone.utc) - started).total_seconds() / 60
+    header = {
+        "date": started.isoformat(timespec="seconds"),
+        "tag": tag,
+        "tree": f"{tree.tarball} (sha256 {tree.sha256[:12]}...)",
+        "torch": environment.torch_version(python),
+        "commit": _commit(project),
+        "minutes": round(minutes, 1),
+    }
+    write_json(out / "results.json", entries, runs, found, header)
+    counted = [d for diffs in found.values() for d in diffs if d.counts]
+    # A file that left no report on either side was not compared at all: the check did not run.
+    uncompared = [e.label for e in entries if runs[(e, False)].problem and runs[(e, True)].problem]
+    print(
+        f"{header['date'][:10]}, commit {header['commit']}, torch {header['torch']}, PyTorch's v{tag} tests "
+        f"({tree.tarball} of Debian's pytorch {tree.debian_version}), {len(entries)} files or -k subsets, "
+        f"each in its own process plain (DFLASH_PATCHES=0) and patched, {jobs} at a time, {minutes:.0f} min:\n"
+    )
+    print(entry_table(entries, runs, found) + "\n")
+    print(difference_table(found) + "\n")
+    tests = len({node for run in runs.values() for node in run.outcomes})
+    print(f"{len(counted)} outcome differences in {tests} tests; outcomes of every test: {out / 'results.json'}")
+    if uncompared:
+        print(f"not compared (no report plain or patched; see the logs): {', '.join(uncompared)}")
+    return 1 if counted or uncompared else 0
+
+
+def _commit(project: Path) -> str:
+    done = subprocess.run(["git", "-C", str(project), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
