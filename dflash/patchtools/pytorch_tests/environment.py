@@ -29,9 +29,10 @@ TEST_PACKAGES = (
     "numpy",
     "pillow",
     "ninja",  # torch.utils.cpp_extension builds libtorchbind_test.so with it
-    # this checkout's startup hook and its editable install
+    # this checkout's startup hook, its command line and its editable install
     "unidiff",
     "packaging",
+    "tqdm",
     "setuptools>=77",  # pyproject.toml's SPDX license field
     "wheel",
 )
@@ -66,8 +67,9 @@ def prepare(tree: TagTree, src: Path, cache: Path, project: Path) -> Path:
     python = venv / "bin" / "python"
     wanted = "\n".join([f"torch=={tree.tag}", f"torchvision=={tree.torchvision} --no-deps", *TEST_PACKAGES]) + "\n"
     stamp = venv / "dflash-pytorch-tests.txt"
-    if not python.exists() or not stamp.exists() or stamp.read_text() != wanted:
-        _run([sys.executable, "-m", "venv", "--clear", str(venv)], "make the venv")
+    if not python.exists():
+        _run([sys.executable, "-m", "venv", str(venv)], "make the venv")
+    if not stamp.exists() or stamp.read_text() != wanted:
         _pip(python, f"torch=={tree.tag}", *TEST_PACKAGES)
         _pip(python, "--no-deps", f"torchvision=={tree.torchvision}")  # its deps would replace torch
         stamp.write_text(wanted)

@@ -293,7 +293,7 @@ def run_tests(
     uncompared = [e.label for e in entries if runs[(e, False)].problem and runs[(e, True)].problem]
     print(
         f"{header['date'][:10]}, commit {header['commit']}, torch {header['torch']}, PyTorch's v{tag} tests "
-        f"({tree.tarball} of Debian's pytorch {tree.debian_version}), {len(entries)} files or -k subsets, "
+        f"({tree.tarball} of Debian's pytorch {tree.debian_version}), {len(entries)} test files or -k subsets, "
         f"each in its own process plain (DFLASH_PATCHES=0) and patched, {jobs} at a time, {minutes:.0f} min:\n"
     )
     print(entry_table(entries, runs, found) + "\n")
@@ -306,5 +306,10 @@ def run_tests(
 
 
 def _commit(project: Path) -> str:
-    done = subprocess.run(["git", "-C", str(project), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    """The checkout's commit, marked when tracked files differ from it (the results are then not its)."""
+    head = subprocess.run(["git", "-C", str(project), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run(
+        ["git", "-C", str(project), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    commit = head.stdout.strip() or "unknown"
+    return f"{commit} with uncommitted changes" if changed.stdout.strip() else commit
