@@ -358,16 +358,14 @@ def register(subparsers) -> None:
     upstream.set_defaults(func=_upstream)
 
     from dflash.patchtools.pytorch_tests.selections import SELECTIONS
-    from dflash.patchtools.pytorch_tests.trees import DEFAULT_MIRROR, TREES
+    from dflash.patchtools.pytorch_tests.trees import NEWEST, TREES
 
     tests = commands.add_parser(
         "pytorch-tests",
         parents=[COMMON],
         help="PyTorch's own tests of an exact release tag, plain vs patched, outcome by outcome",
     )
-    tests.add_argument(
-        "--tag", default=max(TREES), choices=sorted(TREES), help=f"the torch release (default {max(TREES)})"
-    )
+    tests.add_argument("--tag", default=NEWEST, choices=list(TREES), help=f"the torch release (default {NEWEST})")
     tests.add_argument(
         "--selection",
         default="full",
@@ -384,7 +382,7 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="the trees, venvs and runs (default $DFLASH_PYTORCH_TESTS or ~/.cache/dflash/pytorch-tests)",
     )
-    tests.add_argument("--mirror", default=DEFAULT_MIRROR, help=f"a Debian mirror (default {DEFAULT_MIRROR})")
+    tests.add_argument("--mirror", help="another mirror of the tag's archive (default: the archive trees.py names)")
     tests.add_argument(
         "--test-timeout", type=positive(float), default=600, help="seconds a test may take: a hang (default 600)"
     )

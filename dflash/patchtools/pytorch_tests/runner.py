@@ -242,7 +242,7 @@ def run_tests(
     entries: tuple[Entry, ...],
     *,
     cache: Path,
-    mirror: str,
+    mirror: str | None,
     jobs: int,
     test_timeout_s: float,
     file_timeout_s: float,
@@ -266,7 +266,7 @@ def run_tests(
     if not (project / "pyproject.toml").exists():
         raise environment.VenvError(f"{project} is not a dflash source checkout (no pyproject.toml)")
     started = datetime.now(timezone.utc)
-    print(f"torch {tag}: the test tree of Debian's pytorch {tree.debian_version}", file=sys.stderr)
+    print(f"torch {tag}: the test tree of {tree.package}", file=sys.stderr)
     src = trees.fetch(tree, cache, mirror)
     print(f"preparing {cache / tag / 'venv'} (the first time: torch {tag} and the test packages)", file=sys.stderr)
     python = environment.prepare(tree, src, cache, project)
@@ -293,7 +293,7 @@ def run_tests(
     uncompared = [e.label for e in entries if runs[(e, False)].problem and runs[(e, True)].problem]
     print(
         f"{header['date'][:10]}, commit {header['commit']}, torch {header['torch']}, PyTorch's v{tag} tests "
-        f"({tree.tarball} of Debian's pytorch {tree.debian_version}), {len(entries)} test files or -k subsets, "
+        f"({tree.tarball} of {tree.package}), {len(entries)} test files or -k subsets, "
         f"each in its own process plain (DFLASH_PATCHES=0) and patched, {jobs} at a time, {minutes:.0f} min:\n"
     )
     print(entry_table(entries, runs, found) + "\n")

@@ -3,8 +3,11 @@
 PyPI's sdists and wheels carry no ``test/`` and the repository is GBs; Debian's source package of a
 release carries the tag's whole tree (its ``orig`` tarball repacks the tag without vendored code and
 CI files; ``test/`` is whole). The tarball is pinned by sha256, so a mirror serves that tree or
-nothing. Newer releases: Debian lists ``pytorch 2.14.1+dfsg-1`` (sid, forky) but its mirrors did not
-serve the files on 2026-12-06 (404), so 2.6.0 is the newest tag here.
+nothing. What the archives served on 2026-12-06: Debian trixie's ``pytorch 2.6.0+dfsg-7``; Debian
+sid and forky list ``2.14.1+dfsg-1`` but the mirror answers 404 for its files (its binary packages
+are served, without ``test/``), experimental and the backports have none, snapshot.debian.org is not
+reachable; Ubuntu resolute carries Debian's ``2.9.1+dfsg-1~exp1`` upload (``-1~exp1ubuntu2``) and
+serves its tarball, the newest tag here.
 """
 
 from __future__ import annotations
@@ -17,34 +20,47 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
-
 
 @dataclass(frozen=True)
 class TagTree:
-    """Where a release tag's tree is: Debian's ``orig`` tarball of the tag, by name and sha256."""
+    """Where a release tag's tree is: a Debian (or Ubuntu) archive's ``orig`` tarball of the tag."""
 
     tag: str  # the torch release, e.g. "2.6.0"
-    debian_version: str  # the source package version that carries it
-    tarball: str  # file name in the mirror's pool/main/p/pytorch/
+    package: str  # the source package that carries it, for the reports
+    archive: str  # the archive's base URL (another mirror of it: --mirror)
+    pool: str  # the package's folder in the archive
+    tarball: str
     sha256: str
     top: str  # the tarball's top folder
     torchvision: str  # the torchvision release built for this torch (test_fx.py's vision tracing)
 
-    def url(self, mirror: str) -> str:
-        return f"{mirror.rstrip('/')}/pool/main/p/pytorch/{self.tarball}"
+    def url(self, mirror: str | None = None) -> str:
+        return f"{(mirror or self.archive).rstrip('/')}/{self.pool}/{self.tarball}"
 
 
 TREES = {
     "2.6.0": TagTree(
         tag="2.6.0",
-        debian_version="2.6.0+dfsg-7",  # trixie
+        package="Debian's pytorch 2.6.0+dfsg-7 (trixie)",
+        archive="http://deb.debian.org/debian",
+        pool="pool/main/p/pytorch",
         tarball="pytorch_2.6.0+dfsg.orig.tar.xz",
         sha256="099a9601bc40d67656e75735c44abedb0fbe92d08817852ab7472eebb7e6ddff",
         top="pytorch-v2.6.0",
         torchvision="0.21.0",
     ),
+    "2.9.1": TagTree(
+        tag="2.9.1",
+        package="Debian's pytorch 2.9.1+dfsg-1~exp1 as Ubuntu's 2.9.1+dfsg-1~exp1ubuntu2 (resolute)",
+        archive="http://archive.ubuntu.com/ubuntu",
+        pool="pool/universe/p/pytorch",
+        tarball="pytorch_2.9.1+dfsg.orig.tar.xz",
+        sha256="28fdfe67285a4f638dd586679cf36db32656b24efde38230d0860b6a59720aee",
+        top="pytorch-v2.9.1",
+        torchvision="0.24.1",
+    ),
 }
+NEWEST = max(TREES, key=lambda tag: tuple(int(part) for part in tag.split(".")))
 
 
 def tag_tree(tag: str) -> TagTree:
@@ -54,11 +70,11 @@ def tag_tree(tag: str) -> TagTree:
     except KeyError:
         raise ValueError(
             f"no test tree is known for torch {tag}: known tags are {', '.join(TREES)} "
-            "(add Debian's source package of that release to dflash/patchtools/pytorch_tests/trees.py)"
+            "(add a Debian source package of that release to dflash/patchtools/pytorch_tests/trees.py)"
         ) from None
 
 
-def fetch(tree: TagTree, cache: Path, mirror: str = DEFAULT_MIRROR) -> Path:
+def fetch(tree: TagTree, cache: Path, mirror: str | None = None) -> Path:
     """``<cache>/<tag>/src``: the tag's repository root holding ``test/`` only (downloaded once).
 
     Raises:
