@@ -197,7 +197,8 @@ class TrainConfig:
     """DFlash2: what the selector learns over each slot's candidates: `hard`, a cross-entropy to the true token (the
     public trainers'); `soft`, the target's own distribution over them (a KL to its softmax restricted to the
     candidates), what sampling at T > 0 draws the path from. `soft` reads the target's last hidden state, as
-    --soft-label-weight does."""
+    --soft-label-weight does. On the embedded default `soft` accepted more at T = 0.6 and 1 and 0.7 tokens per
+    prompt less at T = 0 (docs/dflash.md)."""
     selector_codebooks: SelectorCodebooks = "tables"
     """DFlash2: how the selector's predecessor and successor codebooks are trained: `tables`, free [vocab, rank]
     tables (the published checkpoints' and the public trainers'); `projected`, rank x hidden projections of the
