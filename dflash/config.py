@@ -269,8 +269,9 @@ class TrainConfig:
     and a small weight file. Without this flag such a target is refused once it has loaded (it would train the
     drafter against a partly random verifier)."""
     cpu_threads: int | None = None
-    """torch intra-op threads on CPU; empty = torch's default (all cores). Use 1 on a machine shared with other
-    jobs: oversubscribed OpenMP threads run many times slower."""
+    """torch intra-op threads on CPU; empty = the cores free of other jobs (the cores this process may use less
+    the 1-minute load average, at least 1; logged), or OMP_NUM_THREADS when set. Threads that wait for busy cores
+    run several times slower (3.4x with torch's default of every core on a shared 2-core machine)."""
     seed: int = 0
     """Seed for weights, data order and anchor sampling."""
     save: bool = True

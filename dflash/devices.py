@@ -19,6 +19,7 @@ devices this host has, so the functions that do import it.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 _ITEM = re.compile(
     r"^(?:(?P<type>cpu|cuda)(?::(?P<first>\d+)(?:-(?P<last>\d+))?)?|(?P<bare>\d+)(?:-(?P<bare_last>\d+))?)$"
@@ -118,6 +121,47 @@ def check_cpu_threads(threads: int | None, *, flag: str = "--cpu-threads") -> No
             f"{flag} {threads}{each} is more than the {cores} CPU core(s) this process may use: oversubscribed "
             f"threads run several times slower; pass {flag} {max(1, cores // processes)} or less"
         )
+
+
+def default_cpu_threads() -> tuple[int, str]:
+    """torch intra-op threads for a CPU run whose ``--cpu-threads`` was left empty: the cores this
+    process may use (its share of them under torchrun) less those other jobs keep busy (the
+    1-minute load average, rounded), at least 1; and why, for the log. torch's own default takes every core,
+    and its threads wait for each other at every op: on a 2-core machine with other jobs running, the
+    same run took 3.4x as long with 2 threads as with 1. Like torchrun's default (OMP_NUM_THREADS=1
+    per process), a guess that errs towards fewer threads; ``--cpu-threads`` sets it.
+    """
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    share = max(1, usable_cores() // processes)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    free = max(1, int(usable_cores() - load + 0.5) // processes)
+    threads = min(share, free)
+    return threads, (
+        f"{threads} of the {usable_cores()} CPU core(s) this process may use"
+        + (f" ({processes} processes on this host)" if processes > 1 else "")
+        + f" less the 1-minute load average, {load:.1f}"
+    )
+
+
+def set_cpu_threads(threads: int | None, device_type: str, *, flag: str = "--cpu-threads") -> None:
+    """Set torch's intra-op threads to ``threads``; when None, on a CPU run, to
+    :func:`default_cpu_threads` (logged with the reason and the flag that sets it), unless
+    ``OMP_NUM_THREADS`` set them already. A GPU run keeps torch's default: its ops run on the GPU."""
+    import torch
+
+    if threads is None:
+        if device_type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+            return
+        threads, why = default_cpu_threads()
+        logger.info(
+            "%s not given: %d torch thread(s), %s (more threads than free cores run several times slower); "
+            "pass %s N to choose",
+            flag,
+            threads,
+            why,
+            flag,
+        )
+    torch.set_num_threads(threads)
 
 
 def _cpu_slot(index: int, flag: str) -> Slot:

@@ -34,6 +34,10 @@ def pytest_configure(config):
     store = tempfile.mkdtemp(prefix="dflash-tests-replies-")
     config.add_cleanup(lambda: shutil.rmtree(store, ignore_errors=True))
     os.environ["DFLASH_REPLY_STORE"] = store
+    # One intra-op thread in every process a test starts too (dflash train and eval take the cores
+    # free of other jobs when --cpu-threads is empty: a guess, and 2 threads beside the other xdist
+    # worker oversubscribe a 2-core box), as tiny.py sets it in this one.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.commands import COMMON, positive
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations, require_data_file
-from dflash.devices import check_cpu_threads, compute_dtype, resolve_device
+from dflash.devices import check_cpu_threads, compute_dtype, resolve_device, set_cpu_threads
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
 from dflash.evaluation.sampling_settings import Sampling
 from dflash.files import check_weight_files
@@ -109,7 +109,8 @@ def register(subparsers) -> None:
         "--cpu-threads",
         type=positive(int),
         default=None,
-        help="torch intra-op threads on CPU (default: torch's; use 1 on a shared machine)",
+        help="torch intra-op threads on CPU (default: the cores free of other jobs, at least 1, logged; "
+        "OMP_NUM_THREADS when set)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
@@ -240,16 +241,13 @@ def _evaluate(args: argparse.Namespace):
     require_transformers_for(read_target_config(target_dir), target_dir / "config.json", decoding=True)
     check_weight_files(target_dir)
     data = require_data_file(_held_out_data(args.data, run))
-    import torch
-
     from dflash.evaluation.decoding import stop_token_ids
     from dflash.evaluation.measure import evaluate, load_drafter
     from dflash.evaluation.prompts import load_prompts
     from dflash.target_model.model import load_target
 
     device = resolve_device(args.device)
-    if args.cpu_threads is not None:
-        torch.set_num_threads(args.cpu_threads)
+    set_cpu_threads(args.cpu_threads, device.type)
     dtype = compute_dtype(device)
     # Tokenizer and prompts first: their errors come before the (slow) target loads.
     context = context_length(target_dir)

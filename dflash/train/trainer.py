@@ -36,7 +36,7 @@ from dflash import profiling, watchdog
 from dflash.assets import default_target_dir
 from dflash.compile_watch import DynamoWarnings
 from dflash.config import TrainConfig
-from dflash.devices import DeviceLayout, Slot, compute_dtype, parse_layout, resolve_device
+from dflash.devices import DeviceLayout, Slot, compute_dtype, parse_layout, resolve_device, set_cpu_threads
 from dflash.distributed import ProcessInfo, barrier, destroy_process_group, init_process_group
 from dflash.drafter.codebooks import project_codebooks, published_state_dict
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
@@ -143,8 +143,7 @@ class Trainer:
         self.process = ProcessInfo.from_env()
         self.layout, self.threaded = resolve_layout(config, self.process)
         init_process_group(self.process, self.layout.drafters[0].device)
-        if config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)
+        set_cpu_threads(config.cpu_threads, self.layout.device_type)
         if not config.progress:  # transformers draws its own bars (loading weights)
             from transformers.utils import logging as transformers_logging
 

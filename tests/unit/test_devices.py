@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.cli import main
-from dflash.devices import DeviceSpecError, parse_devices, parse_layout
+from dflash.devices import DeviceSpecError, parse_devices, parse_layout, set_cpu_threads
 
 
 @pytest.mark.parametrize(
@@ -70,3 +70,43 @@ def test_a_resumed_layout_run_drops_the_saved_device(tmp_path):
     assert _resumed_values({**given, "device": "cpu"})["device"] == "cpu"  # given again: checked as usual
     (tmp_path / "train_config.json").write_text(json.dumps({"device": "cuda", "steps": 9}))
     assert _resumed_values(given)["device"] == "cuda"
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """A 2-core host whose load average the test sets; torch's threads put back afterwards."""
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 2)
+    load = {"1min": 0.0}
+    monkeypatch.setattr("os.getloadavg", lambda: (load["1min"], 0.0, 0.0))
+    yield load
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("load, processes, threads", [(3.1, 1, 1), (1.4, 1, 1), (0.4, 1, 2), (0.0, 2, 1)])
+def test_a_cpu_run_left_at_the_default_takes_the_cores_other_jobs_leave_free(
+    host, monkeypatch, caplog, load, processes, threads
+):
+    """torch's default took both cores of a shared 2-core machine: the same run 3.4x slower, unsaid."""
+    host["1min"] = load
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    torch.set_num_threads(2 if threads == 1 else 1)
+    with caplog.at_level("INFO", logger="dflash.devices"):
+        set_cpu_threads(None, "cpu")
+    assert torch.get_num_threads() == threads
+    assert (
+        f"--cpu-threads not given: {threads} torch thread(s), {threads} of the 2 CPU core(s) this process may use"
+    ) in caplog.text
+    assert f"less the 1-minute load average, {load:.1f}" in caplog.text and "pass --cpu-threads N" in caplog.text
+
+
+def test_threads_given_by_flag_or_omp_num_threads_or_on_a_gpu_run_are_kept(host, monkeypatch, caplog):
+    host["1min"] = 3.0
+    set_cpu_threads(2, "cpu")
+    assert torch.get_num_threads() == 2
+    set_cpu_threads(None, "cuda")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    set_cpu_threads(None, "cpu")
+    assert torch.get_num_threads() == 2 and "--cpu-threads not given" not in caplog.text

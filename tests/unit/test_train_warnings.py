@@ -1,6 +1,7 @@
 """Flags that contradict each other or the host are refused or warned about with the fix (--epochs with
---steps, a warm-up as long as the run, --cpu-threads over the usable cores), and the log says where
-the replies trained on come from (a warning when they are not the target's own)."""
+--steps, a warm-up as long as the run, --cpu-threads over the usable cores; left empty, the free cores
+are taken and said), and the log says where the replies trained on come from (a warning when they are
+not the target's own)."""
 
 import logging
 
@@ -55,6 +56,25 @@ def test_cpu_threads_over_the_usable_cores_are_refused(assets, tmp_path, caplog,
         "--cpu-threads 64 is more than the 2 CPU core(s) this process may use: oversubscribed threads run several "
         "times slower; pass --cpu-threads 2 or less"
     ) in caplog.text
+
+
+def test_a_cpu_run_without_cpu_threads_runs_on_the_cores_other_jobs_leave_free(assets, tmp_path, caplog, monkeypatch):
+    """Left at torch's default on a shared 2-core machine the same run took 3.4x as long, unsaid."""
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("dflash.devices.usable_cores", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (2.6, 2.0, 1.0))
+    torch.set_num_threads(2)
+    config = train_config(target=assets["target"], data=assets["data"], out=tmp_path, num_target_layers=2)
+    try:
+        with caplog.at_level(logging.INFO, logger="dflash"):
+            Trainer(settle(config))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert "--cpu-threads not given: 1 torch thread(s)" in caplog.text
 
 
 def test_the_log_says_where_the_replies_come_from(assets, tmp_path, caplog):
