@@ -14,6 +14,7 @@ import time
 import pytest
 from tiny import make_target, write_chat_data
 
+from dflash.run.layout import LOG_NAME
 from dflash.run.step_dirs import find_checkpoint
 
 
@@ -24,6 +25,8 @@ def assets(tmp_path_factory):
 
 
 STEPS = 40
+# The module's tests on one xdist worker (pyproject's --dist loadgroup): one reference run for both.
+pytestmark = pytest.mark.xdist_group("signals")
 
 
 def _train(assets, out, *extra, progress: bool = False):
@@ -65,29 +68,26 @@ def reference(assets, tmp_path_factory):
     return _losses(out)
 
 
-def test_a_stop_after_the_console_reader_left_still_saves(assets, tmp_path):
-    # `dflash train ... | tee log` and Ctrl-C: the signal ends tee too, and every later write hits
-    # a closed pipe (the progress bar's first). The run must still save its checkpoint and exit 130
-    # (it exited 0, unsaved).
+@pytest.mark.parametrize("signum, code, reader_left", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)])
+def test_a_signal_saves_a_checkpoint_and_the_resumed_run_matches(
+    assets, reference, tmp_path, signum, code, reader_left
+):
+    """SIGINT as after `dflash train ... | tee log` and Ctrl-C: the signal ends tee too, and every
+    later write hits a closed pipe (the progress bar's first); the run must still save its
+    checkpoint, say how to resume (in its log file) and exit 130 (it exited 0, unsaved)."""
     out = tmp_path / "run"
-    proc = _train(assets, out, progress=True)
-    _wait_for_steps(out, 2, proc)
-    proc.stdout.close()
-    proc.stderr.close()
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=300) == 130
-    stopped_at = int(find_checkpoint(out).name.removeprefix("step_"))
-    assert 2 <= stopped_at < STEPS and len(_losses(out)) == stopped_at
-
-
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_saves_a_checkpoint_and_the_resumed_run_matches(assets, reference, tmp_path, signum, code):
-    out = tmp_path / "run"
-    proc = _train(assets, out)
+    proc = _train(assets, out, progress=reader_left)
     _wait_for_steps(out, random.Random(signum).randrange(1, STEPS // 2), proc)
+    if reader_left:
+        proc.stdout.close()
+        proc.stderr.close()
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == code, err[-3000:]
+    if reader_left:
+        assert proc.wait(timeout=300) == code
+        err = (out / LOG_NAME).read_text()
+    else:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == code, err[-3000:]
     stopped_at = int(find_checkpoint(out).name.removeprefix("step_"))
     assert 1 <= stopped_at < STEPS and len(_losses(out)) == stopped_at
     assert f"after step {stopped_at}, checkpoint saved" in err and "dflash train --resume --out" in err
