@@ -12,7 +12,6 @@ import pytest
 import torch
 from tiny import make_target, write_chat_data
 
-from dflash.run.checkpoint import load_drafter_files
 from dflash.run.step_dirs import find_checkpoint
 
 WORKER = """
@@ -49,6 +48,10 @@ def _torchrun(tmp_path, config: dict) -> None:
 
 
 def test_two_processes_stay_identical_and_resume_exactly(tmp_path):
+    # Here, not at the top: the barrier test's spawned processes import this module, and this
+    # import brings transformers (4 CPU-seconds in each of them).
+    from dflash.run.checkpoint import load_drafter_files
+
     target, data = make_target(tmp_path / "qwen3", num_layers=5), write_chat_data(tmp_path / "train.jsonl", repeat=4)
     config = dict(
         target=str(target),
