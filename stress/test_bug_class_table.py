@@ -7,14 +7,21 @@ from importlib.metadata import version
 import pytest
 
 from dflash.patchtools.verify.catalogue import BUG_CLASSES, applies_to
-from dflash.patchtools.verify.runner import TEST_SECONDS, all_checks_subprocess, reproduce_on_plain_torch
+from dflash.patchtools.verify.runner import (
+    TEST_SECONDS,
+    all_checks_shared,
+    all_checks_subprocess,
+    reproduce_on_plain_torch,
+)
 
 TORCH_VERSION = version("torch")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return all_checks_subprocess()
+def results(tmp_path_factory, worker_id):
+    if worker_id == "master":  # no xdist
+        return all_checks_subprocess()
+    return all_checks_shared(tmp_path_factory.getbasetemp().parent)  # one run for all workers
 
 
 @pytest.mark.parametrize("bug_class", list(BUG_CLASSES))

@@ -13,6 +13,7 @@ import pytest
 from dflash.patchtools.verify.catalogue import BUG_CLASSES, applies_to
 from dflash.patchtools.verify.runner import (
     TEST_SECONDS,
+    all_checks_shared,
     all_checks_subprocess,
     reproduce_on_plain_torch,
     rerun_while_passing,
@@ -22,8 +23,10 @@ TORCH_VERSION = version("torch")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return all_checks_subprocess()
+def results(tmp_path_factory, worker_id):
+    if worker_id == "master":  # no xdist
+        return all_checks_subprocess()
+    return all_checks_shared(tmp_path_factory.getbasetemp().parent)  # one run for all workers
 
 
 @pytest.mark.parametrize("bug_class", list(BUG_CLASSES))
@@ -89,3 +92,15 @@ def test_a_plain_crash_counts_as_the_race_and_a_patched_one_fails_the_run(monkey
     assert (result.calls, result.failures) == (1, 1) and "plain torch crashed: SIGSEGV" in result.example_error
     with pytest.raises(RuntimeError, match="exited with -11"):
         runner.run_check_subprocess("B", patched=True, seconds=0.1)
+
+
+def test_the_workers_of_a_session_share_one_run_of_the_checks(tmp_path, monkeypatch):
+    from dflash.patchtools.verify import runner
+    from dflash.patchtools.verify.checks import CheckResult
+
+    runs = []
+    result = {("A", False): CheckResult(9, 3, "boom", {"boom": 3}), ("A", True): CheckResult(9, 0, series={"c": "on"})}
+    monkeypatch.setattr(runner, "all_checks_subprocess", lambda seconds: runs.append(seconds) or result)
+    assert runner.all_checks_shared(tmp_path, seconds=0.5) == result  # the first worker runs them
+    assert runner.all_checks_shared(tmp_path, seconds=0.5) == result  # the next reads them
+    assert runs == [0.5]
