@@ -44,6 +44,30 @@ def test_the_projected_codebooks_score_as_the_tables_they_materialise():
     assert torch.equal(projected.walk(hidden, logits, anchors), tables.walk(hidden, logits, anchors))
 
 
+def test_a_projected_score_keeps_no_embedding_rows_per_candidate_for_backward():
+    # Many candidates of a small vocabulary: a [.., K, H] gather of embedding rows would be kept
+    # for the projection's weight gradient; a [V, r] table is what a step may keep.
+    torch.manual_seed(0)
+    hidden_size, vocab, rank, top_k = 32, 50, 4, 8
+    selector = ProjectedSelector(hidden_size, rank, top_k)
+    selector.attach(torch.randn(vocab, hidden_size), torch.randn(vocab, hidden_size))
+    hidden, unary = torch.randn(2, 64, hidden_size), torch.randn(2, 64, top_k)
+    candidates, previous = torch.randint(0, vocab, (2, 64, top_k)), torch.randint(0, vocab, (2, 64))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        selector.scores(hidden, unary, candidates, previous).sum().backward()
+    assert max(saved) < candidates.numel() * hidden_size // 4, saved
+
+
+def test_the_codebooks_materialise_in_chunks_as_whole():
+    torch.manual_seed(0)
+    selector = ProjectedSelector(8, 4, 2)
+    selector.attach(torch.randn(37, 8).bfloat16(), torch.randn(37, 8).bfloat16())
+    for whole, chunked in zip(selector.tables(), selector.tables(rows=5)):
+        assert whole.dtype == torch.float32 and whole.shape == (37, 4)
+        torch.testing.assert_close(whole, chunked, rtol=0, atol=0)
+
+
 def test_a_projected_selector_needs_the_targets_embeddings():
     with pytest.raises(RuntimeError, match=r"call attach\(embed_tokens.weight, lm_head.weight\) first"):
         ProjectedSelector(8, 4, 2).tables()
