@@ -7,7 +7,8 @@ sampling distribution by a chi-square goodness-of-fit test at alpha 0.001 over 3
 Qwen3 target at T = 0.6 and 1.0 for both drafters, a hybrid Qwen3.5 target (whose states roll back
 after rejections) at one temperature each, top-p 0.9 throughout. Mutants that draw the correction
 from p instead of norm(max(0, p - q)), or that verify DFlash2's drafts with its LM head's
-distribution instead of the selector's, fail the same test."""
+distribution instead of the selector's, or that record DFlash2's q without the temperature it was
+drawn at, fail the same test."""
 
 import functools
 from collections import Counter
@@ -86,9 +87,9 @@ def _exact_distribution(target, settings: Sampling) -> dict[tuple, float]:
     return prefixes
 
 
-def _sampled(target, drafter, settings: Sampling) -> Counter:
+def _sampled(target, drafter, settings: Sampling, samples: int) -> Counter:
     counts = Counter()
-    for seed in range(SAMPLES):
+    for seed in range(samples):
         decoder = Decoder(settings, torch.Generator().manual_seed(seed))
         generation = speculative_generate(
             target,
@@ -112,19 +113,23 @@ def _chi_square_p_value(counts: Counter, exact: dict[tuple, float]) -> float:
     big = [key for key, p in exact.items() if p * total >= 5]
     observed = [counts[key] for key in big]
     expected = [exact[key] * total for key in big]
-    rest = total - sum(expected)
+    rest, rest_observed = total - sum(expected), total - sum(observed)
     if rest >= 5:
-        observed.append(total - sum(observed))
+        observed.append(rest_observed)
         expected.append(rest)
+    else:  # too few to stand alone: merged into the smallest cell, so mass piled on rare outcomes still counts
+        smallest = expected.index(min(expected))
+        observed[smallest] += rest_observed
+        expected[smallest] += rest
     statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
     freedom = len(expected) - 1
     return float(torch.special.gammaincc(torch.tensor(freedom / 2), torch.tensor(statistic / 2)))
 
 
-def _fit(target, arch, temperature) -> float:
+def _fit(target, arch, temperature, samples=SAMPLES) -> float:
     settings = Sampling(temperature=temperature, top_p=TOP_P, top_k=0)
     return _chi_square_p_value(
-        _sampled(target, _drafter(target, arch), settings), _exact_distribution(target, settings)
+        _sampled(target, _drafter(target, arch), settings, samples), _exact_distribution(target, settings)
     )
 
 
@@ -155,16 +160,42 @@ def _lm_head_proposal(self, selector, hidden, logits, anchor):
     return tokens, self.sampling.probabilities(logits)
 
 
+@torch.no_grad()
+def _proposal_without_temperature(self, selector, hidden, logits, anchor):
+    """The path drawn from softmax(scores / T), its q recorded as softmax(scores): the same at T = 1."""
+    unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+    predecessor, tokens, proposal = anchor, [], torch.zeros(logits.shape)
+    for slot in range(hidden.shape[0]):
+        scores = selector.scores(
+            hidden[slot : slot + 1], unary[slot : slot + 1], candidates[slot : slot + 1], predecessor
+        )
+        pick = torch.multinomial((scores[0] / self.sampling.temperature).softmax(-1), 1, generator=self.generator)
+        proposal[slot].scatter_(0, candidates[slot], scores[0].softmax(-1))
+        predecessor = candidates[slot, pick]
+        tokens.append(predecessor)
+    return torch.cat(tokens), proposal
+
+
+_MUTANTS = {
+    "residual": (sampling, "residual", _p_instead_of_residual),
+    "proposal": (Decoder, "_selector_path", _lm_head_proposal),
+    "temperature": (Decoder, "_selector_path", _proposal_without_temperature),
+}
+
+
 @pytest.mark.parametrize(
-    "arch, mutant",
-    [("dflash", "residual"), ("dflash2", "residual"), ("dflash2", "proposal")],
+    "arch, mutant, temperature, samples",
+    # The temperature slip shifts q by less than the others: twice the samples keep it far below alpha.
+    [
+        ("dflash", "residual", 1.0, SAMPLES),
+        ("dflash2", "residual", 1.0, SAMPLES),
+        ("dflash2", "proposal", 1.0, SAMPLES),
+        ("dflash2", "temperature", 0.6, 2 * SAMPLES),
+    ],
 )
-def test_a_wrong_rule_fails_the_fit(monkeypatch, arch, mutant):
-    if mutant == "residual":
-        monkeypatch.setattr(sampling, "residual", _p_instead_of_residual)
-    else:
-        monkeypatch.setattr(Decoder, "_selector_path", _lm_head_proposal)
-    assert _fit(_target("qwen3"), arch, 1.0) < ALPHA
+def test_a_wrong_rule_fails_the_fit(monkeypatch, arch, mutant, temperature, samples):
+    monkeypatch.setattr(*_MUTANTS[mutant])
+    assert _fit(_target("qwen3"), arch, temperature, samples) < ALPHA
 
 
 def test_top_k_and_top_p_keep_the_most_likely_tokens():
