@@ -332,6 +332,10 @@ def print_table(results: dict[str, dict], target_dtypes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash.choices import literal_choices
+    from dflash.config import TrainConfig
+
+    trainer_choices = literal_choices(TrainConfig)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape")
     parser.add_argument(
@@ -350,21 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--draft-layers", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="steps per run; the first is warm-up")
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default=None)
-    parser.add_argument("--compile-scope", choices=("step", "regional"), default=None, help="default: the trainer's")
-    parser.add_argument("--arch", choices=("dflash", "dflash2"), default=None, help="drafter architecture")
-    parser.add_argument(
-        "--selector-codebooks",
-        choices=("tables", "projected"),
-        default=None,
-        help="DFlash2: dflash train --selector-codebooks (default: the trainer's, tables)",
-    )
-    parser.add_argument(
-        "--selector-target",
-        choices=("hard", "soft"),
-        default=None,
-        help="DFlash2: dflash train --selector-target (default: the trainer's)",
-    )
+    # The trainer's choice flags, its choices and defaults read from TrainConfig (None: its default).
+    for flag in ("compile", "compile_scope", "arch", "selector_codebooks", "selector_target"):
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}", choices=trainer_choices[flag], default=None, help="dflash train's flag"
+        )
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per training run")

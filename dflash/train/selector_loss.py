@@ -21,8 +21,9 @@ closer q is to the target's p, the more. The soft target is the target's distrib
 (its LM head on its last hidden state, the distribution it verifies the slot with) restricted to
 the candidates and renormalised, and the loss the cross-entropy to it (a KL up to the target's own
 entropy), teacher-forced and weighted as the hard one; every supervised slot counts. At T = 1 a
-perfect fit makes q equal p on the candidates; scores matching log p up to a constant make
-``softmax(scores / T)`` the target's own tempered distribution at any T.
+perfect fit makes q the target's p renormalised over the candidates (p / p(candidates)), so a slot
+accepts with probability p(candidates); scores matching log p up to a constant make
+``softmax(scores / T)`` the target's tempered distribution over the candidates at any T.
 
 The candidates and their logits come from the chunks of the drafter's loss, which compute the
 logits anyway (:func:`dflash.train.loss.chunk_loss`); the selector's loss then runs

@@ -72,8 +72,8 @@ def test_a_sampled_eval_gives_each_figure_its_interval(run, tmp_path, capsys, ar
     assert "sampled at temperature 1, top-p 0.9 (--seed 0)" in out and "greedy check" not in out
     assert "(sampled: each figure with its 95% interval" in out and out.count("] 95%") == 4
     reports = []
-    for seed in ("0", "0"):
-        _eval(run_dir, data, *sampled, "--seed", seed, "--json")
+    for _run in range(2):  # two runs with --seed 0: the same draws
+        _eval(run_dir, data, *sampled, "--seed", "0", "--json")
         reports.append(json.loads(capsys.readouterr().out))
     assert reports[0]["decoding"] == "temperature 1, top-p 0.9" and reports[0]["mismatches"] is None
     assert set(reports[0]["intervals"]) == {"tau_per_step", "tau_per_prompt", "speedup", "decode_speedup"}
