@@ -1,10 +1,11 @@
-"""Module attributes that used to be globals stay live views of the per-thread state (patches 0003, 0007-0009).
+"""Module attributes that used to be globals stay live views of the per-thread state (patches 0003, 0007-0009, 0012).
 
 ``torch.fx._symbolic_trace.CURRENT_PATCHER``, ``torch.fx._lazy_graph_module._use_lazy_graph_module_flag``
 and ``_force_skip_lazy_graph_module_flag``, ``torch._dynamo.utils._error_on_graph_break``,
 ``torch.fx.traceback.current_meta`` (updated in place by ``torch/utils/checkpoint.py`` and
-AOTAutograd) and ``should_preserve_node_meta``, and ``torch._export.serde.serialize._CURRENT_DESERIALIZER``
-were module globals that code outside torch reads and assigns. The series keeps their values per thread;
+AOTAutograd) and ``should_preserve_node_meta``, ``torch._export.serde.serialize._CURRENT_DESERIALIZER``
+and ``torch._ops._mode_stack_state_for_pre_dispatch`` were module globals that code outside torch
+reads and assigns. The series keeps their values per thread;
 an assignment used to shadow the module ``__getattr__`` that served them for good: later reads
 returned the assigned value, not the live one, and tracing ignored it. Now an assignment sets the
 calling thread's value, which tracing uses, and reads follow the state as it changes. Plain torch
@@ -99,6 +100,21 @@ live["_CURRENT_DESERIALIZER: what rebuilds this thread's fake tensors"] = (
 other_thread_sees_it["_CURRENT_DESERIALIZER"] = in_other_thread(lambda: serialize._CURRENT_DESERIALIZER is not None)
 serialize._CURRENT_DESERIALIZER = None
 live["_CURRENT_DESERIALIZER: reads None again"] = serialize._CURRENT_DESERIALIZER is None
+
+import torch._ops as ops
+
+original = ops._mode_stack_state_for_pre_dispatch
+live["_mode_stack_state_for_pre_dispatch: reads this thread's stack"] = (
+    original is ops.mode_stack_state_for_pre_dispatch()
+)
+assigned = ops._mode_stack_state_for_pre_dispatch = ops._ModeStackStateForPreDispatch()
+live["_mode_stack_state_for_pre_dispatch: the assigned stack is what this thread's modes use"] = (
+    ops.mode_stack_state_for_pre_dispatch() is assigned and ops._mode_stack_state_for_pre_dispatch is assigned
+)
+other_thread_sees_it["_mode_stack_state_for_pre_dispatch"] = in_other_thread(
+    lambda: ops.mode_stack_state_for_pre_dispatch() is assigned
+)
+ops._mode_stack_state_for_pre_dispatch = original
 print(json.dumps({"live": live, "other_thread_sees_it": other_thread_sees_it}))
 """
 
