@@ -370,7 +370,7 @@ def register(subparsers) -> None:
         "--selection",
         default="full",
         choices=sorted(SELECTIONS),
-        help="full: what the series touches (about 75 files, hours on 2 cores); ci: the part nearest the series",
+        help="full: what the series touches (78 files or -k subsets, hours on 2 cores); ci: the part nearest it",
     )
     tests.add_argument(
         "--file", action="append", metavar="PATH", help="a test file under test/ instead of a selection (repeatable)"
