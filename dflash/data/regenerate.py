@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import transformers
 
 from dflash.data import reply_store
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
@@ -286,6 +287,9 @@ _TARGET_TEXT_FILES = (
     "chat_template.jinja",
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+#: Bump when a change here changes the replies regenerated for the same inputs: stored replies
+#: (:mod:`dflash.data.reply_store`) of another version are regenerated, not reused.
+REGENERATION_VERSION = 1
 
 
 def regeneration_key(
@@ -293,8 +297,9 @@ def regeneration_key(
 ) -> dict:
     """What regenerated replies depend on: the data file's sha256, the target's config,
     generation config and tokenizer files (sha256), its weight files (name, size, mtime: hashing
-    tens of GB would take minutes), its dtype, and the length limits. Not the directory's path: a
-    moved target keeps its replies."""
+    tens of GB would take minutes), its dtype, the length limits, and the code that generates them
+    (:data:`REGENERATION_VERSION` and the transformers version, whose ``generate`` may change its
+    output). Not the directory's path: a moved target keeps its replies."""
     files = {}
     for path in sorted(target_dir.iterdir()):
         if path.name in _TARGET_TEXT_FILES:
@@ -308,6 +313,8 @@ def regeneration_key(
         "dtype": str(dtype),
         "seq_len": seq_len,
         "max_new_tokens": max_new_tokens,
+        "regeneration_version": REGENERATION_VERSION,
+        "transformers": transformers.__version__,
     }
 
 

@@ -5,8 +5,9 @@ run has the same regeneration key instead of being generated again.
 The key (:func:`dflash.data.regenerate.regeneration_key`) is what the replies depend on: the data
 file's sha256; the target's config, generation config, tokenizer and chat template files by sha256
 and its weight files by name, size and modification time; its dtype; ``--seq-len`` and
-``--regenerate-max-new-tokens``. An entry, a directory named by the key's digest, holds the corpus
-and a record of its key and its sha256. It is used only when its key equals the run's field for
+``--regenerate-max-new-tokens``; the version of the regeneration procedure and of transformers.
+An entry, a directory named by the key's digest, holds the corpus and a record of its key and its
+sha256. It is used only when its key equals the run's field for
 field and the corpus still hashes to the recorded sha256 (an entry that does not is said to be
 stale or damaged, and the run regenerates); every use is logged with the entry's path, so no run
 trains on replies it did not say where they came from. The run keeps its own copy, so its resume
