@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from dflash.files import sha256_file
@@ -96,15 +97,18 @@ def keep(key: dict, corpus: Path) -> None:
     entry = entry_dir(key)
     if entry is None or entry.exists():
         return
-    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    tmp = None
     try:
-        tmp.mkdir(parents=True)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        # A name of its own: on a shared filesystem another host's run may hold this pid.
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.", suffix=".tmp"))
         shutil.copyfile(corpus, tmp / REPLIES_NAME)
         record = {"key": key, "sha256": sha256_file(tmp / REPLIES_NAME), "from": str(corpus.parent)}
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=1) + "\n")
         tmp.rename(entry)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if not entry.exists():  # another run filed it first: nothing lost
             logger.warning("%s: cannot keep the regenerated replies for other runs (%s)", entry.parent, e)
         return

@@ -242,6 +242,23 @@ def test_a_stored_entry_is_used_only_when_its_record_names_the_key_and_the_copy_
     assert not any((tmp_path / name).exists() and any((tmp_path / name).iterdir()) for name in ("other", "torn"))
 
 
+def test_keeping_an_entry_leaves_another_host_s_copy_in_progress_alone(tmp_path):
+    """On a shared store, the temporary copy was named by pid alone: a run on another host with
+    the same pid collided with it, failed, and deleted that host's copy."""
+    import os
+
+    corpus = tmp_path / "run" / "regenerated.jsonl"
+    corpus.parent.mkdir()
+    corpus.write_text('{"messages": []}\n')
+    entry = reply_store.entry_dir(KEY)
+    theirs = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    theirs.mkdir(parents=True)
+    (theirs / reply_store.REPLIES_NAME).write_text("theirs, being copied\n")
+    reply_store.keep(KEY, corpus)
+    assert (theirs / reply_store.REPLIES_NAME).read_text() == "theirs, being copied\n"
+    assert (entry / reply_store.REPLIES_NAME).read_text() == corpus.read_text()
+
+
 def test_the_reply_store_can_be_turned_off(target, target_dir, tmp_path, monkeypatch, alone):
     store = tmp_path / "store"
     monkeypatch.setenv("DFLASH_REPLY_STORE", str(store))
