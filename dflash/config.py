@@ -218,6 +218,7 @@ class TrainConfig:
     --num-prompts --seed 0 draws it)."""
     eval_max_new_tokens: int = 64
     """Tokens generated per held-out prompt."""
+    # GREEDY's temperature, written again: this module may not import dflash.evaluation (a test keeps them equal).
     eval_temperature: float = 0.0
     """Temperature of that acceptance: 0 decodes greedily (each output checked against the target's); above 0 both
     methods sample at it and drafts are verified by speculative sampling, as dflash eval --temperature measures (seed

@@ -21,7 +21,7 @@ from dflash.commands import COMMON, positive
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations, require_data_file
 from dflash.devices import check_cpu_threads, compute_dtype, resolve_device, set_cpu_threads
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
-from dflash.evaluation.sampling_settings import Sampling
+from dflash.evaluation.sampling_settings import GREEDY, Sampling
 from dflash.files import check_weight_files
 from dflash.run import acceptance_log
 from dflash.run.layout import SAVED_CONFIG_NAME, read_saved_config, run_of, saved_steps
@@ -75,24 +75,25 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--temperature",
         type=float,
-        default=0.0,
+        default=GREEDY.temperature,
         help="0: greedy decoding, each speculative output checked against the target's; above 0: both methods "
         "sample at this temperature and drafts are verified by speculative sampling (lossless: the output is "
-        "distributed as the target's own sampling), each figure with its 95%% interval (default: 0)",
+        "distributed as the target's own sampling), each figure with its 95%% interval "
+        f"(default: {GREEDY.temperature:g})",
     )
     parser.add_argument(
         "--top-p",
         type=float,
-        default=1.0,
+        default=GREEDY.top_p,
         help="with --temperature: sample from the smallest set of most likely tokens whose probability reaches "
-        "this, target and drafter alike (default: 1, every token)",
+        f"this, target and drafter alike (default: {GREEDY.top_p:g}, every token)",
     )
     parser.add_argument(
         "--top-k",
         type=int,
-        default=0,
-        help="with --temperature: sample from the k most likely tokens, target and drafter alike (default: 0, "
-        "every token)",
+        default=GREEDY.top_k,
+        help="with --temperature: sample from the k most likely tokens, target and drafter alike "
+        f"(default: {GREEDY.top_k}, every token)",
     )
     parser.add_argument(
         "--random-target-weights",

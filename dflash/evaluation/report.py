@@ -50,14 +50,14 @@ class EvalReport:
         target_decode_ms_per_token, speculative_decode_ms_per_token (float): mean over prompts of
             the decoding time per output token.
         num_prompts, num_tokens, block_size (int): speculative output tokens over all prompts.
+        temperature, top_p (float), top_k (int): how both methods chose tokens
+            (:class:`dflash.evaluation.sampling.Sampling`; temperature 0 is greedy).
         intervals (dict[str, tuple[float, float]]): for a sample of the held-out prompts or a
             sampled measurement, the 95% interval of each of tau_per_step, tau_per_prompt, speedup
             and decode_speedup (:func:`bootstrap_intervals`); empty for the whole set decoded greedily.
         mismatches (int, optional): prompts whose speculative output differs from the target's greedy
             output; None when sampled (two draws of one distribution are not compared).
         dtype (str): the target's dtype during the measurement (``"float32"``, ``"bfloat16"``).
-        temperature, top_p (float), top_k (int): how both methods chose tokens
-            (:class:`dflash.evaluation.sampling.Sampling`; temperature 0 is greedy).
     """
 
     tau_per_step: float
@@ -72,12 +72,12 @@ class EvalReport:
     num_prompts: int
     num_tokens: int
     block_size: int
+    temperature: float
+    top_p: float
+    top_k: int
     intervals: dict = field(default_factory=dict)
     mismatches: int | None = 0
     dtype: str = "float32"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
 
     @property
     def sampling(self) -> Sampling:

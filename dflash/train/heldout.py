@@ -9,6 +9,7 @@ rank 0 measures, the other processes wait at their next collective.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from dflash.drafter.model import AnchoredDrafter
 from dflash.evaluation.decoding import stop_token_ids
 from dflash.evaluation.measure import evaluate
 from dflash.evaluation.prompts import load_prompts
-from dflash.evaluation.sampling_settings import Sampling
+from dflash.evaluation.sampling_settings import GREEDY
 from dflash.run import acceptance_log
 from dflash.run.layout import step_dir_name
 from dflash.target_model.files import context_length
@@ -77,7 +78,7 @@ class HeldOutAcceptance:
             self.prompts.prompts,
             max_new_tokens=self.prompts.max_new_tokens,
             eos_ids=stop_token_ids(self.tokenizer, target.config),
-            sampling=Sampling(temperature=self.config.eval_temperature, top_p=1.0, top_k=0),
+            sampling=dataclasses.replace(GREEDY, temperature=self.config.eval_temperature),
             seed=0,
             progress=False,
             sample=False,

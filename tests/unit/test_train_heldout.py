@@ -78,3 +78,12 @@ def test_a_negative_held_out_temperature_is_refused():
 
     with pytest.raises(ValueError, match=r"eval_temperature must be 0 \(greedy\) or a positive number, got -0.5"):
         TrainConfig(eval_temperature=-0.5)
+
+
+def test_the_held_out_temperature_defaults_to_greedy():
+    """dflash.config may not import dflash.evaluation (tests/unit/test_package_layout.py), so its
+    default is written there again; this keeps it GREEDY's."""
+    from dflash.config import TrainConfig
+    from dflash.evaluation.sampling_settings import GREEDY
+
+    assert TrainConfig.eval_temperature == GREEDY.temperature
