@@ -361,10 +361,13 @@ class TrainConfig:
                 f"eval_temperature must be 0 (greedy) or a positive number, got {self.eval_temperature} "
                 "(--eval-temperature)"
             )
-        if self.eval_every is not None and not (self.eval_data or self.init_from):
-            raise ValueError(
-                "eval_every: held-out acceptance needs held-out conversations; pass --eval-data FILE (JSONL chats)"
-            )
+        if not (self.eval_data or self.init_from):
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in ("eval_every", "eval_temperature"):
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(
+                        f"{name}: held-out acceptance needs held-out conversations; pass --eval-data FILE (JSONL chats)"
+                    )
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft slot), got {self.block_size}")
         if self.block_size is not None and self.block_size > self.seq_len:

@@ -80,6 +80,16 @@ def test_a_negative_held_out_temperature_is_refused():
         TrainConfig(eval_temperature=-0.5)
 
 
+def test_a_held_out_temperature_without_held_out_conversations_is_refused(tmp_path, caplog):
+    """--eval-temperature alone was accepted and measured nothing."""
+    from dflash.cli import main
+    from dflash.config import TrainConfig
+
+    assert main(["train", "--eval-temperature", "0.7", "--out", str(tmp_path / "x")]) == 2
+    assert "--eval-temperature: held-out acceptance needs held-out conversations; pass --eval-data" in caplog.text
+    assert TrainConfig(eval_temperature=0.7, eval_data=str(tmp_path / "heldout.jsonl")).eval_temperature == 0.7
+
+
 def test_the_held_out_temperature_defaults_to_greedy():
     """dflash.config may not import dflash.evaluation (tests/unit/test_package_layout.py), so its
     default is written there again; this keeps it GREEDY's."""
