@@ -31,15 +31,17 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be 0 (greedy) or a positive number, got {self.temperature}")
+            raise ValueError(f"--temperature must be 0 (greedy) or a positive number, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1] (1 keeps every token), got {self.top_p}")
+            raise ValueError(f"--top-p must be in (0, 1] (1 keeps every token), got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top-k must be 0 (every token) or a positive count, got {self.top_k}")
-        if self.greedy and (self.top_p < 1 or self.top_k):
+            raise ValueError(f"--top-k must be 0 (every token) or a positive count, got {self.top_k}")
+        filters = [f"--top-p {self.top_p:g}"] * (self.top_p < 1) + [f"--top-k {self.top_k}"] * bool(self.top_k)
+        if self.greedy and filters:
             raise ValueError(
-                f"top-p {self.top_p} / top-k {self.top_k} with temperature 0: greedy decoding takes the argmax and "
-                "would ignore them; pass a temperature above 0 to sample, or leave top-p and top-k unset"
+                f"{' '.join(filters)} with --temperature 0: greedy decoding takes the argmax and would ignore "
+                f"{'them' if len(filters) > 1 else 'it'}; pass --temperature above 0 to sample, or leave "
+                f"{' and '.join(f.split()[0] for f in filters)} unset"
             )
 
     @property

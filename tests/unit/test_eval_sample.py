@@ -84,10 +84,15 @@ def test_a_sampled_eval_gives_each_figure_its_interval(run, tmp_path, capsys, ar
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--top-p", "0.9"], "top-p 0.9 / top-k 0 with temperature 0"),
-        (["--temperature", "-1"], "temperature must be 0 (greedy) or a positive number, got -1.0"),
-        (["--temperature", "1", "--top-p", "1.5"], "top-p must be in (0, 1]"),
-        (["--temperature", "1", "--top-k", "-2"], "top-k must be 0 (every token) or a positive count, got -2"),
+        (
+            ["--top-p", "0.9"],
+            "--top-p 0.9 with --temperature 0: greedy decoding takes the argmax and would ignore it; pass "
+            "--temperature above 0 to sample, or leave --top-p unset",
+        ),
+        (["--top-p", "0.9", "--top-k", "20"], "--top-p 0.9 --top-k 20 with --temperature 0"),
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or a positive number, got -1.0"),
+        (["--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--temperature", "1", "--top-k", "-2"], "--top-k must be 0 (every token) or a positive count, got -2"),
     ],
 )
 def test_bad_sampling_flags_are_refused_before_anything_loads(tmp_path, caplog, flags, named):
