@@ -249,6 +249,7 @@ def test_the_soft_selector_target_is_the_targets_distribution_over_the_candidate
     teacher = torch.randn(2, 6, 32, generator=gen)  # the target's last hidden state of 6 positions
     anchors = torch.tensor([[0], [2]])  # slot k of the block anchored at a reads position a + k - 1
     mask = torch.ones_like(labels, dtype=torch.bool)
+    mask[1, 2] = False  # an unsupervised slot: no part of the selector's loss
     settings = _settings(selector_target="soft", selector_missing_gold="exclude")
     out = dflash_loss(
         hidden.reshape(2, 4, 32),
@@ -266,6 +267,8 @@ def test_the_soft_selector_target_is_the_targets_distribution_over_the_candidate
     expected = 0.0
     for row in range(2):
         for slot in range(4):
+            if not mask[row, slot]:
+                continue
             logits = hidden[row, slot].detach() @ head.t()
             candidates = logits.topk(selector.top_k).indices
             position = max(int(anchors[row, 0]) + slot - 1, 0)
