@@ -75,6 +75,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
@@ -507,7 +508,16 @@ class GroupedDynamicConv(nn.Module):
         Q a whole number of draft blocks. Both sides compute in the dtype of the coefficients
         (bf16 under autocast, as the served bf16 drafter computes)."""
         dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, -1))
-        inner = sublayer(self._convolve(x.to(dynamic.dtype), dynamic[..., 0, :, :], self.base_kernel[0]))
+        side_0 = (x.to(dynamic.dtype), dynamic[..., 0, :, :], self.base_kernel[0])
+        if torch.compiler.is_compiling():
+            # The sublayer's first projections would keep side 0's output for their weight gradients;
+            # compiled, it is recomputed in backward from what side 0 keeps anyway (one [B, Q, H]
+            # activation less per side: 2 x 168 MB per layer at the user's shape, 2 rows x 512
+            # anchors x 16). Eager, the projections would keep the checkpoint's output all the same.
+            convolved = checkpoint(self._convolve, *side_0, use_reentrant=False)
+        else:
+            convolved = self._convolve(*side_0)
+        inner = sublayer(convolved)
         return self._convolve(inner.to(dynamic.dtype), dynamic[..., 1, :, :], self.base_kernel[1])
 
     def _convolve(self, z: Tensor, dynamic: Tensor, base: Tensor) -> Tensor:
