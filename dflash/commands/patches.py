@@ -389,6 +389,11 @@ def register(subparsers) -> None:
     tests.add_argument(
         "--file-timeout", type=positive(float), default=7200, help="seconds a file's run may take (default 7200)"
     )
-    tests.add_argument("--out", metavar="DIR", help="reports and logs (default <cache>/<tag>/runs/<time>)")
+    tests.add_argument(
+        "--out",
+        metavar="DIR",
+        help="reports and logs (default <cache>/<tag>/runs/<time>); an earlier run's folder is resumed: what "
+        "finished there with the same tree, torch, series and arguments is reused, the rest runs",
+    )
     tests.add_argument("--list", action="store_true", help="print the entries that would run, and stop")
     tests.set_defaults(func=_pytorch_tests)

@@ -12,5 +12,7 @@ the exact tag the installed series is checked on, not from copies of unknown age
 - :mod:`~dflash.patchtools.pytorch_tests.outcomes`: each test's outcome from pytest's JUnit XML;
 - :mod:`~dflash.patchtools.pytorch_tests.runner`: every file in its own process, plain
   (``DFLASH_PATCHES=0``) and patched, outcome by outcome, each difference run again alone both
-  ways, and the tables.
+  ways, and the tables;
+- :mod:`~dflash.patchtools.pytorch_tests.resume`: the record each finished process leaves, and its
+  key, so that a run in the same ``--out`` reuses it (the full selection takes hours).
 """

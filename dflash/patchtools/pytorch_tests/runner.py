@@ -7,6 +7,10 @@ A test whose outcome differs is run again alone, plain and patched, each in its 
 difference that holds alone is the series' (``changes outcome``); one that disappears alone
 depended on what ran before it or on load, and is listed but not counted. A test that timed out in
 the full run is a hang and counts whatever it does alone.
+
+A run in the folder of an earlier one reuses each process that finished there with the same key and
+runs the rest (:mod:`~dflash.patchtools.pytorch_tests.resume`); the first SIGINT or SIGTERM ends the
+processes in flight, which a later run then runs again.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from xml.etree import ElementTree
 
 from dflash.patchtools.pytorch_tests.outcomes import ERROR, FAILED, PASSED, SKIPPED, TIMEOUT, read_outcomes
+from dflash.patchtools.pytorch_tests.resume import NOT_RUN, Setup, Side
 from dflash.patchtools.pytorch_tests.selections import Entry
+from dflash.signals import Stopped, StopRequest
 
 ABSENT = "absent"  # not reported on this side
 HUNG = "hung (killed at the file time limit)"
@@ -41,6 +48,7 @@ class FileRun:
     seconds: float
     outcomes: dict[str, str]
     log: str
+    reused_from: str | None = None  # the commit of the earlier run that left it; None: run now
 
     @property
     def problem(self) -> str | None:
@@ -78,24 +86,27 @@ class Difference:
         return self.verdict != ORDER_OR_LOAD
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Runner:
-    """How each pytest process is started: the venv's python, the tree's ``test/``, where reports go."""
+    """How each pytest process is started: the venv's python, the tree's ``test/``, where reports go,
+    what their records are keyed by; and the processes in flight, which :meth:`stop` ends."""
 
     python: Path
     test_dir: Path
     out: Path
     test_timeout_s: float
     file_timeout_s: float
+    setup: Setup
+    _running: set = dataclasses.field(default_factory=set, init=False, repr=False, compare=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _stopped: threading.Event = dataclasses.field(
+        default_factory=threading.Event, init=False, repr=False, compare=False
+    )
 
-    def run(self, args: list[str], name: str, *, patched: bool) -> FileRun:
-        side = "patched" if patched else "plain"
-        (self.out / side).mkdir(parents=True, exist_ok=True)
-        xml, log = self.out / side / f"{name}.xml", self.out / side / f"{name}.log"
-        command = [
-            str(self.python),
-            "-m",
-            "pytest",
+    def side(self, args: list[str], name: str, *, patched: bool) -> Side:
+        """The files of the process running ``args`` (paths under ``test/``, ``-k``) on one side."""
+        folder = self.out / ("patched" if patched else "plain")
+        pytest_args = [
             *args,
             "-p",
             "no:cacheprovider",
@@ -104,49 +115,110 @@ class Runner:
             ".",
             "-o",
             "junit_family=xunit1",
-            f"--junitxml={xml}",
             f"--timeout={self.test_timeout_s:g}",
         ]
-        env = dict(os.environ, DFLASH_PATCHES="1" if patched else "0", PYTHONPATH=str(self.test_dir))
+        key = self.setup.key(pytest_args, self.file_timeout_s, patched=patched)
+        return Side(folder / f"{name}.xml", folder / f"{name}.log", key, patched)
+
+    def previous(self, side: Side) -> FileRun | str:
+        """The run ``side`` finished earlier in this folder with the same key, or why it runs now."""
+        record = side.finished()
+        if isinstance(record, str):
+            return record
+        return FileRun(record["returncode"], record["seconds"], _outcomes(side.xml), str(side.log), record["commit"])
+
+    def run(self, side: Side) -> FileRun:
+        """Run ``side``'s process (after removing its earlier record and report) and read its report."""
+        side.xml.parent.mkdir(parents=True, exist_ok=True)
+        side.forget()
+        command = [str(self.python), "-m", "pytest", *side.key["args"], f"--junitxml={side.xml}"]
+        env = dict(os.environ, DFLASH_PATCHES="1" if side.patched else "0", PYTHONPATH=str(self.test_dir))
         env.setdefault("OMP_NUM_THREADS", "1")
         started = time.monotonic()
-        with log.open("w") as out:
+        with side.log.open("w") as out:
+            with self._lock:
+                if self._stopped.is_set():
+                    raise KeyboardInterrupt("the run is stopping")
+                process = subprocess.Popen(command, cwd=self.test_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+                self._running.add(process)
             try:
-                returncode = subprocess.run(
-                    command,
-                    cwd=self.test_dir,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    timeout=self.file_timeout_s,
-                ).returncode
+                returncode = process.wait(timeout=self.file_timeout_s)
             except subprocess.TimeoutExpired:
                 returncode = None
-        try:
-            outcomes = read_outcomes(xml)
-        except (FileNotFoundError, ElementTree.ParseError):
-            outcomes = {}
-        return FileRun(returncode, time.monotonic() - started, outcomes, str(log))
+            finally:
+                if process.returncode is None:  # at the file time limit, or the run is stopping
+                    process.kill()
+                    process.wait()
+                with self._lock:
+                    self._running.discard(process)
+        return FileRun(returncode, time.monotonic() - started, _outcomes(side.xml), str(side.log))
+
+    def keep(self, side: Side, run: FileRun) -> None:
+        """Record that ``side`` ended on its own (only the main thread calls it: after a first SIGINT or
+        SIGTERM, :class:`~dflash.signals.Stopped` is raised there before any process cut off by it is kept)."""
+        side.keep(run.returncode, run.seconds, self.setup.commit)
+
+    def stop(self) -> None:
+        """End the processes in flight and start no more."""
+        with self._lock:
+            self._stopped.set()
+            for process in self._running:
+                process.terminate()
+
+
+def _outcomes(xml: Path) -> dict[str, str]:
+    try:
+        return read_outcomes(xml)
+    except (FileNotFoundError, ElementTree.ParseError):
+        return {}
 
 
 def run_selection(runner: Runner, entries: tuple[Entry, ...], jobs: int) -> dict[tuple[Entry, bool], FileRun]:
-    """Every entry plain and patched, ``jobs`` processes at a time; a line on stderr as each ends."""
+    """Every entry plain and patched, ``jobs`` processes at a time, reusing those that finished earlier in
+    the runner's folder; a line on stderr as each ends (or is reused), and why each that had run before
+    runs again."""
     tasks = [(entry, patched) for entry in entries for patched in (False, True)]
+    sides = {task: runner.side(task[0].pytest_args(), task[0].slug, patched=task[1]) for task in tasks}
     done: dict[tuple[Entry, bool], FileRun] = {}
-
-    def one(task: tuple[Entry, bool]) -> FileRun:
-        entry, patched = task
-        run = runner.run(entry.pytest_args(), entry.slug, patched=patched)
-        done[task] = run
-        counts = Counter(run.outcomes.values())
-        summary = ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or run.problem or "no tests"
-        side = "patched" if patched else "plain  "
-        print(f"[{len(done)}/{len(tasks)}] {side} {entry.label}: {summary} ({run.seconds:.0f} s)", file=sys.stderr)
-        return run
-
+    todo = []
+    for task in tasks:
+        found = runner.previous(sides[task])
+        if isinstance(found, FileRun):
+            done[task] = found
+            _progress(len(done), len(tasks), task, found)
+        else:
+            todo.append(task)
+            if found != NOT_RUN:
+                print(f"running again, {_side(task[1]).strip()} {task[0].label}: {found}", file=sys.stderr)
+    if done:
+        print(f"reused {len(done)} of {len(tasks)} file runs finished earlier in {runner.out}", file=sys.stderr)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(one, tasks))
+        futures = {pool.submit(runner.run, sides[task]): task for task in todo}
+        try:
+            for future in as_completed(futures):
+                task = futures[future]
+                run = future.result()
+                runner.keep(sides[task], run)
+                done[task] = run
+                _progress(len(done), len(tasks), task, run)
+        except BaseException:
+            runner.stop()
+            pool.shutdown(cancel_futures=True)
+            raise
     return done
+
+
+def _progress(number: int, total: int, task: tuple[Entry, bool], run: FileRun) -> None:
+    counts = Counter(run.outcomes.values())
+    summary = ", ".join(f"{n} {o}" for o, n in sorted(counts.items())) or run.problem or "no tests"
+    reused = f", reused from commit {run.reused_from}" if run.reused_from else ""
+    print(
+        f"[{number}/{total}] {_side(task[1])} {task[0].label}: {summary} ({run.seconds:.0f} s{reused})", file=sys.stderr
+    )
+
+
+def _side(patched: bool) -> str:
+    return "patched" if patched else "plain  "
 
 
 def differences(plain: FileRun, patched: FileRun, entry: Entry) -> list[Difference]:
@@ -163,13 +235,22 @@ def differences(plain: FileRun, patched: FileRun, entry: Entry) -> list[Differen
     ]
 
 
-def rerun_alone(runner: Runner, difference: Difference, entry: Entry) -> None:
-    """Fill in the outcomes of ``difference`` run alone, plain and patched (a whole entry for a file-level one)."""
+def rerun_alone(runner: Runner, difference: Difference, entry: Entry) -> list[FileRun]:
+    """Fill in the outcomes of ``difference`` run alone, plain and patched (a whole entry for a file-level
+    one), reusing such runs that finished earlier in the runner's folder; the two runs."""
     file_level = difference.node == entry.label
     args = entry.pytest_args() if file_level else [difference.node]
     name = f"alone__{entry.slug}__{hashlib.sha256(difference.node.encode()).hexdigest()[:8]}"
+    runs = []
     for patched in (False, True):
-        run = runner.run(args, name, patched=patched)
+        side = runner.side(args, name, patched=patched)
+        run = runner.previous(side)
+        if isinstance(run, FileRun):
+            print(f"  {_side(patched).strip()}: reused its run alone from commit {run.reused_from}", file=sys.stderr)
+        else:
+            run = runner.run(side)
+            runner.keep(side, run)
+        runs.append(run)
         if file_level:
             outcome = run.problem or RAN
         else:
@@ -178,6 +259,7 @@ def rerun_alone(runner: Runner, difference: Difference, entry: Entry) -> None:
             difference.patched_alone = outcome
         else:
             difference.plain_alone = outcome
+    return runs
 
 
 def entry_table(entries: tuple[Entry, ...], runs: dict[tuple[Entry, bool], FileRun], found: dict) -> str:
@@ -250,7 +332,9 @@ def run_tests(
 ) -> int:
     """Fetch the tag's tree, prepare its venv, run ``entries`` plain and patched, rerun each difference
     alone, print the tables (stdout; progress on stderr). Exit code 1 when a test changes outcome or a file
-    could be compared on neither side (it left no report).
+    could be compared on neither side (it left no report); 128 + the signal after a SIGINT or SIGTERM,
+    with what the same ``out`` resumes. An ``out`` of an earlier run is resumed: the processes that
+    finished there with the same tree, torch, series and arguments are reused (:mod:`.resume`).
 
     Raises:
         ValueError: an unknown tag, or a tree that is not the pinned one.
@@ -260,6 +344,7 @@ def run_tests(
     from datetime import datetime, timezone
 
     from dflash.patchtools.pytorch_tests import environment, trees
+    from dflash.patchtools.pytorch_tests.resume import series_digest
 
     tree = trees.tag_tree(tag)
     project = Path(__file__).resolve().parents[3]
@@ -271,30 +356,52 @@ def run_tests(
     print(f"preparing {cache / tag / 'venv'} (the first time: torch {tag} and the test packages)", file=sys.stderr)
     python = environment.prepare(tree, src, cache, project)
     out = out or cache / tag / "runs" / started.strftime("%Y%m%d-%H%M%S")
-    runner = Runner(python, src / "test", out, test_timeout_s, file_timeout_s)
-    runs = run_selection(runner, entries, jobs)
-    found = {entry: differences(runs[(entry, False)], runs[(entry, True)], entry) for entry in entries}
-    for entry, diffs in found.items():
-        for difference in diffs:
-            print(f"rerunning alone, plain and patched: {difference.node}", file=sys.stderr)
-            rerun_alone(runner, difference, entry)
+    setup = Setup(tree.sha256, environment.torch_version(python), series_digest(tag), _commit(project))
+    runner = Runner(python, src / "test", out, test_timeout_s, file_timeout_s, setup)
+    stopping = f"ending the pytest processes in flight (--out {out} resumes the run)"
+    try:
+        with StopRequest(stopping, interrupting="PyTorch's tests").installed():
+            try:
+                runs = run_selection(runner, entries, jobs)
+                found = {entry: differences(runs[(entry, False)], runs[(entry, True)], entry) for entry in entries}
+                alone = []
+                for entry, diffs in found.items():
+                    for difference in diffs:
+                        print(f"rerunning alone, plain and patched: {difference.node}", file=sys.stderr)
+                        alone += rerun_alone(runner, difference, entry)
+            except BaseException:
+                runner.stop()
+                raise
+    except Stopped as stopped:
+        print(f"{stopped}; what finished is kept in {out}: the same command with --out {out} resumes", file=sys.stderr)
+        return 128 + stopped.signum
     minutes = (datetime.now(timezone.utc) - started).total_seconds() / 60
+    reused = [run.reused_from for run in [*runs.values(), *alone] if run.reused_from]
     header = {
         "date": started.isoformat(timespec="seconds"),
         "tag": tag,
         "tree": f"{tree.tarball} (sha256 {tree.sha256[:12]}...)",
-        "torch": environment.torch_version(python),
-        "commit": _commit(project),
+        "torch": setup.torch,
+        "commit": setup.commit,
         "minutes": round(minutes, 1),
+        "reused_file_runs": len(reused),
+        "reused_from_commits": sorted(set(reused)),
     }
     write_json(out / "results.json", entries, runs, found, header)
     counted = [d for diffs in found.values() for d in diffs if d.counts]
     # A file that left no report on either side was not compared at all: the check did not run.
     uncompared = [e.label for e in entries if runs[(e, False)].problem and runs[(e, True)].problem]
+    resumed = (
+        f" (resumed: {len(reused)} of {len(runs) + len(alone)} file runs are an earlier run's in this folder, "
+        f"commit {', '.join(header['reused_from_commits'])})"
+        if reused
+        else ""
+    )
     print(
         f"{header['date'][:10]}, commit {header['commit']}, torch {header['torch']}, PyTorch's v{tag} tests "
         f"({tree.tarball} of {tree.package}), {len(entries)} test files or -k subsets, "
-        f"each in its own process plain (DFLASH_PATCHES=0) and patched, {jobs} at a time, {minutes:.0f} min:\n"
+        f"each in its own process plain (DFLASH_PATCHES=0) and patched, {jobs} at a time, {minutes:.0f} min"
+        f"{resumed}:\n"
     )
     print(entry_table(entries, runs, found) + "\n")
     print(difference_table(found) + "\n")
