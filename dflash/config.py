@@ -154,6 +154,11 @@ class TrainConfig:
     packed); a step trains on batch_size x grad_accum x drafter replicas x processes rows."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (the loss is normalised by the position weights of the whole step)."""
+    drafter_rows: int | None = None
+    """Rows per drafter forward/backward: the drafter runs each micro-batch's rows in groups of this many, its
+    gradients accumulating, with the loss normalised over the whole step as without groups: the same training, with
+    the drafter's activations (they grow with rows x anchors) of a group only; the target's forward still takes the
+    whole micro-batch. Must divide --batch-size; empty or 0 = the whole micro-batch."""
     max_anchors: int = 32
     """Draft blocks (anchors) sampled per row (512 is common on GPU at seq 4k); with --pack the row's budget, shared
     max-min fairly by its conversations (each keeps all its candidates when they fit, the rest split evenly)."""
@@ -429,6 +434,13 @@ class TrainConfig:
             raise ValueError(
                 f"device: --device {self.device} is the single-device path, but --target-devices/--drafter-devices "
                 "name every thread's device; drop --device (or drop the two layout flags to train on one device)"
+            )
+        if self.drafter_rows is not None and (self.drafter_rows < 0 or self.batch_size % max(self.drafter_rows, 1)):
+            divisors = [n for n in range(1, self.batch_size + 1) if self.batch_size % n == 0]
+            raise ValueError(
+                f"drafter_rows {self.drafter_rows} does not divide --batch-size {self.batch_size}: the drafter runs a "
+                f"micro-batch in groups of equal rows (one compiled shape); pass one of {divisors}, or 0 for the whole "
+                "micro-batch"
             )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")

@@ -2,7 +2,8 @@
 
 A resume continues exactly (the batches, anchors, learning-rate schedule and optimizer state of
 the run had it not stopped) when nothing that changes the math differs from the saved run. Flags
-that do not change it (logging, saving, compile, the target threads, ``--device``) may differ.
+that do not change it (logging, saving, compile, the target threads, ``--device``, the drafter's
+rows per forward ``--drafter-rows``: the same sums in another order) may differ.
 
 **Elastic resume.** Jobs are drawn in one fixed order per process (:mod:`dflash.train.jobs`):
 job j is the loader's next batch with anchors from one generator, for drafter replica ``j % W``,
@@ -58,6 +59,7 @@ RESUMABLE_CHANGES = frozenset(
         "save_dtype",
         "target_devices",
         "prefetch_depth",
+        "drafter_rows",
         "stall_minutes",
         "profile_step",
     }

@@ -50,6 +50,7 @@ class LocalEngine:
         source (JobSource): with ``num_drafters=1``.
         settings (LossSettings)
         grad_accum (int): micro-batches per optimizer step.
+        drafter_rows (int | None): rows per drafter forward (``--drafter-rows``; None: all).
         grad_clip (float): global grad-norm clip (0 = off).
         last_step (int): the run's last step (jobs are drawn up to it).
         recompile_limit (int): dynamo's recompile limit is raised to this on the first step.
@@ -63,6 +64,7 @@ class LocalEngine:
         settings: LossSettings,
         *,
         grad_accum: int,
+        drafter_rows: int | None,
         grad_clip: float,
         last_step: int,
         recompile_limit: int,
@@ -70,6 +72,7 @@ class LocalEngine:
         self.target, self.replica, self.source, self.settings = target, replica, source, settings
         self.recompile_limit = recompile_limit
         self.grad_accum, self.grad_clip, self.last_step = grad_accum, grad_clip, last_step
+        self.drafter_rows = drafter_rows
         self.layout = StatsLayout(settings.block_size)
         self.clock = _Clock(replica.device)
         self._started = False
@@ -106,9 +109,10 @@ class LocalEngine:
                     valid,
                     settings=self.settings,
                     position_weight=r.position_weight,
+                    rows=self.drafter_rows,
                 )
             )
-            r.watch.after(step, batch.input_ids.shape[1])
+            r.watch.after(step, (self.drafter_rows or batch.input_ids.shape[0], batch.input_ids.shape[1]))
         if stop:
             r.flat.stats[StatsLayout.STOP].fill_(1.0)
         grad_norm = optimizer_step([r], lr=lr, grad_clip=self.grad_clip)

@@ -163,11 +163,16 @@ def drafter_step(
     *,
     settings: LossSettings,
     position_weight: torch.Tensor,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """Forward + backward of the drafter on one micro-batch (stage 2).
+    """Forward + backward of the drafter on one micro-batch (stage 2), ``rows`` rows at a time.
 
     Gradients accumulate into the drafter's ``.grad`` from the unnormalised loss *sum*; the engine
-    divides by the step's total weight. Runs under bf16 autocast on CUDA.
+    divides by the step's total weight. Runs under bf16 autocast on CUDA. Rows meet nowhere in the
+    drafter (attention, the DFlash mask, documents and anchors are per row) and the loss, its
+    normaliser and every statistic are sums over rows, so groups of rows give the micro-batch's
+    gradients and statistics up to float summation order, with a group's activations only
+    (``--drafter-rows``).
 
     Args:
         step_fn: :func:`drafter_forward_loss` or a compiled copy of it.
@@ -175,36 +180,58 @@ def drafter_step(
         heads: the target's frozen ``embed_tokens`` and ``lm_head`` on the drafter's device.
         batch (TargetBatch): on the drafter's device.
         anchors (Tensor): int64 ``[B, N]``; valid (Tensor): bool ``[B, N]`` (drafter's device).
+        rows (int, optional): rows per forward/backward (the last group may be shorter); None: all B.
 
     Returns:
         Tensor: float32 ``[StatsLayout(Bs).size]`` on the drafter's device (``stop`` = 0); no host sync.
     """
+    size = batch.input_ids.shape[0]
+    rows = rows or size
+    stats = None
     with marked(DRAFTER_RANGE):
-        return _drafter_step(step_fn, drafter, heads, batch, anchors, valid, settings, position_weight)
+        for start in range(0, size, rows):
+            group = slice(start, start + rows)
+            inputs = _row_group(batch, group)
+            part = _drafter_step(
+                step_fn, drafter, heads, inputs, anchors[group], valid[group], settings, position_weight
+            )
+            stats = part if stats is None else stats + part
+    return stats
 
 
-def _drafter_step(step_fn, drafter, heads, batch, anchors, valid, settings, position_weight) -> torch.Tensor:
-    attention_mask = drafter.build_attention_mask(anchors, valid, batch.input_ids.shape[1], batch.document_ids)
-    device_type = batch.input_ids.device.type
+def _row_group(batch: TargetBatch, group: slice) -> tuple:
+    """Views of the rows ``group`` of ``batch``: input ids, loss mask, positions, documents, context and
+    last hidden states (or None)."""
+    last_hidden = batch.states.last_hidden
+    tensors = (batch.input_ids, batch.loss_mask, batch.position_ids, batch.document_ids, batch.states.context)
+    return *(t[group] for t in tensors), None if last_hidden is None else last_hidden[group]
+
+
+def _drafter_step(step_fn, drafter, heads, inputs, anchors, valid, settings, position_weight) -> torch.Tensor:
+    """One group of rows: ``inputs`` are its input ids, loss mask, positions, documents, context and last hidden
+    states (or None)."""
+    input_ids, loss_mask, position_ids, document_ids, context, last_hidden = inputs
+    attention_mask = drafter.build_attention_mask(anchors, valid, input_ids.shape[1], document_ids)
+    device_type = input_ids.device.type
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
         out = step_fn(
             drafter,
             heads.embed_tokens.weight,
             heads.lm_head.weight,
             position_weight,
-            batch.input_ids,
-            batch.loss_mask,
-            batch.position_ids,
-            batch.document_ids,
-            batch.states.context,
-            batch.states.last_hidden,
+            input_ids,
+            loss_mask,
+            position_ids,
+            document_ids,
+            context,
+            last_hidden,
             anchors,
             valid,
             attention_mask,
             settings,
         )
     out.loss_sum.backward()
-    pairs = drafter.attention_pairs(anchors, valid, batch.document_ids)
+    pairs = drafter.attention_pairs(anchors, valid, document_ids)
     drafter_sum = out.loss_sum.detach() if out.drafter_sum is None else out.drafter_sum
     scalars = [drafter_sum, out.weight_sum, valid.sum(), pairs, torch.zeros_like(pairs), out.selector_sum]
     return torch.cat([torch.stack([s.float() for s in scalars]), out.correct.float(), out.total.float()])

@@ -220,7 +220,8 @@ class StepReport:
 
 
 class DrafterWorker(_Worker):
-    """Runs ``grad_accum`` drafter micro-batches per step command; gradients and the step
+    """Runs ``grad_accum`` drafter micro-batches per step command, ``drafter_rows`` rows per
+    forward (None: all); gradients and the step
     statistics go into its replica's flat buffer. ``wait`` = waiting on its inbox (the targets
     are the bottleneck)."""
 
@@ -233,10 +234,11 @@ class DrafterWorker(_Worker):
         *,
         grad_accum,
         recompile_limit,
+        drafter_rows=None,
     ):
         super().__init__(replica.name, control)
         self.replica, self.inbox, self.settings = replica, inbox, settings
-        self.grad_accum, self.recompile_limit = grad_accum, recompile_limit
+        self.grad_accum, self.recompile_limit, self.drafter_rows = grad_accum, recompile_limit, drafter_rows
         self._commands: list[int] = []
         self._reports: list[StepReport] = []
         self._cond = threading.Condition()
@@ -287,9 +289,11 @@ class DrafterWorker(_Worker):
                         item.valid,
                         settings=self.settings,
                         position_weight=r.position_weight,
+                        rows=self.drafter_rows,
                     )
                 )
-                r.watch.after(step, item.batch.input_ids.shape[1])
+                rows = self.drafter_rows or item.batch.input_ids.shape[0]
+                r.watch.after(step, (rows, item.batch.input_ids.shape[1]))
                 tokens += item.batch.num_tokens
                 row_tokens += item.batch.input_ids.numel()
             # Busy time is GPU time; after this sync the counts below cost no extra wait.
@@ -336,6 +340,7 @@ class ThreadedEngine:
         settings (LossSettings)
         process (ProcessInfo): this process's torchrun rank.
         grad_accum (int): micro-batches per replica per optimizer step.
+        drafter_rows (int | None): rows per drafter forward (``--drafter-rows``; None: all).
         grad_clip (float): global grad-norm clip (0 = off).
         prefetch_depth (int): jobs buffered ahead per drafter thread.
         last_step (int): the run's last step (target threads draw jobs up to it).
@@ -351,6 +356,7 @@ class ThreadedEngine:
         *,
         process: ProcessInfo,
         grad_accum: int,
+        drafter_rows: int | None,
         grad_clip: float,
         prefetch_depth: int,
         last_step: int,
@@ -359,6 +365,7 @@ class ThreadedEngine:
         self.targets, self.replicas, self.source, self.settings = targets, replicas, source, settings
         self.process = process
         self.grad_accum, self.grad_clip, self.prefetch_depth = grad_accum, grad_clip, prefetch_depth
+        self.drafter_rows = drafter_rows
         self.last_step, self.recompile_limit = last_step, recompile_limit
         self.layout = StatsLayout(settings.block_size)
         self.control: Control | None = None
@@ -391,7 +398,13 @@ class ThreadedEngine:
         ]
         self.drafter_workers = [
             DrafterWorker(
-                r, inbox, control, self.settings, grad_accum=self.grad_accum, recompile_limit=self.recompile_limit
+                r,
+                inbox,
+                control,
+                self.settings,
+                grad_accum=self.grad_accum,
+                recompile_limit=self.recompile_limit,
+                drafter_rows=self.drafter_rows,
             )
             for r, inbox in zip(self.replicas, self.inboxes)
         ]

@@ -195,7 +195,7 @@ class Trainer:
             logger.warning("--no-save: no checkpoint will be written, this run cannot be resumed or evaluated")
         logger.info(
             "drafter: %s, %d layer(s) of %d heads x %d (%d KV heads), hidden %d, %.2fM trainable parameters, block "
-            "size %d, %s attention%s; %d steps of %d replica(s) x %d micro-batch(es) x %d rows x %d tokens (%s); %s "
+            "size %d, %s attention%s; %d steps of %d replica(s) x %d micro-batch(es) x %d rows%s x %d tokens (%s); %s "
             "(process %d/%d)",
             architecture_name(drafter.config),
             drafter.config.num_hidden_layers,
@@ -211,6 +211,7 @@ class Trainer:
             len(self.layout.drafters),
             config.grad_accum,
             config.batch_size,
+            f" ({config.drafter_rows} per drafter forward)" if config.drafter_rows else "",
             config.seq_len,
             "packed" if config.pack else "one conversation per row",
             self._layout_words(),
@@ -285,6 +286,7 @@ class Trainer:
         )
         common = dict(
             grad_accum=cfg.grad_accum,
+            drafter_rows=cfg.drafter_rows or None,
             grad_clip=cfg.grad_clip,
             last_step=self.total_steps,
             recompile_limit=GRAPHS_PER_SHAPE * len(seq_lens) + 8,
