@@ -179,7 +179,7 @@ def lockstep(devices: list[torch.device], s: dict, args) -> dict:
     control = Control()
     inboxes = [Inbox(2, control) for _ in replicas]
     workers = [
-        DrafterWorker(r, inbox, control, settings, grad_accum=1, recompile_limit=16)
+        DrafterWorker(r, inbox, control, settings, grad_accum=1, recompile_limit=16, batch_size=s["batch"])
         for r, inbox in zip(replicas, inboxes)
     ]
     for inbox, w in zip(inboxes, workers):

@@ -158,7 +158,9 @@ class TrainConfig:
     """Rows per drafter forward/backward: the drafter runs each micro-batch's rows in groups of this many, its
     gradients accumulating, with the loss normalised over the whole step as without groups: the same training, with
     the drafter's activations (they grow with rows x anchors) of a group only; the target's forward still takes the
-    whole micro-batch. Must divide --batch-size; empty or 0 = the whole micro-batch."""
+    whole micro-batch. Must divide --batch-size; empty or 0 = the whole micro-batch. When the first step runs out of
+    GPU memory in the drafter's forward/backward, it is halved (down to 1) and the step retried on the same
+    micro-batches (a warning names the value that starts there)."""
     max_anchors: int = 32
     """Draft blocks (anchors) sampled per row (512 is common on GPU at seq 4k); with --pack the row's budget, shared
     max-min fairly by its conversations (each keeps all its candidates when they fit, the rest split evenly)."""

@@ -220,11 +220,10 @@ def _train(args: argparse.Namespace, run_log: RunLog) -> int:
             raise
         from dflash.run.out_of_memory import advice, out_of_memory_error
 
-        oom = out_of_memory_error(error)
-        if oom is None:
+        if out_of_memory_error(error) is None:
             raise
         logger.debug("out of memory", exc_info=error)  # where it ran out, for --verbose
-        logger.error("%s", advice(config, oom, trainer.step if trainer is not None and trainer.step else None))
+        logger.error("%s", advice(config, error, trainer.step if trainer is not None and trainer.step else None))
         return 1
     if not trainer.is_main:  # rank 0 speaks for the job
         return 0

@@ -2,9 +2,10 @@
 
 A step takes ``grad_accum`` jobs from the :class:`~dflash.train.jobs.JobSource`, runs the
 target on each, then the drafter on each (gradients accumulate into the flat buffer), then the
-optimizer step. The step's statistics reach the host in one transfer after the optimizer step;
-on CUDA the target/drafter time split comes from CUDA events read after that transfer, so
-timing adds no synchronisation.
+optimizer step; a first step that runs out of memory in the drafter runs the drafter again on the
+same target states with fewer rows per forward (:mod:`dflash.train.drafter_rows`). The step's
+statistics reach the host in one transfer after the optimizer step; on CUDA the target/drafter
+time split comes from CUDA events read after that transfer, so timing adds no synchronisation.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from dflash.compile_watch import raise_recompile_limit
 from dflash.target_model.model import Target
+from dflash.train.drafter_rows import DrafterRows
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
 from dflash.train.jobs import JobSource
@@ -50,6 +52,7 @@ class LocalEngine:
         source (JobSource): with ``num_drafters=1``.
         settings (LossSettings)
         grad_accum (int): micro-batches per optimizer step.
+        batch_size (int): rows per micro-batch.
         drafter_rows (int | None): rows per drafter forward (``--drafter-rows``; None: all).
         grad_clip (float): global grad-norm clip (0 = off).
         last_step (int): the run's last step (jobs are drawn up to it).
@@ -64,6 +67,7 @@ class LocalEngine:
         settings: LossSettings,
         *,
         grad_accum: int,
+        batch_size: int,
         drafter_rows: int | None,
         grad_clip: float,
         last_step: int,
@@ -72,9 +76,9 @@ class LocalEngine:
         self.target, self.replica, self.source, self.settings = target, replica, source, settings
         self.recompile_limit = recompile_limit
         self.grad_accum, self.grad_clip, self.last_step = grad_accum, grad_clip, last_step
-        self.drafter_rows = drafter_rows
         self.layout = StatsLayout(settings.block_size)
         self.clock = _Clock(replica.device)
+        self.rows = DrafterRows(batch_size, drafter_rows, replica.name)
         self._started = False
         self._resume_state = source.resume_state()
 
@@ -95,24 +99,7 @@ class LocalEngine:
         last_hidden = self.settings.needs_last_hidden
         batches = [produce_target_states(self.target, job.batch, last_hidden=last_hidden) for job in jobs]
         drafter_start = self.clock.mark()
-        r.flat.zero_()
-        for job, batch in zip(jobs, batches):
-            anchors, valid = job.anchors.to(r.device, non_blocking=True), job.valid.to(r.device, non_blocking=True)
-            r.watch.before()
-            r.flat.stats.add_(
-                drafter_step(
-                    r.step_fn,
-                    r.model,
-                    r.heads,
-                    batch,
-                    anchors,
-                    valid,
-                    settings=self.settings,
-                    position_weight=r.position_weight,
-                    rows=self.drafter_rows,
-                )
-            )
-            r.watch.after(step, (self.drafter_rows or batch.input_ids.shape[0], batch.input_ids.shape[1]))
+        self.rows.run(step, r.flat, lambda: [self._drafter_micro_batch(step, *pair) for pair in zip(jobs, batches)])
         if stop:
             r.flat.stats[StatsLayout.STOP].fill_(1.0)
         grad_norm = optimizer_step([r], lr=lr, grad_clip=self.grad_clip)
@@ -143,6 +130,27 @@ class LocalEngine:
             stop=host["stop"],
             selector_loss=host["selector_loss"] if hasattr(r.model, "candidate_selector") else None,
         )
+
+    def _drafter_micro_batch(self, step: int, job, batch) -> None:
+        """The drafter's forward + backward on one micro-batch, ``rows.per_forward`` rows at a time: gradients
+        and statistics into the flat buffer."""
+        r = self.replica
+        anchors, valid = job.anchors.to(r.device, non_blocking=True), job.valid.to(r.device, non_blocking=True)
+        r.watch.before()
+        r.flat.stats.add_(
+            drafter_step(
+                r.step_fn,
+                r.model,
+                r.heads,
+                batch,
+                anchors,
+                valid,
+                settings=self.settings,
+                position_weight=r.position_weight,
+                rows=self.rows.per_forward,
+            )
+        )
+        r.watch.after(step, (self.rows.per_forward, batch.input_ids.shape[1]))
 
     def state_dict(self) -> dict:
         return {

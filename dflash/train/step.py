@@ -172,7 +172,7 @@ def drafter_step(
     drafter (attention, the DFlash mask, documents and anchors are per row) and the loss, its
     normaliser and every statistic are sums over rows, so groups of rows give the micro-batch's
     gradients and statistics up to float summation order, with a group's activations only
-    (``--drafter-rows``).
+    (``--drafter-rows``, :mod:`dflash.train.drafter_rows`).
 
     Args:
         step_fn: :func:`drafter_forward_loss` or a compiled copy of it.

@@ -19,6 +19,7 @@ main thread as :class:`PipelineError` naming the thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ import torch
 from dflash.compile_watch import raise_recompile_limit
 from dflash.distributed import ProcessInfo, gather_objects
 from dflash.target_model.model import Target
+from dflash.train.drafter_rows import DrafterRows
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
 from dflash.train.jobs import Job, JobSource
@@ -221,9 +223,12 @@ class StepReport:
 
 class DrafterWorker(_Worker):
     """Runs ``grad_accum`` drafter micro-batches per step command, ``drafter_rows`` rows per
-    forward (None: all); gradients and the step
-    statistics go into its replica's flat buffer. ``wait`` = waiting on its inbox (the targets
-    are the bottleneck)."""
+    forward (None: all ``batch_size``); gradients and the step statistics go into its replica's flat
+    buffer. A first step that runs out of memory in the drafter runs again, with fewer rows per
+    forward, on the micro-batches it took (:mod:`dflash.train.drafter_rows`): in the replica's own
+    buffer on its own device, before the main thread's optimizer step, so the other threads go on
+    undisturbed.
+    ``wait`` = waiting on its inbox (the targets are the bottleneck)."""
 
     def __init__(
         self,
@@ -234,11 +239,13 @@ class DrafterWorker(_Worker):
         *,
         grad_accum,
         recompile_limit,
+        batch_size,
         drafter_rows=None,
     ):
         super().__init__(replica.name, control)
         self.replica, self.inbox, self.settings = replica, inbox, settings
-        self.grad_accum, self.recompile_limit, self.drafter_rows = grad_accum, recompile_limit, drafter_rows
+        self.grad_accum, self.recompile_limit = grad_accum, recompile_limit
+        self.rows = DrafterRows(batch_size, drafter_rows, replica.name)
         self._commands: list[int] = []
         self._reports: list[StepReport] = []
         self._cond = threading.Condition()
@@ -272,30 +279,8 @@ class DrafterWorker(_Worker):
         raise_recompile_limit(self.recompile_limit)
         while True:
             step = self._next_command()
-            r.flat.zero_()
-            tokens = row_tokens = 0
-            for _ in range(self.grad_accum):
-                self._enter("wait_s")
-                item = self.inbox.get()
-                self._enter("busy_s")
-                r.watch.before()
-                r.flat.stats.add_(
-                    drafter_step(
-                        r.step_fn,
-                        r.model,
-                        r.heads,
-                        item.batch,
-                        item.anchors,
-                        item.valid,
-                        settings=self.settings,
-                        position_weight=r.position_weight,
-                        rows=self.drafter_rows,
-                    )
-                )
-                rows = self.drafter_rows or item.batch.input_ids.shape[0]
-                r.watch.after(step, (rows, item.batch.input_ids.shape[1]))
-                tokens += item.batch.num_tokens
-                row_tokens += item.batch.input_ids.numel()
+            kept: list[Prefetched] = []  # the step's micro-batches, while an out-of-memory error retries it
+            report = self.rows.run(step, r.flat, functools.partial(self._micro_batches, step, kept))
             # Busy time is GPU time; after this sync the counts below cost no extra wait.
             blocks, pairs = r.flat.stats[[StatsLayout.BLOCKS, StatsLayout.PAIRS]].tolist()
             self._enter(None)
@@ -303,13 +288,47 @@ class DrafterWorker(_Worker):
             self.flops += drafter_step_flops(
                 r.model,
                 draft_tokens=blocks * self.settings.block_size,
-                context_tokens=row_tokens,
+                context_tokens=report.row_tokens,
                 visible_pairs=pairs,
             )
-            self.tokens += tokens
+            self.tokens += report.tokens
             with self._cond:
-                self._reports.append(StepReport(item.job, tokens, row_tokens))
+                self._reports.append(report)
                 self._cond.notify_all()
+
+    def _micro_batches(self, step: int, kept: list[Prefetched]) -> StepReport:
+        """The drafter on the step's ``grad_accum`` micro-batches, those in ``kept`` first, then its
+        inbox's (kept too while the step may be retried: :class:`DrafterRows`); gradients and
+        statistics into the flat buffer."""
+        r = self.replica
+        tokens = row_tokens = 0
+        for index in range(self.grad_accum):
+            if index < len(kept):
+                item = kept[index]
+            else:
+                self._enter("wait_s")
+                item = self.inbox.get()
+                if self.rows.retrying:
+                    kept.append(item)
+            self._enter("busy_s")
+            r.watch.before()
+            r.flat.stats.add_(
+                drafter_step(
+                    r.step_fn,
+                    r.model,
+                    r.heads,
+                    item.batch,
+                    item.anchors,
+                    item.valid,
+                    settings=self.settings,
+                    position_weight=r.position_weight,
+                    rows=self.rows.per_forward,
+                )
+            )
+            r.watch.after(step, (self.rows.per_forward, item.batch.input_ids.shape[1]))
+            tokens += item.batch.num_tokens
+            row_tokens += item.batch.input_ids.numel()
+        return StepReport(item.job, tokens, row_tokens)
 
 
 def run_drafters(workers: list[DrafterWorker], control: Control, step: int) -> list[StepReport]:
@@ -340,6 +359,7 @@ class ThreadedEngine:
         settings (LossSettings)
         process (ProcessInfo): this process's torchrun rank.
         grad_accum (int): micro-batches per replica per optimizer step.
+        batch_size (int): rows per micro-batch.
         drafter_rows (int | None): rows per drafter forward (``--drafter-rows``; None: all).
         grad_clip (float): global grad-norm clip (0 = off).
         prefetch_depth (int): jobs buffered ahead per drafter thread.
@@ -356,6 +376,7 @@ class ThreadedEngine:
         *,
         process: ProcessInfo,
         grad_accum: int,
+        batch_size: int,
         drafter_rows: int | None,
         grad_clip: float,
         prefetch_depth: int,
@@ -365,7 +386,7 @@ class ThreadedEngine:
         self.targets, self.replicas, self.source, self.settings = targets, replicas, source, settings
         self.process = process
         self.grad_accum, self.grad_clip, self.prefetch_depth = grad_accum, grad_clip, prefetch_depth
-        self.drafter_rows = drafter_rows
+        self.batch_size, self.drafter_rows = batch_size, drafter_rows
         self.last_step, self.recompile_limit = last_step, recompile_limit
         self.layout = StatsLayout(settings.block_size)
         self.control: Control | None = None
@@ -404,6 +425,7 @@ class ThreadedEngine:
                 self.settings,
                 grad_accum=self.grad_accum,
                 recompile_limit=self.recompile_limit,
+                batch_size=self.batch_size,
                 drafter_rows=self.drafter_rows,
             )
             for r, inbox in zip(self.replicas, self.inboxes)

@@ -52,6 +52,7 @@ from dflash.run.step_dirs import find_checkpoint
 from dflash.signals import Stopped, StopRequest
 from dflash.target_model.files import load_tokenizer
 from dflash.train.corpus import Corpus
+from dflash.train.drafter_rows import row_counts
 from dflash.train.engine import StepEngine
 from dflash.train.flops import detect_peak_tflops
 from dflash.train.heldout import HeldOutAcceptance
@@ -284,12 +285,16 @@ class Trainer:
             seq_lens=seq_lens,
             pin=self.layout.device_type == "cuda",
         )
+        # A region compiles its graphs per length and per rows per drafter forward, and a first step
+        # that runs out of memory in the drafter tries fewer rows (dflash.train.drafter_rows).
+        shapes = len(seq_lens) * len(row_counts(cfg.batch_size, cfg.drafter_rows or cfg.batch_size))
         common = dict(
             grad_accum=cfg.grad_accum,
+            batch_size=cfg.batch_size,
             drafter_rows=cfg.drafter_rows or None,
             grad_clip=cfg.grad_clip,
             last_step=self.total_steps,
-            recompile_limit=GRAPHS_PER_SHAPE * len(seq_lens) + 8,
+            recompile_limit=GRAPHS_PER_SHAPE * shapes + 8,
         )
         if not self.threaded:
             return LocalEngine(targets[0], replicas[0], source, self.settings, **common)

@@ -1,16 +1,23 @@
-"""--drafter-rows: a micro-batch's rows through the drafter in groups give the whole micro-batch's
-step, normalised over the whole step."""
+"""dflash.train.drafter_rows: a micro-batch's rows through the drafter in groups (--drafter-rows) give
+the whole micro-batch's step, normalised over the whole step; a first step that runs out of GPU
+memory in the drafter is retried with half the rows and trains as a run started there; a later one
+ends with the message."""
+
+import threading
 
 import pytest
 import torch
-from tiny import make_target, train_config, write_chat_data
+from tiny import make_target, record_losses, train_config, write_chat_data
 
 import dflash.train.step
 from dflash.cli import main
 from dflash.config import TrainConfig
 from dflash.run.settle import settle
+from dflash.train.drafter_rows import row_counts
 from dflash.train.step import StatsLayout
 from dflash.train.trainer import Trainer
+
+OOM = "CUDA out of memory. Tried to allocate 2.37 GiB. GPU 0 has a total capacity of 79.1 GiB"
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +78,82 @@ def test_groups_of_rows_give_the_whole_micro_batch_step(assets, tmp_path, monkey
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _out_of_memory_at(calls: set[int], monkeypatch) -> None:
+    """Each thread's drafter forwards numbered ``calls`` (1-based, per thread) raise CUDA's error."""
+    real = dflash.train.step._drafter_step
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def failing(*args):
+        name = threading.current_thread().name
+        with lock:
+            counts[name] = counts.get(name, 0) + 1
+            call = counts[name]
+        if call in calls:
+            raise torch.OutOfMemoryError(OOM)
+        return real(*args)
+
+    monkeypatch.setattr(dflash.train.step, "_drafter_step", failing)
+
+
+THREADED = dict(target_devices="cpu", drafter_devices="cpu:0-1")
+
+
+@pytest.mark.parametrize("layout", [{}, THREADED], ids=["local", "threaded"])
+def test_a_first_step_out_of_memory_trains_as_the_run_started_at_half_the_rows(
+    assets, tmp_path, monkeypatch, caplog, layout
+):
+    # The second micro-batch of step 1 fails, after the first has put its gradients in the buffer:
+    # the retry starts from zero gradients, on the same micro-batches (the threaded engine's taken
+    # from its inbox already).
+    flags = dict(grad_accum=2, steps=3, **layout)
+    started = record_losses(Trainer(settle(_config(assets, tmp_path / "started", drafter_rows=2, **flags))))
+    started.train()
+    with monkeypatch.context() as patch:
+        _out_of_memory_at({2}, patch)
+        retried = record_losses(Trainer(settle(_config(assets, tmp_path / "retried", **flags))))
+        retried.train()
+    assert retried.losses == started.losses and len(started.losses) == 3
+    for (name, p), q in zip(started.drafter.named_parameters(), retried.drafter.parameters()):
+        assert torch.equal(p, q), name
+    replicas = ["drafter0 (cpu)"] if not layout else ["drafter0 (cpu:0)", "drafter1 (cpu:1)"]
+    warnings = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert sorted(warnings) == [
+        f"{replica} step 1: out of GPU memory in the drafter's forward/backward at 4 rows per forward (an "
+        "allocation of 2.37 GiB failed); retrying the step on the same micro-batches at 2 rows per forward, the "
+        "same training (--drafter-rows 2 starts there)"
+        for replica in replicas
+    ]
+
+
+def _cli(assets, out, *flags):
+    inputs = ["--target", str(assets["target"]), "--data", str(assets["data"]), "--out", str(out)]
+    tiny = ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--max-anchors", "4"]
+    return main(["train", *inputs, *tiny, "--batch-size", "4", "--no-progress", "--no-save", *flags])
+
+
+@pytest.mark.parametrize("layout", [[], ["--target-devices", "cpu", "--drafter-devices", "cpu"]])
+def test_an_out_of_memory_error_after_the_first_step_is_not_retried(assets, tmp_path, monkeypatch, caplog, layout):
+    _out_of_memory_at({2}, monkeypatch)  # step 2's forward (one micro-batch of 4 rows a step)
+    assert _cli(assets, tmp_path / "run", "--steps", "3", *layout) == 1
+    assert "retrying" not in caplog.text
+    assert (
+        "out of GPU memory in step 2, in the drafter's forward/backward at 4 rows per forward (an allocation of "
+        "2.37 GiB failed)" in caplog.text
+    )
+    assert "--drafter-rows 2: the drafter runs each micro-batch 2 rows at a time" in caplog.text
+
+
+def test_a_drafter_that_runs_out_at_one_row_ends_with_the_message(assets, tmp_path, monkeypatch, caplog):
+    _out_of_memory_at(set(range(1, 100)), monkeypatch)
+    assert _cli(assets, tmp_path / "run", "--steps", "2") == 1
+    assert "at 4 rows per forward (an allocation of 2.37 GiB failed); retrying" in caplog.text
+    assert "at 2 rows per forward (an allocation of 2.37 GiB failed); retrying" in caplog.text
+    assert "out of GPU memory in step 1, in the drafter's forward/backward at 1 row per forward" in caplog.text
+    assert "--drafter-rows" not in caplog.text.split("out of GPU memory in step 1")[1]  # nothing fewer to offer
+    assert "--batch-size 2 --grad-accum 2" in caplog.text
+
+
 def test_drafter_rows_that_do_not_divide_the_batch_are_refused_before_anything_loads(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"drafter_rows 3 does not divide --batch-size 4.*pass one of \[1, 2, 4\]"):
         TrainConfig(batch_size=4, drafter_rows=3)
@@ -81,6 +164,15 @@ def test_drafter_rows_that_do_not_divide_the_batch_are_refused_before_anything_l
     assert main(["train", "--batch-size", "4", "--drafter-rows", "3", "--out", str(out), "--no-progress"]) == 2
     assert "--drafter-rows 3 does not divide --batch-size 4" in caplog.text
     assert not out.exists()
+
+
+def test_the_rows_tried_are_divisors_of_the_batch_each_at_most_half_the_last():
+    assert row_counts(4, 4) == [4, 2, 1]
+    assert row_counts(8, 2) == [2, 1]
+    assert row_counts(9, 9) == [9, 3, 1]
+    assert row_counts(10, 10) == [10, 5, 2, 1]
+    assert row_counts(12, 12) == [12, 6, 3, 1]
+    assert row_counts(1, 1) == [1]
 
 
 def test_a_resume_may_change_the_rows_per_drafter_forward(assets, tmp_path):

@@ -656,7 +656,12 @@ def test_out_of_memory_ends_with_the_flags_that_reduce_memory_not_a_traceback(
     assert main(["train", *inputs, *flags]) == 1
     err = capsys.readouterr().err + caplog.text
     assert "Traceback" not in err
-    assert "out of GPU memory in step 1 (an allocation of 2.37 GiB failed)" in caplog.text
+    # Retried at 2 rows per drafter forward, then at 1 (dflash.train.drafter_rows), then the message.
+    assert caplog.text.count("retrying the step on the same micro-batches") == 2
+    assert (
+        "out of GPU memory in step 1, in the drafter's forward/backward at 1 row per forward (an allocation of "
+        "2.37 GiB failed)" in caplog.text
+    )
     assert "--batch-size 2 --grad-accum 2: half the rows per micro-batch" in caplog.text
     assert "--max-anchors 2" in caplog.text and "--target-dtype fp8" in caplog.text
 
