@@ -8,6 +8,7 @@
     python benchmarks/packing_e2e.py --tiny --shape tiny-qwen3.6           # the same with a hybrid target
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --arch dflash2 --block-size 8 --modes packed
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --modes packed --target-dtypes auto,fp8
+    python benchmarks/packing_e2e.py --shape qwen3.6-27b --layers 16 --batch-size 4 --drafter-rows 2 --modes packed
     python benchmarks/packing_e2e.py --recipe specforge                    # SpecForge's 27B DFlash2 recipe
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --arch dflash2 --block-size 8 --modes packed \
         --selector-codebooks projected                                    # codebooks from the embeddings
@@ -36,6 +37,10 @@ defaults for the target's family).
 ours (:data:`SPECFORGE`: block 8, 512 anchors per conversation of up to 8,192 tokens, mean about
 4.5k, one conversation per row, DFlash2, an FP8 target) and prints its context tok/s and supervised
 draft positions/s per GPU beside SpecForge's published figures (:data:`SPECFORGE_PUBLISHED`).
+
+A run whose first step ran out of GPU memory in the drafter and was retried with fewer rows per
+drafter forward (:mod:`dflash.train.drafter_rows`) trains on; its warning line is printed after the
+run's command, and ``--drafter-rows`` starts a run there.
 
 Data (``--data``): ``synthetic`` writes chats whose lengths vary like real chat corpora (token
 counts log-normal, median ``--median-tokens``, sigma ``--sigma``, 1 to 6 exchanges, replies three
@@ -261,6 +266,8 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool, target
         flags["target-dtype"] = target_dtype
     if args.profile_step:
         flags["profile-step"] = args.profile_step
+    if args.drafter_rows:
+        flags["drafter-rows"] = args.drafter_rows
     if args.cpu_threads:
         flags["cpu-threads"] = args.cpu_threads
     argv = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
@@ -284,6 +291,9 @@ def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool, targ
         shutil.move(trace, logs / f"{mode}_{trace.name}")
     shutil.rmtree(out, ignore_errors=True)  # checkpoints of a 1B drafter: gigabytes each
     log, wall = run.checked(f"dflash train ({mode})").log, run.seconds
+    for line in log.splitlines():  # a first step retried with fewer rows per drafter forward says so
+        if "retrying the step on the same micro-batches" in line:
+            print(f"{mode}: {line}")
     return {**parse_summary(log), "first_step_s": first_step_seconds(log), "wall_s": wall}
 
 
@@ -354,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--draft-layers", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="steps per run; the first is warm-up")
+    parser.add_argument(
+        "--drafter-rows", type=int, default=None, help="dflash train --drafter-rows (empty: the trainer's default)"
+    )
     # The trainer's choice flags, its choices and defaults read from TrainConfig (None: its default).
     for flag in ("compile", "compile_scope", "arch", "selector_codebooks", "selector_target"):
         parser.add_argument(
