@@ -508,29 +508,38 @@ class GroupedDynamicConv(nn.Module):
         Q a whole number of draft blocks. Both sides compute in the dtype of the coefficients
         (bf16 under autocast, as the served bf16 drafter computes)."""
         dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, -1))
-        side_0 = (x.to(dynamic.dtype), dynamic[..., 0, :, :], self.base_kernel[0])
+        z, length = x.to(dynamic.dtype), self._block_length(x.shape[1])
         if torch.compiler.is_compiling():
             # The sublayer's first projections would keep side 0's output for their weight gradients;
-            # compiled, it is recomputed in backward from what side 0 keeps anyway (one [B, Q, H]
-            # activation less per side: 2 x 168 MB per layer at the user's shape, 2 rows x 512
-            # anchors x 16). Eager, the projections would keep the checkpoint's output all the same.
-            convolved = checkpoint(self._convolve, *side_0, use_reentrant=False)
+            # compiled, the taps are recomputed in backward from the side's inputs, kept anyway (one
+            # [B, Q, H] activation less per side: 2 x 168 MB per layer at the user's shape, 2 rows x
+            # 512 anchors x 16). The taps go in as plain ops: torch 2.11's partitioner keeps the
+            # output of an autograd.Function inside a checkpoint. Eager, the projections would keep
+            # the checkpoint's output all the same.
+            side_0 = (z, dynamic[..., 0, :, :], self.base_kernel[0], length, self.group_size)
+            convolved = checkpoint(_convolve_taps, *side_0, use_reentrant=False)
         else:
-            convolved = self._convolve(*side_0)
+            convolved = _BlockConvolution.apply(z, dynamic[..., 0, :, :], self.base_kernel[0], length, self.group_size)
         inner = sublayer(convolved)
         return self._convolve(inner.to(dynamic.dtype), dynamic[..., 1, :, :], self.base_kernel[1])
 
-    def _convolve(self, z: Tensor, dynamic: Tensor, base: Tensor) -> Tensor:
-        """One side: ``z`` [B, Q, H], ``dynamic`` [B, Q, k, G], ``base`` [k, H]. Q is whole blocks,
-        or one block shorter than ``block_size`` (a verify width near the token budget, or a
-        drafter served at a smaller width)."""
-        q_len = z.shape[1]
+    def _block_length(self, q_len: int) -> int:
+        """The draft blocks' length for ``q_len`` draft tokens: whole blocks, or one block shorter than
+        ``block_size`` (a verify width near the token budget, or a drafter served at a smaller width).
+
+        Raises:
+            ValueError: ``q_len`` is neither.
+        """
         length = self.block_size if q_len % self.block_size == 0 else q_len
         if length > self.block_size:
             raise ValueError(
                 f"{q_len} draft tokens are neither whole blocks of {self.block_size} nor one shorter block"
             )
-        return _BlockConvolution.apply(z, dynamic, base, length, self.group_size)
+        return length
+
+    def _convolve(self, z: Tensor, dynamic: Tensor, base: Tensor) -> Tensor:
+        """One side: ``z`` [B, Q, H], ``dynamic`` [B, Q, k, G], ``base`` [k, H]."""
+        return _BlockConvolution.apply(z, dynamic, base, self._block_length(z.shape[1]), self.group_size)
 
 
 def _in_blocks(t: Tensor, length: int, group_size: int) -> Tensor:
@@ -549,6 +558,21 @@ def _ahead(blocks: Tensor, tap: int) -> Tensor:
     return blocks if tap == 0 else F.pad(blocks[:, :, tap:], (0, 0, 0, 0, 0, tap))
 
 
+def _convolve_taps(z: Tensor, dynamic: Tensor, base: Tensor, length: int, group_size: int) -> Tensor:
+    """``y[t, c] = sum_j (base[j, c] + dynamic[t, j, c // g]) * z[t - j, c]`` over draft blocks of
+    ``length`` slots, in ``z``'s dtype, tap by tap (``z`` [B, Q, H], ``dynamic`` [B, Q, k, G],
+    ``base`` [k, H]); autograd through it keeps each shifted copy of ``z``."""
+    blocks = _in_blocks(z, length, group_size)
+    groups, taps = blocks.shape[3], base.shape[0]
+    dynamic = dynamic.reshape(*blocks.shape[:3], taps, groups, 1)
+    out = torch.zeros_like(blocks)
+    for tap in range(taps):
+        shifted = _back(blocks, tap)
+        out = out + base[tap].view(groups, group_size).to(z.dtype) * shifted
+        out = torch.addcmul(out, dynamic[:, :, :, tap], shifted)  # z-lab's order of the two terms
+    return out.view_as(z)
+
+
 class _BlockConvolution(torch.autograd.Function):
     """One side of :class:`GroupedDynamicConv` over draft blocks of ``length`` slots:
     ``y[t, c] = sum_j (base[j, c] + dynamic[t, j, c // g]) * z[t - j, c]``, in ``z``'s dtype.
@@ -565,15 +589,7 @@ class _BlockConvolution(torch.autograd.Function):
     def forward(ctx, z, dynamic, base, length, group_size):
         ctx.save_for_backward(z, dynamic, base)
         ctx.length, ctx.group_size = length, group_size
-        blocks = _in_blocks(z, length, group_size)
-        groups, taps = blocks.shape[3], base.shape[0]
-        dynamic = dynamic.reshape(*blocks.shape[:3], taps, groups, 1)
-        out = torch.zeros_like(blocks)
-        for tap in range(taps):
-            shifted = _back(blocks, tap)
-            out = out + base[tap].view(groups, group_size).to(z.dtype) * shifted
-            out = torch.addcmul(out, dynamic[:, :, :, tap], shifted)  # z-lab's order of the two terms
-        return out.view_as(z)
+        return _convolve_taps(z, dynamic, base, length, group_size)
 
     @staticmethod
     def backward(ctx, grad):

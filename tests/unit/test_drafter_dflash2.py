@@ -622,41 +622,31 @@ def test_the_block_convolution_keeps_only_its_inputs_for_backward():
 
 
 def _saved_for_backward_bytes(arch: str, q_len: int) -> int:
-    """Bytes one compiled decoder layer of ``arch`` keeps for backward (the forward graph's outputs
-    after the layer's own, as inductor's partitioner cuts the joint graph), under CPU bf16 autocast
-    as the trainer's regional compile runs it."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
+    """Bytes one decoder layer of ``arch``, compiled by inductor as the trainer's regional compile
+    compiles it, keeps for backward, under CPU bf16 autocast."""
     from dflash.drafter.modeling_dflash import DFlashDecoderLayer
 
     config = create_drafter_config(tiny_target_config(), 1, block_size=4, mask_token_id=63, arch=arch)
     drafter = AnchoredDrafter._from_config(config, attn_implementation="sdpa")
-    saved = []
 
-    def forward_compiler(graph_module, _inputs):
-        (outputs,) = graph_module.graph.find_nodes(op="output")[0].args
-        saved.extend(node.meta["val"] for node in outputs[1:] if isinstance(node.meta.get("val"), torch.Tensor))
-        return graph_module.forward
-
-    def backend(graph_module, inputs):
-        return aot_module_simplified(
-            graph_module,
-            inputs,
-            fw_compiler=forward_compiler,
-            bw_compiler=lambda gm, _: gm.forward,
-            partition_fn=min_cut_rematerialization_partition,
-        )
+    def layer_forward(*args):  # a code object of its own: the trainer's compiled layer keeps its cache
+        return DFlashDecoderLayer.forward(*args)
 
     hidden_size, context_len = config.hidden_size, 8
     hidden = torch.randn(1, q_len, hidden_size, dtype=torch.bfloat16, requires_grad=True)
     context = torch.randn(1, context_len, hidden_size, requires_grad=True)
     cos, sin = drafter.rotary_emb(hidden, torch.arange(context_len + q_len)[None])
     mask = torch.ones(1, 1, q_len, context_len + q_len, dtype=torch.bool)
-    layer = torch.compile(DFlashDecoderLayer.forward, backend=backend, fullgraph=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        layer(drafter.layers[0], hidden, context, (cos[:, context_len:], sin[:, context_len:]), (cos, sin), mask, None)
-    return sum(t.numel() * t.element_size() for t in saved)
+    layer = torch.compile(layer_forward, fullgraph=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(
+                drafter.layers[0], hidden, context, (cos[:, context_len:], sin[:, context_len:]), (cos, sin), mask, None
+            )
+    return sum(saved)
 
 
 def test_a_compiled_dflash2_layer_keeps_at_most_its_two_sublayer_outputs_more_than_dflash_for_backward():
