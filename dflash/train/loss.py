@@ -170,6 +170,7 @@ def dflash_loss(
     correct = torch.zeros(block_size, dtype=torch.long, device=hidden.device)
     # Per chunk: candidates, their logits, slot weights, the target's logits of the candidates.
     slates: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+    soft_selector = selecting and settings.soft_selector
     # split, not a slice per chunk: autograd then gathers the chunks' gradients in one cat, where
     # each slice's backward would build a zero tensor of rows' full size and add it to the rest.
     chunk_blocks = settings.chunk_blocks
@@ -180,7 +181,7 @@ def dflash_loss(
         teacher_rows.split(chunk_blocks) if soft else itertools.repeat(None),
     )
     for chunk_rows, chunk_labels, chunk_mask, chunk_teacher in chunks:
-        objective, chunk_weight, chunk_correct, *slate = chunk_fn(
+        objective, chunk_weight, chunk_correct, candidates, candidate_logits, slot_weights = chunk_fn(
             chunk_rows,
             lm_head_weight,
             chunk_labels,
@@ -194,14 +195,18 @@ def dflash_loss(
         loss_sum = loss_sum + objective
         weight_sum = weight_sum + chunk_weight
         correct = correct + chunk_correct
-        slates.append(slate)
+        # Outside the (compiled) chunk: there, the head rows this gathers are the rows the
+        # candidates' backward gathers again, and the chunk would keep them for it ([C, Bs, K, H]).
+        target_logits = _target_logits(chunk_teacher, lm_head_weight, candidates) if soft_selector else None
+        slates.append((candidates, candidate_logits, slot_weights, target_logits))
     total = label_mask.sum(0)
     if not selecting:
         zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
         return LossOutput(loss_sum, weight_sum, correct, total, zero, None)
     # The selector's loss over all blocks at once, outside the chunks: its codebooks' gradients
     # are then formed once per micro-batch, not as a dense [V, r] tensor per chunk.
-    candidates, candidate_logits, slot_weights, target_logits = (torch.cat(parts) for parts in zip(*slates))
+    candidates, candidate_logits, slot_weights = (torch.cat(parts) for parts in list(zip(*slates))[:3])
+    target_logits = torch.cat([slate[3] for slate in slates]) if soft_selector else None
     selected = (selector_fn or selector_loss)(
         selector,
         rows,
@@ -210,7 +215,7 @@ def dflash_loss(
         slot_weights,
         labels,
         predecessors.reshape(batch * num_blocks, block_size),
-        target_logits if settings.soft_selector else None,
+        target_logits,
     )
     drafter_sum = loss_sum.detach()
     objective = loss_sum + settings.selector_weight * selected
@@ -228,7 +233,7 @@ def chunk_loss(
     *,
     top_k: int,
     logit_transform=None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One chunk of :func:`dflash_loss` (its arguments, cut to the chunk's C blocks): ``rows``
     ``[C, Bs, H]``, ``labels``/``label_mask`` ``[C, Bs]``, ``teacher`` ``[C, Bs, H]`` or None.
     ``top_k`` > 0 (a DFlash2 selector's K) also picks each slot's candidates for
@@ -238,10 +243,8 @@ def chunk_loss(
 
     Returns:
         (loss sum, normaliser, correct ``[Bs]``, candidates int64 ``[C, Bs, K]``, their float32
-        logits ``[C, Bs, K]``, slot weights float32 ``[C, Bs]``, the target's float32 logits of the
-        candidates ``[C, Bs, K]`` from ``teacher``): the loss sum and the candidates' logits carry
-        gradients to ``rows``; without ``top_k`` the candidates and logits are empty, and so are the
-        target's logits without ``settings.soft_selector``.
+        logits ``[C, Bs, K]``, slot weights float32 ``[C, Bs]``): the loss sum and the candidates'
+        logits carry gradients to ``rows``; without ``top_k`` the candidates and logits are empty.
     """
     soft_labels = teacher if settings.soft_label_weight > 0 else None
     objective, normaliser, correct, candidates, logits, slot_weights = _FusedChunkLoss.apply(
@@ -258,10 +261,7 @@ def chunk_loss(
         settings.missing_gold == "insert",
         logit_transform,
     )
-    target_logits = _target_logits(teacher, lm_head_weight, candidates) if top_k and settings.soft_selector else None
-    if target_logits is None:
-        target_logits = logits.new_zeros(0)
-    return objective, normaliser, correct, candidates, logits, slot_weights, target_logits
+    return objective, normaliser, correct, candidates, logits, slot_weights
 
 
 def _target_logits(teacher: Tensor, lm_head_weight: Tensor, candidates: Tensor) -> Tensor:

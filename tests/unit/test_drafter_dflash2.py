@@ -214,7 +214,7 @@ def _selected(selector, hidden, head, labels, predecessors, weights, *, insert_g
     """The selector's loss on the candidates a loss chunk picks for it."""
     mask = torch.ones_like(labels, dtype=torch.bool)
     settings = _settings(selector_missing_gold="insert" if insert_gold else "exclude")
-    *_, candidates, logits, slot_weights, _ = chunk_loss(
+    *_, candidates, logits, slot_weights = chunk_loss(
         hidden, head, labels, mask, weights, None, settings, top_k=selector.top_k
     )
     return candidates, selector_loss(selector, hidden, candidates, logits, slot_weights, labels, predecessors, None)
@@ -508,9 +508,7 @@ def test_the_candidates_logits_keep_nothing_larger_than_the_hidden_states_for_ba
     grad = torch.randn(3, 4, 5, generator=gen)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        *_, candidates, logits, _, _ = _chunk(
-            hidden, weight, labels, _settings(selector_missing_gold="insert"), top_k=5
-        )
+        *_, candidates, logits, _ = _chunk(hidden, weight, labels, _settings(selector_missing_gold="insert"), top_k=5)
     assert max(saved) <= hidden.numel()
     (logits * grad).sum().backward()
     ours, hidden.grad = hidden.grad, None
@@ -535,7 +533,7 @@ def test_the_candidates_logits_compiled_in_float32_give_eagers_gradient():
 
     def gradient(fn):
         hidden = hidden0.clone().requires_grad_(True)
-        loss, _, _, _, logits, _, _ = fn(hidden, weight, labels, settings, top_k=3)
+        loss, _, _, _, logits, _ = fn(hidden, weight, labels, settings, top_k=3)
         (loss + logits.square().sum()).backward()
         return hidden.grad
 
