@@ -46,6 +46,7 @@ from dflash.devices import Slot
 from dflash.drafter.model import AnchoredDrafter, create_drafter_config
 from dflash.masks import sample_anchors
 from dflash.target_model.model import TargetStates
+from dflash.train.drafter_rows import DrafterRows
 from dflash.train.flops import detect_peak_tflops, drafter_step_flops
 from dflash.train.jobs import Job
 from dflash.train.loss_settings import LossSettings
@@ -179,7 +180,9 @@ def lockstep(devices: list[torch.device], s: dict, args) -> dict:
     control = Control()
     inboxes = [Inbox(2, control) for _ in replicas]
     workers = [
-        DrafterWorker(r, inbox, control, settings, grad_accum=1, recompile_limit=16, batch_size=s["batch"])
+        DrafterWorker(
+            r, inbox, control, settings, grad_accum=1, recompile_limit=16, rows=DrafterRows(s["batch"], None, r.name)
+        )
         for r, inbox in zip(replicas, inboxes)
     ]
     for inbox, w in zip(inboxes, workers):

@@ -20,6 +20,11 @@ first step sets a run's memory (AdamW's moments are allocated before it,
 the first did not (another ``--vary-seq-len`` length, fragmentation), which the run's message
 should report rather than a retry hide. An out-of-memory error that is not retried ends the run as
 :class:`~dflash.run.out_of_memory.DrafterOutOfMemory`, whose rows the message reads.
+
+Kept across ``--resume``: each replica's rows per forward are saved in the engine's state
+(:func:`saved_rows`) and a resumed run starts at them (:func:`restore_rows`), so it neither runs out
+again nor sums in another order than the run it continues; a ``--drafter-rows`` given on resume
+that differs from the saved run's flag wins.
 """
 
 from __future__ import annotations
@@ -107,6 +112,28 @@ class DrafterRows:
             rows_text(self.per_forward),
             self.per_forward,
         )
+
+
+def saved_rows(rows: list[DrafterRows]) -> list[int]:
+    """This process's replicas' rows per forward, for the engine's state (``drafter_rows``)."""
+    return [r.per_forward for r in rows]
+
+
+def restore_rows(rows: list[DrafterRows], saved: list[int] | None) -> None:
+    """Start each replica at the rows per forward of the run it resumes, ``saved`` (:func:`saved_rows`
+    of this process; None: a run saved before they were kept). Another replica count (an elastic
+    resume, :mod:`dflash.run.resume`) starts every replica at the fewest saved."""
+    if not saved:
+        return
+    per_replica = saved if len(saved) == len(rows) else [min(saved)] * len(rows)
+    for replica, count in zip(rows, per_replica, strict=True):
+        if count != replica.per_forward:
+            logger.info(
+                "%s: resuming at %s per drafter forward, as the saved run's first step settled on",
+                replica.name,
+                rows_text(count),
+            )
+        replica.per_forward = count
 
 
 def release_memory(device: torch.device) -> None:

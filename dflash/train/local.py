@@ -16,7 +16,7 @@ import torch
 
 from dflash.compile_watch import raise_recompile_limit
 from dflash.target_model.model import Target
-from dflash.train.drafter_rows import DrafterRows
+from dflash.train.drafter_rows import DrafterRows, restore_rows, saved_rows
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
 from dflash.train.jobs import JobSource
@@ -157,12 +157,15 @@ class LocalEngine:
             "optimizer": self.replica.optimizer.state_dict(),
             "data": self._resume_state["data"],
             "anchor_rng": [self._resume_state["anchor_rng"]],
+            "drafter_rows": [saved_rows([self.rows])],
         }
 
     def load_state_dict(self, state: dict, weights: dict) -> None:
         load_replica_state([self.replica], weights, state["optimizer"])
         self.source.loader.load_state_dict(state["data"])
         self.source.generator.set_state(state["anchor_rng"][0])
+        saved = state.get("drafter_rows")  # absent from runs saved before the rows were kept
+        restore_rows([self.rows], saved[0] if saved else None)
         self._resume_state = self.source.resume_state()
 
     def interval_report(self) -> dict[str, dict[str, float]]:

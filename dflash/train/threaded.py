@@ -30,7 +30,7 @@ import torch
 from dflash.compile_watch import raise_recompile_limit
 from dflash.distributed import ProcessInfo, gather_objects
 from dflash.target_model.model import Target
-from dflash.train.drafter_rows import DrafterRows
+from dflash.train.drafter_rows import DrafterRows, restore_rows, saved_rows
 from dflash.train.engine import StepStats, read_step_stats
 from dflash.train.flops import drafter_step_flops
 from dflash.train.jobs import Job, JobSource
@@ -222,12 +222,12 @@ class StepReport:
 
 
 class DrafterWorker(_Worker):
-    """Runs ``grad_accum`` drafter micro-batches per step command, ``drafter_rows`` rows per
-    forward (None: all ``batch_size``); gradients and the step statistics go into its replica's flat
-    buffer. A first step that runs out of memory in the drafter runs again, with fewer rows per
-    forward, on the micro-batches it took (:mod:`dflash.train.drafter_rows`): in the replica's own
-    buffer on its own device, before the main thread's optimizer step, so the other threads go on
-    undisturbed.
+    """Runs ``grad_accum`` drafter micro-batches per step command, ``rows.per_forward`` rows per
+    forward (the engine's :class:`DrafterRows`, which its state saves); gradients and the step
+    statistics go into its replica's flat buffer. A first step that runs out of memory in the
+    drafter runs again, with fewer rows per forward, on the micro-batches it took
+    (:mod:`dflash.train.drafter_rows`): in the replica's own buffer on its own device, before the
+    main thread's optimizer step, so the other threads go on undisturbed.
     ``wait`` = waiting on its inbox (the targets are the bottleneck)."""
 
     def __init__(
@@ -239,13 +239,12 @@ class DrafterWorker(_Worker):
         *,
         grad_accum,
         recompile_limit,
-        batch_size,
-        drafter_rows=None,
+        rows: DrafterRows,
     ):
         super().__init__(replica.name, control)
         self.replica, self.inbox, self.settings = replica, inbox, settings
         self.grad_accum, self.recompile_limit = grad_accum, recompile_limit
-        self.rows = DrafterRows(batch_size, drafter_rows, replica.name)
+        self.rows = rows
         self._commands: list[int] = []
         self._reports: list[StepReport] = []
         self._cond = threading.Condition()
@@ -386,7 +385,7 @@ class ThreadedEngine:
         self.targets, self.replicas, self.source, self.settings = targets, replicas, source, settings
         self.process = process
         self.grad_accum, self.grad_clip, self.prefetch_depth = grad_accum, grad_clip, prefetch_depth
-        self.batch_size, self.drafter_rows = batch_size, drafter_rows
+        self.rows = [DrafterRows(batch_size, drafter_rows, r.name) for r in replicas]
         self.last_step, self.recompile_limit = last_step, recompile_limit
         self.layout = StatsLayout(settings.block_size)
         self.control: Control | None = None
@@ -425,10 +424,9 @@ class ThreadedEngine:
                 self.settings,
                 grad_accum=self.grad_accum,
                 recompile_limit=self.recompile_limit,
-                batch_size=self.batch_size,
-                drafter_rows=self.drafter_rows,
+                rows=rows,
             )
-            for r, inbox in zip(self.replicas, self.inboxes)
+            for r, inbox, rows in zip(self.replicas, self.inboxes, self.rows)
         ]
         for waker in [*self.inboxes, *self.drafter_workers]:
             control.on_stop(waker.wake)
@@ -496,12 +494,15 @@ class ThreadedEngine:
             "optimizer": self.replicas[0].optimizer.state_dict(),
             "data": self._resume_state["data"],
             "anchor_rng": gather_objects(self._resume_state["anchor_rng"]),
+            "drafter_rows": gather_objects(saved_rows(self.rows)),
         }
 
     def load_state_dict(self, state: dict, weights: dict) -> None:
         load_replica_state(self.replicas, weights, state["optimizer"])
         self.source.loader.load_state_dict(state["data"])
         self.source.generator.set_state(state["anchor_rng"][self.process.rank])
+        saved = state.get("drafter_rows")  # absent from runs saved before the rows were kept
+        restore_rows(self.rows, saved[self.process.rank] if saved else None)
         self._resume_state = self.source.resume_state()
 
     def compile_summary(self) -> dict[str, dict[str, int]]:

@@ -46,6 +46,7 @@ from dflash.patching.importhook import active_finder
 from dflash.progress_logging import log_above_progress_bars
 from dflash.run import checkpoint, compile_cache
 from dflash.run.layout import SAVED_CONFIG_NAME, check_free_space, checkpoint_bytes
+from dflash.run.out_of_memory import rows_text
 from dflash.run.preflight import check_drafter_config
 from dflash.run.resume import check_process_count, check_resume_config
 from dflash.run.step_dirs import find_checkpoint
@@ -516,10 +517,28 @@ class Trainer:
                 "or train into a new --out"
             )
         check_process_count(len(engine_state["anchor_rng"]), self.process.world_size, step_dir)
+        if self.config.drafter_rows != state["config"].get("drafter_rows") and "drafter_rows" in engine_state:
+            engine_state = self._drafter_rows_given(engine_state)
         self.engine.load_state_dict(engine_state, checkpoint.resume_weights(step_dir, state))
         checkpoint.set_rng_state(state["rng"])
         self.step = state["step"]
         logger.info("resumed from %s at step %d (epoch %d)", step_dir, self.step, self.loader.epoch)
+
+    def _drafter_rows_given(self, engine_state: dict) -> dict:
+        """``engine_state`` without the saved rows per drafter forward (:mod:`dflash.train.drafter_rows`):
+        a ``--drafter-rows`` other than the saved run's, given on resume, wins over them (a warning: the
+        saved rows may be fewer because more ran out of memory)."""
+        rows = self.config.drafter_rows or self.config.batch_size
+        saved = sorted({count for replicas in engine_state["drafter_rows"] for count in replicas})
+        if saved != [rows]:
+            logger.warning(
+                "--drafter-rows %d given on resume: the drafter runs %s per forward, not the %s the saved run's "
+                "first step settled on",
+                self.config.drafter_rows,
+                rows_text(rows),
+                " / ".join(rows_text(count) for count in saved),
+            )
+        return {key: value for key, value in engine_state.items() if key != "drafter_rows"}
 
     def close(self) -> None:
         """Leave the torchrun process group (call once, after a successful :meth:`train`)."""

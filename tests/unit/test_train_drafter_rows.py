@@ -126,6 +126,49 @@ def test_a_first_step_out_of_memory_trains_as_the_run_started_at_half_the_rows(
     ]
 
 
+@pytest.mark.parametrize("layout", [{}, THREADED], ids=["local", "threaded"])
+def test_a_resume_keeps_the_rows_the_first_step_settled_on(assets, tmp_path, monkeypatch, caplog, layout):
+    # Step 1 retried at 2 rows, stopped after step 2: the resumed run starts at 2 rows, not at the
+    # whole micro-batch (which would run out again, or sum in another order).
+    flags = dict(grad_accum=2, steps=4, save=True, save_every=1, **layout)
+    with monkeypatch.context() as patch:
+        _out_of_memory_at({2}, patch)
+        reference = record_losses(Trainer(settle(_config(assets, tmp_path / "full", **flags))))
+        reference.train()
+    with monkeypatch.context() as patch:
+        _out_of_memory_at({2}, patch)
+        first = record_losses(Trainer(settle(_config(assets, tmp_path / "split", **flags))), crash_after=2)
+        with pytest.raises(KeyboardInterrupt):
+            first.train()
+    caplog.clear()
+    forwards = _recording_group_weights(monkeypatch)
+    resumed = record_losses(Trainer(settle(_config(assets, tmp_path / "split", resume=True, **flags))))
+    assert resumed.step == 2
+    resumed.train()
+    assert "retrying" not in caplog.text
+    replicas = 1 if not layout else 2
+    assert len(forwards) == 2 * 2 * 2 * replicas  # 2 steps x 2 micro-batches x 2 forwards of 2 rows
+    assert first.losses + resumed.losses == reference.losses and len(reference.losses) == 4
+    final = dict(reference.drafter.named_parameters())
+    for name, param in resumed.drafter.named_parameters():
+        assert torch.equal(param, final[name]), name
+
+
+def test_drafter_rows_given_on_resume_win_over_the_saved_ones(assets, tmp_path, monkeypatch, caplog):
+    with monkeypatch.context() as patch:
+        _out_of_memory_at({1}, patch)
+        Trainer(settle(_config(assets, tmp_path / "run", save=True))).train()
+    caplog.clear()
+    forwards = _recording_group_weights(monkeypatch)
+    resumed = Trainer(settle(_config(assets, tmp_path / "run", save=True, steps=2, drafter_rows=4, resume=True)))
+    resumed.train()
+    assert len(forwards) == 1
+    assert (
+        "--drafter-rows 4 given on resume: the drafter runs 4 rows per forward, not the 2 rows the saved run's "
+        "first step settled on" in caplog.text
+    )
+
+
 def _cli(assets, out, *flags):
     inputs = ["--target", str(assets["target"]), "--data", str(assets["data"]), "--out", str(out)]
     tiny = ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--max-anchors", "4"]
