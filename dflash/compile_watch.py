@@ -18,6 +18,7 @@ Importing this module imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import types
@@ -199,7 +200,21 @@ class StepWatch:
             self._before = [region.counts() for region in self.regions]
             self._breaks = graph_break_count()
 
-    def after(self, step: int, shape) -> None:
+    @contextlib.contextmanager
+    def watching(self, step: int, shape):
+        """:meth:`before` and :meth:`after` around a drafter step of ``shape`` in ``step``, also one that
+        raises (an out-of-memory error the first step retries with fewer rows,
+        :mod:`dflash.train.drafter_rows`): its compiles and graph breaks count; its calls that ran
+        no graph do not count as an eager fallback, as the call that raised did not finish."""
+        self.before()
+        try:
+            yield
+        except BaseException:
+            self.after(step, shape, finished=False)
+            raise
+        self.after(step, shape)
+
+    def after(self, step: int, shape, *, finished: bool = True) -> None:
         if not self.enabled:
             return
         deltas = [
@@ -227,7 +242,7 @@ class StepWatch:
             for region, (_, runs, calls) in zip(self.regions, deltas)
             if runs < calls
         ]
-        if eager:
+        if eager and finished:
             self.eager_fallbacks += 1
             logger.warning(
                 "%s step %d: the compiled drafter step ran EAGERLY (calls that ran no compiled graph: %s); "

@@ -136,21 +136,20 @@ class LocalEngine:
         and statistics into the flat buffer."""
         r = self.replica
         anchors, valid = job.anchors.to(r.device, non_blocking=True), job.valid.to(r.device, non_blocking=True)
-        r.watch.before()
-        r.flat.stats.add_(
-            drafter_step(
-                r.step_fn,
-                r.model,
-                r.heads,
-                batch,
-                anchors,
-                valid,
-                settings=self.settings,
-                position_weight=r.position_weight,
-                rows=self.rows.per_forward,
+        with r.watch.watching(step, (self.rows.per_forward, batch.input_ids.shape[1])):
+            r.flat.stats.add_(
+                drafter_step(
+                    r.step_fn,
+                    r.model,
+                    r.heads,
+                    batch,
+                    anchors,
+                    valid,
+                    settings=self.settings,
+                    position_weight=r.position_weight,
+                    rows=self.rows.per_forward,
+                )
             )
-        )
-        r.watch.after(step, (self.rows.per_forward, batch.input_ids.shape[1]))
 
     def state_dict(self) -> dict:
         return {

@@ -310,21 +310,20 @@ class DrafterWorker(_Worker):
                 if self.rows.retrying:
                     kept.append(item)
             self._enter("busy_s")
-            r.watch.before()
-            r.flat.stats.add_(
-                drafter_step(
-                    r.step_fn,
-                    r.model,
-                    r.heads,
-                    item.batch,
-                    item.anchors,
-                    item.valid,
-                    settings=self.settings,
-                    position_weight=r.position_weight,
-                    rows=self.rows.per_forward,
+            with r.watch.watching(step, (self.rows.per_forward, item.batch.input_ids.shape[1])):
+                r.flat.stats.add_(
+                    drafter_step(
+                        r.step_fn,
+                        r.model,
+                        r.heads,
+                        item.batch,
+                        item.anchors,
+                        item.valid,
+                        settings=self.settings,
+                        position_weight=r.position_weight,
+                        rows=self.rows.per_forward,
+                    )
                 )
-            )
-            r.watch.after(step, (self.rows.per_forward, item.batch.input_ids.shape[1]))
             tokens += item.batch.num_tokens
             row_tokens += item.batch.input_ids.numel()
         return StepReport(item.job, tokens, row_tokens)

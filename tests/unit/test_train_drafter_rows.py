@@ -11,6 +11,7 @@ from tiny import make_target, record_losses, train_config, write_chat_data
 
 import dflash.train.step
 from dflash.cli import main
+from dflash.compile_watch import CompiledRegion, StepWatch
 from dflash.config import TrainConfig
 from dflash.run.settle import settle
 from dflash.train.drafter_rows import row_counts
@@ -167,6 +168,41 @@ def test_drafter_rows_given_on_resume_win_over_the_saved_ones(assets, tmp_path, 
         "--drafter-rows 4 given on resume: the drafter runs 4 rows per forward, not the 2 rows the saved run's "
         "first step settled on" in caplog.text
     )
+
+
+def _sine(x):
+    return torch.sin(x)
+
+
+@pytest.mark.parametrize("layout", [{}, THREADED], ids=["local", "threaded"])
+def test_the_failed_attempts_compiles_are_counted(assets, tmp_path, monkeypatch, layout):
+    # A compiled region (eager backend) that each drafter forward calls at its rows: the failed
+    # attempt compiles it for 4 rows, the retry for 2; the run's compile summary counts both.
+    trainer = Trainer(settle(_config(assets, tmp_path / "run", **layout)))
+    replicas = trainer.engine.replicas if layout else [trainer.engine.replica]
+    regions = {r.name: CompiledRegion("probe", _sine, index, "eager") for index, r in enumerate(replicas)}
+    for r in replicas:
+        r.watch = StepWatch(r.name, [regions[r.name]])
+    real = dflash.train.step._drafter_step
+    failed: set[str] = set()
+
+    def probing(*args):
+        name = threading.current_thread().name
+        replica = next(r for r in replicas if r.name == name or not layout)
+        rows = args[3][0].shape[0]  # the input ids of this forward's rows
+        regions[replica.name](torch.ones(rows))
+        if replica.name not in failed:
+            failed.add(replica.name)
+            raise torch.OutOfMemoryError(OOM)
+        return real(*args)
+
+    monkeypatch.setattr(dflash.train.step, "_drafter_step", probing)
+    trainer.train()
+    assert failed == {r.name for r in replicas}
+    summary = trainer.engine.compile_summary()
+    assert summary == {
+        r.name: dict(compiles=2, unexpected_recompiles=0, eager_fallbacks=0, graph_breaks=0) for r in replicas
+    }
 
 
 def _cli(assets, out, *flags):
