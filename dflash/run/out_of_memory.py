@@ -20,8 +20,16 @@ from __future__ import annotations
 import re
 
 #: CUDA's own words for a failed allocation, in the messages of errors that are no
-#: ``torch.OutOfMemoryError`` (a Triton kernel's launch, NCCL).
-_CUDA_WORDS = ("CUDA out of memory", "CUDA error: out of memory")
+#: ``torch.OutOfMemoryError``: torch's CUDA checks (cudaGetErrorString), a Triton kernel's launch
+#: (its launcher's gpuAssert: ``Triton Error [CUDA]: `` and cuGetErrorString, triton 3.x
+#: backends/nvidia/driver.c) and NCCL (its CUDACHECK's warning, which torch's NCCL error reports as
+#: the last error; NCCL src/include/checks.h).
+_CUDA_WORDS = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "Triton Error [CUDA]: out of memory",
+    "Cuda failure 'out of memory'",
+)
 
 
 def out_of_memory_error(error: BaseException) -> BaseException | None:

@@ -13,6 +13,7 @@ import dflash.train.step
 from dflash.cli import main
 from dflash.compile_watch import CompiledRegion, StepWatch
 from dflash.config import TrainConfig
+from dflash.run.out_of_memory import out_of_memory_error
 from dflash.run.settle import settle
 from dflash.train.drafter_rows import row_counts
 from dflash.train.step import StatsLayout
@@ -259,3 +260,31 @@ def test_a_resume_may_change_the_rows_per_drafter_forward(assets, tmp_path):
     resumed = Trainer(settle(_config(assets, tmp_path / "run", save=True, steps=2, drafter_rows=2, resume=True)))
     assert resumed.step == 1
     resumed.train()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: out of memory",  # torch's C10_CUDA_CHECK (cudaGetErrorString)
+        "Triton Error [CUDA]: out of memory",  # Triton's launcher, gpuAssert (cuGetErrorString)
+        "NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details)\n"
+        "Last error:\nCuda failure 'out of memory'",  # NCCL's CUDACHECK, as torch reports its last error
+    ],
+)
+def test_the_runtime_errors_of_a_failed_cuda_allocation_are_out_of_memory_errors(message):
+    error = RuntimeError(message)
+    assert out_of_memory_error(error) is error
+    try:
+        raise RuntimeError("the drafter step failed") from error
+    except RuntimeError as wrapped:
+        assert out_of_memory_error(wrapped) is error
+
+
+def test_other_cuda_errors_are_not_out_of_memory_errors():
+    assert out_of_memory_error(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")) is None
+    assert (
+        out_of_memory_error(
+            RuntimeError("NCCL error: unhandled cuda error\nLast error:\nCuda failure 'invalid argument'")
+        )
+        is None
+    )
