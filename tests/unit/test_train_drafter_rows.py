@@ -206,6 +206,62 @@ def test_the_failed_attempts_compiles_are_counted(assets, tmp_path, monkeypatch,
     }
 
 
+def test_a_replica_that_runs_out_is_retried_alone_while_its_sibling_trains_on(assets, tmp_path, monkeypatch, caplog):
+    # drafter1's second forward of step 1 runs out; drafter0 finishes the step at 4 rows. The run
+    # equals one where drafter1 starts at 2 rows and drafter0 stays at 4, bit for bit.
+    flags = dict(grad_accum=2, steps=3, **THREADED)
+    expected = record_losses(Trainer(settle(_config(assets, tmp_path / "expected", **flags))))
+    expected.engine.rows[1].per_forward = 2
+    expected.train()
+    real = dflash.train.step._drafter_step
+    calls: dict[str, int] = {}
+
+    def failing(*args):
+        name = threading.current_thread().name
+        calls[name] = calls.get(name, 0) + 1  # one thread per name: no lock needed
+        if name.startswith("drafter1") and calls[name] == 2:
+            raise torch.OutOfMemoryError(OOM)
+        return real(*args)
+
+    monkeypatch.setattr(dflash.train.step, "_drafter_step", failing)
+    retried = record_losses(Trainer(settle(_config(assets, tmp_path / "retried", **flags))))
+    retried.train()
+    assert [r.getMessage().split(": ")[0] for r in caplog.records if "retrying" in r.getMessage()] == [
+        "drafter1 (cpu:1) step 1"
+    ]
+    # drafter0: 2 forwards of 4 rows a step; drafter1: the failed 2, then 4 of 2 rows a step.
+    assert calls == {"drafter0 (cpu:0)": 3 * 2, "drafter1 (cpu:1)": 2 + 3 * 4}
+    assert [r.per_forward for r in retried.engine.rows] == [4, 2]
+    assert retried.losses == expected.losses and len(expected.losses) == 3
+    for (name, p), q in zip(expected.drafter.named_parameters(), retried.drafter.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("layout", [{}, THREADED], ids=["local", "threaded"])
+def test_an_error_other_than_out_of_memory_in_the_first_step_is_raised_unchanged(assets, tmp_path, monkeypatch, layout):
+    bug = RuntimeError("a bug in the drafter step")
+    real = dflash.train.step._drafter_step
+    calls = []
+
+    def failing(*args):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 2:  # after a forward that put its gradients in the buffer
+            raise bug
+        return real(*args)
+
+    monkeypatch.setattr(dflash.train.step, "_drafter_step", failing)
+    trainer = Trainer(settle(_config(assets, tmp_path / "run", grad_accum=2, **layout)))
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            trainer.engine.run(1, lr=1e-2)
+    finally:
+        trainer.engine.close()
+    assert raised.value is bug or raised.value.__cause__ is bug  # the threaded engine's PipelineError names it
+    assert [r.per_forward for r in (trainer.engine.rows if layout else [trainer.engine.rows])] == [4] * (
+        1 + bool(layout)
+    )
+
+
 def _cli(assets, out, *flags):
     inputs = ["--target", str(assets["target"]), "--data", str(assets["data"]), "--out", str(out)]
     tiny = ["--block-size", "4", "--gamma", "2", "--num-target-layers", "2", "--seq-len", "48", "--max-anchors", "4"]
