@@ -437,7 +437,12 @@ class TrainConfig:
                 f"device: --device {self.device} is the single-device path, but --target-devices/--drafter-devices "
                 "name every thread's device; drop --device (or drop the two layout flags to train on one device)"
             )
-        if self.drafter_rows is not None and (self.drafter_rows < 0 or self.batch_size % max(self.drafter_rows, 1)):
+        if self.drafter_rows is not None and self.drafter_rows < 0:
+            raise ValueError(
+                f"drafter_rows must be >= 0, got {self.drafter_rows}: pass the rows per drafter forward, a divisor of "
+                f"--batch-size {self.batch_size}, or 0 for the whole micro-batch"
+            )
+        if self.drafter_rows is not None and self.batch_size % max(self.drafter_rows, 1):
             divisors = [n for n in range(1, self.batch_size + 1) if self.batch_size % n == 0]
             raise ValueError(
                 f"drafter_rows {self.drafter_rows} does not divide --batch-size {self.batch_size}: the drafter runs a "

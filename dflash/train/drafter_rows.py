@@ -45,7 +45,13 @@ T = TypeVar("T")
 
 def fewer_rows(batch_size: int, rows: int) -> int:
     """The rows per forward after ``rows`` ran out of memory: the largest divisor of ``batch_size``
-    at most ``rows // 2`` (equal groups: one compiled shape); ``rows`` > 1."""
+    at most ``rows // 2`` (equal groups: one compiled shape).
+
+    Raises:
+        ValueError: ``rows`` < 2 (nothing fewer than one row).
+    """
+    if rows < 2:
+        raise ValueError(f"fewer_rows: {rows_text(rows)} per forward has nothing fewer to try")
     return max(n for n in range(1, rows // 2 + 1) if batch_size % n == 0)
 
 
@@ -69,7 +75,7 @@ class DrafterRows:
     def __init__(self, batch_size: int, rows: int | None, name: str) -> None:
         self.batch_size, self.name = batch_size, name
         self.per_forward = rows or batch_size
-        self.retrying = True  # until the replica's first step is done (:meth:`run`)
+        self.first_step_pending = True  # until the replica's first step is done (:meth:`run`): it may retry
 
     def run(self, step: int, flat, micro_batches: Callable[[], T]) -> T:
         """``micro_batches()``, the drafter's micro-batches of ``step`` at :attr:`per_forward` rows per forward
@@ -89,7 +95,7 @@ class DrafterRows:
             except Exception as error:
                 self._retry_or_raise(error, step)
             release_memory(flat.buffer.device)  # the failed attempt's tensors went with its error
-        self.retrying = False
+        self.first_step_pending = False
         return result
 
     def _retry_or_raise(self, error: Exception, step: int) -> None:
@@ -99,7 +105,7 @@ class DrafterRows:
         if oom is None:
             raise error
         fewer = fewer_rows(self.batch_size, self.per_forward) if self.per_forward > 1 else None
-        if not self.retrying or fewer is None:
+        if not self.first_step_pending or fewer is None:
             raise DrafterOutOfMemory(self.per_forward, fewer) from error
         rows, self.per_forward = self.per_forward, fewer
         logger.warning(
@@ -140,7 +146,9 @@ def release_memory(device: torch.device) -> None:
     """Free what a failed attempt held once its error is gone: reference cycles (autograd nodes,
     frames) collected and, on CUDA, the cached blocks returned, so the next attempt's allocations are
     not split around the failed one's free blocks; the device's peak restarts from what is held
-    now, so the run's peak memory (the steady-state line) is that of the rows it trains with."""
+    now, so the run's peak memory (the steady-state line) is that of the rows it trains with.
+    ``torch.cuda.empty_cache`` returns the unused cached blocks of every device, not only this
+    one's: other drafter threads' next allocations come from the driver again (slower, once)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

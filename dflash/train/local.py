@@ -10,6 +10,7 @@ time split comes from CUDA events read after that transfer, so timing adds no sy
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -99,7 +100,7 @@ class LocalEngine:
         last_hidden = self.settings.needs_last_hidden
         batches = [produce_target_states(self.target, job.batch, last_hidden=last_hidden) for job in jobs]
         drafter_start = self.clock.mark()
-        self.rows.run(step, r.flat, lambda: [self._drafter_micro_batch(step, *pair) for pair in zip(jobs, batches)])
+        self.rows.run(step, r.flat, functools.partial(self._drafter_micro_batches, step, jobs, batches))
         if stop:
             r.flat.stats[StatsLayout.STOP].fill_(1.0)
         grad_norm = optimizer_step([r], lr=lr, grad_clip=self.grad_clip)
@@ -130,6 +131,10 @@ class LocalEngine:
             stop=host["stop"],
             selector_loss=host["selector_loss"] if hasattr(r.model, "candidate_selector") else None,
         )
+
+    def _drafter_micro_batches(self, step: int, jobs, batches) -> None:
+        for job, batch in zip(jobs, batches, strict=True):
+            self._drafter_micro_batch(step, job, batch)
 
     def _drafter_micro_batch(self, step: int, job, batch) -> None:
         """The drafter's forward + backward on one micro-batch, ``rows.per_forward`` rows at a time: gradients

@@ -227,7 +227,8 @@ class DrafterWorker(_Worker):
     statistics go into its replica's flat buffer. A first step that runs out of memory in the
     drafter runs again, with fewer rows per forward, on the micro-batches it took
     (:mod:`dflash.train.drafter_rows`): in the replica's own buffer on its own device, before the
-    main thread's optimizer step, so the other threads go on undisturbed.
+    main thread's optimizer step; the other threads go on, though releasing the failed attempt's
+    memory empties every device's allocator cache (:func:`~dflash.train.drafter_rows.release_memory`).
     ``wait`` = waiting on its inbox (the targets are the bottleneck)."""
 
     def __init__(
@@ -307,7 +308,7 @@ class DrafterWorker(_Worker):
             else:
                 self._enter("wait_s")
                 item = self.inbox.get()
-                if self.rows.retrying:
+                if self.rows.first_step_pending:
                     kept.append(item)
             self._enter("busy_s")
             with r.watch.watching(step, (self.rows.per_forward, item.batch.input_ids.shape[1])):

@@ -15,7 +15,7 @@ from dflash.compile_watch import CompiledRegion, StepWatch
 from dflash.config import TrainConfig
 from dflash.run.out_of_memory import out_of_memory_error
 from dflash.run.settle import settle
-from dflash.train.drafter_rows import row_counts
+from dflash.train.drafter_rows import fewer_rows, row_counts
 from dflash.train.step import StatsLayout
 from dflash.train.trainer import Trainer
 
@@ -293,7 +293,7 @@ def test_a_drafter_that_runs_out_at_one_row_ends_with_the_message(assets, tmp_pa
 def test_drafter_rows_that_do_not_divide_the_batch_are_refused_before_anything_loads(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"drafter_rows 3 does not divide --batch-size 4.*pass one of \[1, 2, 4\]"):
         TrainConfig(batch_size=4, drafter_rows=3)
-    with pytest.raises(ValueError, match="drafter_rows -1 does not divide"):
+    with pytest.raises(ValueError, match=r"drafter_rows must be >= 0, got -1: .*or 0 for the whole micro-batch"):
         TrainConfig(batch_size=4, drafter_rows=-1)
     assert TrainConfig(batch_size=4, drafter_rows=0).drafter_rows == 0  # 0: the whole micro-batch
     out = tmp_path / "run"
@@ -309,6 +309,8 @@ def test_the_rows_tried_are_divisors_of_the_batch_each_at_most_half_the_last():
     assert row_counts(10, 10) == [10, 5, 2, 1]
     assert row_counts(12, 12) == [12, 6, 3, 1]
     assert row_counts(1, 1) == [1]
+    with pytest.raises(ValueError, match="1 row per forward has nothing fewer to try"):
+        fewer_rows(4, 1)
 
 
 def test_a_resume_may_change_the_rows_per_drafter_forward(assets, tmp_path):
