@@ -170,8 +170,8 @@ def test_list_prints_the_selection_without_running_anything(capsys):
 # pytest as the runner starts it (`-m pytest TARGET [-k EXPR] ... --junitxml=XML`, DFLASH_PATCHES naming
 # the side, in test/): writes the outcomes plan.json gives TARGET's file on this side (TARGET a node id:
 # that test's) and appends the call to `calls`. plan.json's "stop" [side, file, signal] cuts the run off
-# there once: the runner gets the signal, and the file, like pytest on Ctrl-C, leaves a partial report and
-# exit 2. Its "hang" [side, file] sleeps past any file time limit.
+# there once: the file leaves a partial report, like pytest on Ctrl-C, then the runner gets the signal and
+# the file exits 2. Its "hang" [side, file] sleeps past any file time limit.
 FAKE_PYTEST = """#!{python} -S
 import json, os, signal, sys, time
 from pathlib import Path
@@ -190,7 +190,6 @@ stop = plan.get("stop")
 cut = stop is not None and stop[:2] == [side, file] and not Path("stopped").exists()
 if cut:
     Path("stopped").touch()
-    os.kill(os.getppid(), getattr(signal, stop[2]))
     tests = dict(list(tests.items())[:1])
 if plan.get("hang") == [side, file]:
     time.sleep(60)
@@ -200,6 +199,8 @@ cases = "".join(
     for name, o in tests.items()
 )
 xml.write_text(f"<testsuites><testsuite>{{cases}}</testsuite></testsuites>")
+if cut:  # the report first: a runner killed outright returns before an orphan would write it
+    os.kill(os.getppid(), getattr(signal, stop[2]))
 sys.exit(2 if cut else 1 if "failed" in tests.values() else 0)
 """
 PLAN = {
