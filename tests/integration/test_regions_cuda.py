@@ -107,7 +107,7 @@ def test_regional_and_whole_step_compiles_agree_on_cuda(arch, monkeypatch):
         error = {scope: float((grads[name] - want).norm()) for scope, (_, grads, _) in results.items()}
         scale = float(want.norm())
         assert error["regional"] <= 2 * max(error["step"], error["eager"]) + 1e-4 * scale + 1e-6, (name, error, scale)
-    layer, chunk = regions
+    layer, chunk = regions[:2]  # the selector loss region is third (DFlash2 only calls it)
     print(arch, "layer graphs", layer.backend.compiles(), "chunk graphs", chunk.backend.compiles())
     # The first layer (its input needs no gradient), sliding and full layers (their BlockMasks'
     # mask_mods differ); whole chunks and the shorter last one.
