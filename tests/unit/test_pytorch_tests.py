@@ -20,7 +20,7 @@ from dflash.cli import main
 from dflash.patching import series
 from dflash.patchtools.pytorch_tests import environment, trees
 from dflash.patchtools.pytorch_tests.outcomes import node_id, read_outcomes
-from dflash.patchtools.pytorch_tests.resume import Setup, Side, series_digest
+from dflash.patchtools.pytorch_tests.resume import Setup, Side, outcome_environment, series_digest
 from dflash.patchtools.pytorch_tests.runner import HUNG, Difference, FileRun, Runner, differences
 from dflash.patchtools.pytorch_tests.selections import CI, FULL, Entry
 
@@ -332,7 +332,7 @@ def test_a_first_sigint_ends_the_run_at_once_and_keeps_no_record_of_the_file_it_
 
 
 def _setup(**changes) -> Setup:
-    return replace(Setup("1" * 64, "2.6.0+cu124", "2" * 64, "abc1234"), **changes)
+    return replace(Setup("1" * 64, "2.6.0+cu124", "2" * 64, "abc1234", {"OMP_NUM_THREADS": "1"}), **changes)
 
 
 def _side(tmp_path, setup: Setup, *, patched: bool) -> Side:
@@ -351,6 +351,18 @@ def test_a_record_is_reused_only_with_its_key_and_its_report(tmp_path):
     )
     (tmp_path / "a.xml").write_text(JUNIT.replace("test_ok", "test_other"))
     assert "is not the one its record names" in _side(tmp_path, _setup(), patched=True).finished()
+
+
+def test_a_record_made_under_another_test_environment_is_not_reused(tmp_path):
+    """CI=true, OMP_NUM_THREADS and PyTorch's PYTORCH_TEST_* switches change which tests run and how."""
+    (tmp_path / "a.xml").write_text(JUNIT)
+    _side(tmp_path, _setup(), patched=False).keep(0, 3.0, "abc1234")
+    env = outcome_environment({"CI": "true", "OMP_NUM_THREADS": "1", "HOME": "/root", "PYTORCH_TEST_WITH_SLOW": "1"})
+    assert env == {"CI": "true", "OMP_NUM_THREADS": "1", "PYTORCH_TEST_WITH_SLOW": "1"}
+    assert _side(tmp_path, _setup(environment=env), patched=False).finished() == (
+        "recorded with other settings: environment OMP_NUM_THREADS=1 then, "
+        "CI=true OMP_NUM_THREADS=1 PYTORCH_TEST_WITH_SLOW=1 now"
+    )
 
 
 def test_plain_torch_runs_none_of_the_series_so_a_new_series_reruns_only_the_patched_side():

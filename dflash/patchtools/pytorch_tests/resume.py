@@ -7,9 +7,10 @@ its own (any exit, a crash, or killed at the file time limit) a record is writte
 report: its exit, its duration, the report's sha256 and the key of what its outcomes depend on. A
 process cut off with the run (the run killed, or stopped by SIGINT/SIGTERM) leaves no record, and its
 old record and report are removed before it starts, so it runs again. A record is reused only when its
-key is this run's: the tag's tree (sha256), the venv's torch, the pytest arguments, the file time limit
-and, on the patched side, the series as this release applies it (plain torch runs none of it, so a
-change to the series reruns only the patched sides).
+key is this run's: the tag's tree (sha256), the venv's torch, the pytest arguments, the file time limit,
+the environment variables that change PyTorch tests' outcomes (:func:`outcome_environment`) and, on the
+patched side, the series as this release applies it (plain torch runs none of it, so a change to the
+series reruns only the patched sides).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 NOT_RUN = "not run yet"
@@ -27,7 +29,15 @@ KEY_FIELDS = {
     "series": "patch series as applied",
     "args": "pytest arguments",
     "file_timeout_s": "file time limit (s)",
+    "environment": "environment",
 }
+
+
+def outcome_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of a pytest process's environment ``env`` that change PyTorch tests' outcomes:
+    ``CI`` (PyTorch's test helpers skip or change tests under it), ``OMP_NUM_THREADS`` and PyTorch's
+    own ``PYTORCH_*`` switches (``PYTORCH_TEST_WITH_*``, ``PYTORCH_TEST_SKIP_FAST``, ...)."""
+    return {k: v for k, v in sorted(env.items()) if k in ("CI", "OMP_NUM_THREADS") or k.startswith("PYTORCH_")}
 
 
 def series_digest(release: str) -> str:
@@ -58,9 +68,16 @@ class Setup:
     torch: str
     series: str  # :func:`series_digest`
     commit: str
+    environment: dict  # :func:`outcome_environment` of the processes' environment
 
     def key(self, args: list[str], file_timeout_s: float, *, patched: bool) -> dict:
-        key = {"tree": self.tree_sha256, "torch": self.torch, "args": args, "file_timeout_s": file_timeout_s}
+        key = {
+            "tree": self.tree_sha256,
+            "torch": self.torch,
+            "args": args,
+            "file_timeout_s": file_timeout_s,
+            "environment": self.environment,
+        }
         return {**key, "series": self.series} if patched else key
 
 
@@ -125,6 +142,8 @@ def _sha256(path: Path) -> str | None:
 
 
 def _short(value) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items()) or "(none)"
     if isinstance(value, list):
         return " ".join(value)
     if isinstance(value, str) and len(value) == 64:  # a sha256

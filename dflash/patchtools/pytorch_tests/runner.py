@@ -29,7 +29,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 from dflash.patchtools.pytorch_tests.outcomes import ERROR, FAILED, PASSED, SKIPPED, TIMEOUT, read_outcomes
-from dflash.patchtools.pytorch_tests.resume import NOT_RUN, Setup, Side
+from dflash.patchtools.pytorch_tests.resume import NOT_RUN, Setup, Side, outcome_environment
 from dflash.patchtools.pytorch_tests.selections import Entry
 from dflash.signals import Stopped, StopRequest
 
@@ -86,6 +86,11 @@ class Difference:
         return self.verdict != ORDER_OR_LOAD
 
 
+def child_environment() -> dict[str, str]:
+    """This process's environment as every pytest process gets it, with one OpenMP thread unless set."""
+    return {"OMP_NUM_THREADS": "1", **os.environ}
+
+
 @dataclasses.dataclass
 class Runner:
     """How each pytest process is started: the venv's python, the tree's ``test/``, where reports go,
@@ -132,8 +137,7 @@ class Runner:
         side.xml.parent.mkdir(parents=True, exist_ok=True)
         side.forget()
         command = [str(self.python), "-m", "pytest", *side.key["args"], f"--junitxml={side.xml}"]
-        env = dict(os.environ, DFLASH_PATCHES="1" if side.patched else "0", PYTHONPATH=str(self.test_dir))
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = dict(child_environment(), DFLASH_PATCHES="1" if side.patched else "0", PYTHONPATH=str(self.test_dir))
         started = time.monotonic()
         with side.log.open("w") as out:
             with self._lock:
@@ -356,7 +360,13 @@ def run_tests(
     print(f"preparing {cache / tag / 'venv'} (the first time: torch {tag} and the test packages)", file=sys.stderr)
     python = environment.prepare(tree, src, cache, project)
     out = out or cache / tag / "runs" / started.strftime("%Y%m%d-%H%M%S")
-    setup = Setup(tree.sha256, environment.torch_version(python), series_digest(tag), _commit(project))
+    setup = Setup(
+        tree.sha256,
+        environment.torch_version(python),
+        series_digest(tag),
+        _commit(project),
+        outcome_environment(child_environment()),
+    )
     runner = Runner(python, src / "test", out, test_timeout_s, file_timeout_s, setup)
     stopping = f"ending the pytest processes in flight (--out {out} resumes the run)"
     try:
