@@ -607,6 +607,26 @@ def test_the_block_convolution_is_the_taps_spelled_out_and_its_gradient_autograd
     assert torch.autograd.gradcheck(lambda *a: conv._convolve(*a), (z, dynamic, base))
 
 
+def test_taps_past_a_shorter_block_read_nothing():
+    """k may be up to ``block_size`` while a shorter block (a verify width near the token budget) has
+    fewer slots: its extra taps read before the block's start, so they add nothing and get zero
+    gradients (they raised a shape error)."""
+    from dflash.drafter.modeling_dflash import GroupedDynamicConv
+
+    conv = GroupedDynamicConv(hidden_size=8, kernel_size=4, group_size=4, block_size=4).double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        conv.base_kernel.normal_(generator=gen)
+    z = torch.randn(1, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    dynamic = torch.randn(1, 2, 4, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    base = conv.base_kernel[0]
+    out = conv._convolve(z, dynamic, base)
+    torch.testing.assert_close(out, conv._convolve(z, dynamic[:, :, :2], base[:2]))
+    out.sum().backward()
+    assert not dynamic.grad[:, :, 2:].any() and not conv.base_kernel.grad[0, 2:].any()
+    assert torch.autograd.gradcheck(lambda *a: conv._convolve(*a), (z, dynamic, base.detach().requires_grad_()))
+
+
 def test_the_block_convolution_keeps_only_its_inputs_for_backward():
     from dflash.drafter.modeling_dflash import GroupedDynamicConv
 
