@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -171,7 +173,7 @@ def test_list_prints_the_selection_without_running_anything(capsys):
 # the side, in test/): writes the outcomes plan.json gives TARGET's file on this side (TARGET a node id:
 # that test's) and appends the call to `calls`. plan.json's "stop" [side, file, signal] cuts the run off
 # there once: the file leaves a partial report, like pytest on Ctrl-C, then the runner gets the signal and
-# the file exits 2. Its "hang" [side, file] sleeps past any file time limit.
+# the file exits 2. Its "hang" [side, file] sleeps past any file time limit; "deaf" does too, ignoring SIGTERM.
 FAKE_PYTEST = """#!{python} -S
 import json, os, signal, sys, time
 from pathlib import Path
@@ -191,7 +193,10 @@ cut = stop is not None and stop[:2] == [side, file] and not Path("stopped").exis
 if cut:
     Path("stopped").touch()
     tests = dict(list(tests.items())[:1])
-if plan.get("hang") == [side, file]:
+if plan.get("deaf") == [side, file]:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path("deaf").touch()
+if plan.get("hang") == [side, file] or plan.get("deaf") == [side, file]:
     time.sleep(60)
 tags = {{"failed": "<failure message='no'/>", "skipped": "<skipped message='no'/>", "passed": ""}}
 cases = "".join(
@@ -382,6 +387,27 @@ def test_a_file_run_again_never_reads_the_report_it_replaces(tmp_path, fake_tree
     run = runner.run(side)
     assert (run.problem, run.outcomes) == (HUNG, {})
     assert not side.record.exists()
+
+
+def test_a_stopped_run_kills_a_pytest_that_ignores_sigterm_after_its_grace(tmp_path, fake_tree):
+    src, python = fake_tree
+    (src / "test" / "plan.json").write_text(json.dumps({"files": PLAN, "deaf": ["plain", "a.py"]}))
+    runner = Runner(python, src / "test", tmp_path / "out", 600, 30.0, _setup())  # a file limit past the bound
+    runner.stop_grace_s = 0.5
+    side = runner.side(["a.py"], "a", patched=False)
+    stopper = threading.Thread(target=lambda: _wait_for(src / "test" / "deaf") or runner.stop())
+    stopper.start()
+    started = time.monotonic()
+    run = runner.run(side)
+    stopper.join()
+    assert time.monotonic() - started < 20, "the run waited on a process that ignores SIGTERM"
+    assert run.returncode == -signal.SIGKILL
+
+
+def _wait_for(path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _variant(name: str, versions: str, diff: str) -> series.Patch:

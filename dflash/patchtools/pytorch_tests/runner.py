@@ -162,12 +162,24 @@ class Runner:
         SIGTERM, :class:`~dflash.signals.Stopped` is raised there before any process cut off by it is kept)."""
         side.keep(run.returncode, run.seconds, self.setup.commit)
 
+    #: Seconds a pytest process has to end after SIGTERM before it is killed (one that ignores the
+    #: signal, or hangs in its handler, would otherwise hold the run until the file time limit).
+    stop_grace_s: float = 10.0
+
     def stop(self) -> None:
-        """End the processes in flight and start no more."""
+        """End the processes in flight (SIGTERM, then SIGKILL after :attr:`stop_grace_s`) and start no more."""
         with self._lock:
             self._stopped.set()
             for process in self._running:
                 process.terminate()
+        killer = threading.Timer(self.stop_grace_s, self._kill_running)
+        killer.daemon = True
+        killer.start()
+
+    def _kill_running(self) -> None:
+        with self._lock:
+            for process in self._running:
+                process.kill()
 
 
 def _outcomes(xml: Path) -> dict[str, str]:
