@@ -607,18 +607,21 @@ class _BlockConvolution(torch.autograd.Function):
         groups, taps = blocks.shape[3], base.shape[0]
         coefficients = dynamic.reshape(*blocks.shape[:3], taps, groups, 1)
         grad_z = torch.zeros_like(blocks)
-        grad_base = torch.zeros(taps, groups * ctx.group_size, dtype=torch.float32, device=z.device)
-        grad_dynamic = torch.zeros(*blocks.shape[:3], taps, groups, dtype=torch.float32, device=z.device)
-        for tap in range(min(taps, ctx.length)):  # a tap of a block's length or more reads before its start
+        grad_base, grad_dynamic = [], []
+        reading = min(taps, ctx.length)  # a tap of a block's length or more reads before its start
+        for tap in range(reading):
             coefficient = base[tap].view(groups, ctx.group_size).to(z.dtype) + coefficients[:, :, :, tap]
             grad_z = grad_z + _ahead(coefficient * grad_blocks, tap)
             # z[t - tap] dy[t] at the slots t >= tap, by slicing: a shifted copy of z like forward's
             # would be shared with it, and kept for backward.
             products = blocks[:, :, : blocks.shape[2] - tap].float() * grad_blocks[:, :, tap:].float()
-            grad_dynamic[:, :, tap:, tap] = products.sum(-1)
-            grad_base[tap] = products.sum((0, 1, 2)).flatten()
-        grad_dynamic = grad_dynamic.view(dynamic.shape).to(dynamic.dtype)
-        return grad_z.view_as(z), grad_dynamic, grad_base.to(base.dtype), None, None
+            grad_dynamic.append(F.pad(products.sum(-1), (0, 0, tap, 0)))
+            grad_base.append(products.sum((0, 1, 2)).flatten())
+        grad_dynamic, grad_base = torch.stack(grad_dynamic, dim=3), torch.stack(grad_base)
+        if reading < taps:  # the taps that read nothing get zero gradients
+            grad_dynamic = F.pad(grad_dynamic, (0, 0, 0, taps - reading))
+            grad_base = F.pad(grad_base, (0, 0, 0, taps - reading))
+        return grad_z.view_as(z), grad_dynamic.view_as(dynamic).to(dynamic.dtype), grad_base.to(base.dtype), None, None
 
 
 @dataclass(frozen=True)
