@@ -23,6 +23,8 @@ Printed per run: ms per step, drafter tok/s (context tokens per second, as the t
 between steps (weights, gradients, optimizer state) and the step's peak (the two apart: activations
 and transients), then each run's ratio to the first. ``--profile`` adds, per run, one profiled step's
 GPU time by kernel kind (:mod:`dflash.profiling`) and its costliest kernels and launching ops.
+``--memory`` adds, per run, what one more step holds at its peak beyond the memory that stays
+between steps, by the line of the project's code that allocated it (CUDA's allocator history).
 """
 
 from __future__ import annotations
@@ -214,7 +216,55 @@ def child(args) -> dict:
         name = args.run.replace(":", "_").replace(",", "_").replace("=", "-")
         trace = trace.rename(out / f"{name}.json.gz")
         result["profile"] = top_work(trace, args.top)
+    if args.memory and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        step()
+        sync()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        result["memory"] = peak_allocations(snapshot["device_traces"][device.index or 0], args.top)
     return result
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame of the project's code (``dflash/`` or ``benchmarks/``), with the
+    innermost frame of all when it is elsewhere (an inductor kernel's buffer, autograd's engine)."""
+    inner = f"{Path(frames[0]['filename']).name}:{frames[0]['line']}" if frames else "?"
+    for frame in frames:
+        path = frame["filename"].replace("\\", "/")
+        for root in ("/dflash/", "/benchmarks/"):
+            if root in path:
+                own = f"{root.strip('/')}/{path.split(root, 1)[1]}:{frame['line']} {frame['name']}"
+                return own if frame is frames[0] else f"{own} <- {inner}"
+    return inner
+
+
+def peak_allocations(trace: list[dict], top: int) -> dict:
+    """From one device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``,
+    recorded with python stacks): the bytes allocated during the trace that were alive at its
+    highest point, by :func:`_site`, largest first, in GiB, with their total. Blocks allocated
+    before the trace began are not in it (the memory that stays between steps)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = highest = highest_at = 0
+    for index, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], "")
+            total += event["size"]
+            if total > highest:
+                highest, highest_at = total, index
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    live.clear()
+    for event in trace[: highest_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    sites: dict[str, int] = defaultdict(int)
+    for size, site in live.values():
+        sites[site] += size
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+    return {"peak_gib": highest / 2**30, "sites": [(site, round(size / 2**30, 3)) for site, size in ranked]}
 
 
 def _default_taps(layers: int, count: int) -> list[int]:
@@ -276,6 +326,11 @@ def print_results(results: list[dict]) -> None:
         print(f"\n{r['run']}: one step's GPU time by kind: " + ", ".join(f"{k} {ms:.1f}" for k, ms in p["kinds"]))
         print("  kernels: " + "; ".join(f"{k} {ms:.1f}" for k, ms in p["kernels"]))
         print("  ops: " + "; ".join(f"{k} {ms:.1f}" for k, ms in p["ops"]))
+    for r in results:
+        if "memory" in r:
+            m = r["memory"]
+            print(f"\n{r['run']}: {m['peak_gib']:.2f} GiB allocated in the step and alive at its peak, by site (GiB):")
+            print("\n".join(f"  {gib:7.3f}  {site}" for site, gib in m["sites"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="profile one more step per run")
     p.add_argument("--profile-dir", default=None, help="where the runs' traces go")
-    p.add_argument("--top", type=int, default=12, help="kernels and ops listed per profile")
+    p.add_argument("--top", type=int, default=12, help="kernels, ops and memory sites listed per run")
+    p.add_argument("--memory", action="store_true", help="per run, one more step's memory at its peak by site (CUDA)")
     p.add_argument("--child-timeout", type=float, default=900)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -75,3 +75,25 @@ def test_compile_after_trace_counts_the_same_instructions_patched_and_plain():
     assert result["module_call_is_original_after_trace"] == {"plain": True, "patched": True}
     assert result["dynamo_instructions"]["ratio_median"] == 1.0, result
     assert result["eager_instructions"]["ratio_median"] == 1.0, result
+
+
+def test_drafter_step_memory_names_what_is_alive_at_the_peak():
+    sys.path.insert(0, str(BENCHMARKS))
+    from drafter_step import peak_allocations
+
+    frame = lambda path, line: {"filename": path, "line": line, "name": "f"}
+    layer = [frame("/tmp/torchinductor/ab/cab.py", 7), frame("/src/dflash/drafter/model.py", 40)]
+    loss = [frame("/src/dflash/train/loss.py", 90)]
+    gib = 2**30
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 2 * gib, "frames": layer},
+        {"action": "alloc", "addr": 2, "size": 1 * gib, "frames": loss},
+        {"action": "free_requested", "addr": 2, "size": 1 * gib, "frames": loss},
+        {"action": "free_completed", "addr": 2, "size": 1 * gib, "frames": loss},
+        {"action": "alloc", "addr": 3, "size": 3 * gib, "frames": loss},  # the peak: 5 GiB
+        {"action": "free_completed", "addr": 3, "size": 3 * gib, "frames": loss},
+        {"action": "alloc", "addr": 4, "size": 1 * gib, "frames": loss},
+    ]
+    result = peak_allocations(trace, top=5)
+    assert result["peak_gib"] == 5
+    assert result["sites"] == [("dflash/train/loss.py:90 f", 3.0), ("dflash/drafter/model.py:40 f <- cab.py:7", 2.0)]
