@@ -35,6 +35,9 @@ class StepStats:
         row_tokens (int): tokens of the rows, padding included, this process (row fill =
             ``tokens / row_tokens``): what the target forwarded.
         draft_tokens (int): draft tokens trained on (real blocks x block size), this process.
+        supervised (int): supervised draft positions, this process: the slots after an anchor with
+            a label the loss counted (in the anchor's document, loss mask on); SpecForge's
+            throughput unit.
         step_s (float): wall seconds of the step.
         drafter_s (float): drafter busy seconds, summed over this process's replicas.
         target_s (float): target busy seconds, summed over this process's target replicas.
@@ -52,6 +55,7 @@ class StepStats:
     tokens: int
     row_tokens: int
     draft_tokens: int
+    supervised: int
     step_s: float
     drafter_s: float
     target_s: float
@@ -76,7 +80,8 @@ def read_step_stats(stats: torch.Tensor, grad_norm: torch.Tensor, layout: StatsL
     """The reduced statistics vector and grad norm on the host, in ONE device-to-host transfer.
 
     Returns:
-        dict: ``loss``, ``acc``, ``grad_norm``, ``blocks``, ``pairs``, ``stop``, ``selector_loss``.
+        dict: ``loss``, ``acc``, ``grad_norm``, ``blocks``, ``pairs``, ``supervised``, ``stop``,
+        ``selector_loss``.
     """
     values = torch.cat([stats.float(), grad_norm.reshape(1).float().to(stats.device)]).tolist()
     correct, total = values[layout.correct], values[layout.total]
@@ -88,6 +93,7 @@ def read_step_stats(stats: torch.Tensor, grad_norm: torch.Tensor, layout: StatsL
         "grad_norm": values[-1],
         "blocks": values[StatsLayout.BLOCKS],
         "pairs": values[StatsLayout.PAIRS],
+        "supervised": sum(total[1:]),
         "stop": values[StatsLayout.STOP] > 0,
         "selector_loss": values[StatsLayout.SELECTOR] / weight,
     }

@@ -123,6 +123,7 @@ class LocalEngine:
             tokens=sum(b.num_tokens for b in batches),
             row_tokens=row_tokens,
             draft_tokens=int(host["blocks"]) * self.settings.block_size,
+            supervised=int(host["supervised"]),
             step_s=step_s,
             drafter_s=drafter_s,
             target_s=target_s,

@@ -38,7 +38,7 @@ class Throughput:
     steps: int = 0
     totals: dict = field(
         default_factory=lambda: dict.fromkeys(
-            ("tokens", "row_tokens", "draft_tokens", "step_s", "drafter_s", "target_s", "flops"), 0.0
+            ("tokens", "row_tokens", "draft_tokens", "supervised", "step_s", "drafter_s", "target_s", "flops"), 0.0
         )
     )
 
@@ -182,7 +182,9 @@ class MetricsLog:
         """The steady-state summary line (benchmarks parse it: keep its shape). Rates are of this
         process: real tokens and draft tokens (real blocks x block size) per wall second, and the
         target's rate over its busy time per target device (rows, padding included; a target
-        thread's busy time also holds the copy of the states to its drafter's device)."""
+        thread's busy time also holds the copy of the states to its drafter's device), and supervised
+        draft positions per wall second and per second of a drafter's busy time (per drafter device:
+        what a trainer fed preloaded target states would reach, SpecForge's measure)."""
         if not self.main or not throughput.steps:
             return
         t = throughput.totals
@@ -201,6 +203,8 @@ class MetricsLog:
             ),
             f"row fill {100 * t['tokens'] / max(t['row_tokens'], 1):.1f}%",
             f"target share {100 * t['target_s'] / len(self.layout.targets) / t['step_s']:.1f}%",
+            f"supervised draft positions {t['supervised'] / t['step_s']:.0f}/s end to end, "
+            f"{t['supervised'] / max(t['drafter_s'], 1e-9):.0f}/s per drafter busy second",
         ]
         if self.layout.device_type == "cuda":
             devices = dict.fromkeys(s.device for s in self.layout.targets + self.layout.drafters)

@@ -136,6 +136,7 @@ class _Worker(threading.Thread):
         self._current: tuple[str | None, float] = (None, 0.0)
         self.tokens = 0
         self.draft_tokens = 0
+        self.supervised = 0
         self.flops = 0.0
 
     def _enter(self, phase: str | None) -> None:
@@ -148,12 +149,13 @@ class _Worker(threading.Thread):
 
     def counters(self) -> dict[str, float]:
         """Seconds per phase including the running one (so interval deltas are exact), tokens, draft
-        tokens, flops."""
+        tokens, supervised draft positions, flops."""
         current, since = self._current
         seconds = dict(self.seconds)
         if current is not None:
             seconds[current] += time.perf_counter() - since
-        return {**seconds, "tokens": self.tokens, "draft_tokens": self.draft_tokens, "flops": self.flops}
+        counts = {"tokens": self.tokens, "draft_tokens": self.draft_tokens, "supervised": self.supervised}
+        return {**seconds, **counts, "flops": self.flops}
 
     def run(self) -> None:
         try:
@@ -282,9 +284,10 @@ class DrafterWorker(_Worker):
             kept: list[Prefetched] = []  # the step's micro-batches, while an out-of-memory error retries it
             report = self.rows.run(step, r.flat, functools.partial(self._micro_batches, step, kept))
             # Busy time is GPU time; after this sync the counts below cost no extra wait.
-            blocks, pairs = r.flat.stats[[StatsLayout.BLOCKS, StatsLayout.PAIRS]].tolist()
+            blocks, pairs, supervised = self._counts(r.flat.stats)
             self._enter(None)
             self.draft_tokens += int(blocks) * self.settings.block_size
+            self.supervised += int(supervised)
             self.flops += drafter_step_flops(
                 r.model,
                 draft_tokens=blocks * self.settings.block_size,
@@ -295,6 +298,12 @@ class DrafterWorker(_Worker):
             with self._cond:
                 self._reports.append(report)
                 self._cond.notify_all()
+
+    def _counts(self, stats: torch.Tensor) -> list[float]:
+        """This replica's step so far, before the replicas' sum: valid blocks, attention pairs and
+        supervised draft positions, in one device-to-host transfer."""
+        supervised = stats[StatsLayout(self.settings.block_size).total][1:].sum()  # slot 0: the anchor
+        return torch.stack([stats[StatsLayout.BLOCKS], stats[StatsLayout.PAIRS], supervised]).tolist()
 
     def _micro_batches(self, step: int, kept: list[Prefetched]) -> StepReport:
         """The drafter on the step's ``grad_accum`` micro-batches, those in ``kept`` first, then its
@@ -460,6 +469,7 @@ class ThreadedEngine:
             tokens=sum(rep.tokens for rep in reports),
             row_tokens=sum(rep.row_tokens for rep in reports),
             draft_tokens=sum(delta(self.drafter_workers, "draft_tokens")),
+            supervised=sum(delta(self.drafter_workers, "supervised")),
             step_s=step_s,
             drafter_s=sum(delta(self.drafter_workers, "busy_s")),
             target_s=sum(delta(self.target_workers, "busy_s")),

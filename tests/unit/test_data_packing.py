@@ -536,7 +536,8 @@ def test_benchmark_parses_the_agreed_summary_line():
         "2026-01-01 00:00:00,000 INFO dflash.train.trainer: steady state over 39 steps: 11769 tok/s end to end, "
         "98304 draft tok/s, target forward 9312 tok/s, drafter step 13446 tok/s, 467 TFLOP/s, "
         "drafter MFU 47.2% of 989 TFLOP/s, row fill 93.1%, "
-        "target share 28.4%, peak memory cuda:0 61.2 GiB, cuda:1 40.3 GiB"
+        "target share 28.4%, supervised draft positions 80120/s end to end, 95012/s per drafter busy second, "
+        "peak memory cuda:0 61.2 GiB, cuda:1 40.3 GiB"
     )
     fields = parse("earlier lines\n" + line + "\nsaved checkpoint\n")
     assert fields == {
@@ -549,6 +550,8 @@ def test_benchmark_parses_the_agreed_summary_line():
         "mfu_pct": 47.2,
         "row_fill_pct": 93.1,
         "target_share_pct": 28.4,
+        "supervised_s": 80120,
+        "drafter_supervised_s": 95012,
         "peak_memory": {"cuda:0": 61.2, "cuda:1": 40.3},
     }
     # Today's line (no MFU without --peak-tflops, no fill/share/memory) parses to what it has.

@@ -9,6 +9,7 @@ import torch
 from tiny import make_target, record_losses, train_config, write_chat_data
 
 import dflash.train.loss
+import dflash.train.step
 from dflash.drafter.files import CheckpointError
 from dflash.run.settle import settle
 from dflash.train import threaded
@@ -63,12 +64,13 @@ def test_threaded_engine_equals_the_local_engine_with_every_loss_flag(assets, tm
         for step in range(1, 4):
             a = local.engine.run(step, lr=1e-2)
             b = threaded_.engine.run(step, lr=1e-2)
-            assert (a.loss, a.acc, a.grad_norm, a.tokens, a.row_tokens) == (
+            assert (a.loss, a.acc, a.grad_norm, a.tokens, a.row_tokens, a.supervised) == (
                 b.loss,
                 b.acc,
                 b.grad_norm,
                 b.tokens,
                 b.row_tokens,
+                b.supervised,
             )
             assert torch.equal(_gradients(local), _gradients(threaded_))
         for replica in threaded_.engine.replicas:
@@ -95,6 +97,38 @@ def test_every_engine_runs_the_lm_head_in_chunks_of_loss_chunk_blocks(assets, tm
             trainer.engine.run(1, lr=1e-2)
             trainer.engine.close()
             assert sorted(sizes) == [chunk] * ((12 // chunk) * micro_batches), (name, chunk)
+
+
+def _supervised_slots(input_ids, loss_mask, document_ids, anchors, valid, block_size) -> int:
+    """Slots after a valid anchor inside the row, in the anchor's document, loss mask on: counted
+    one by one."""
+    count = 0
+    for row in range(input_ids.shape[0]):
+        for anchor in anchors[row][valid[row]].tolist():
+            for position in range(anchor + 1, min(anchor + block_size, input_ids.shape[1])):
+                same = document_ids[row, position] == document_ids[row, anchor]
+                count += bool(same and loss_mask[row, position])
+    return count
+
+
+def test_every_engine_counts_the_supervised_draft_positions(assets, tmp_path, monkeypatch):
+    counted = []
+    real = dflash.train.step._drafter_step
+
+    def counting(step_fn, drafter, heads, inputs, anchors, valid, *rest):
+        input_ids, loss_mask, _, document_ids = inputs[:4]
+        size = drafter.config.block_size
+        counted.append(_supervised_slots(input_ids, loss_mask, document_ids, anchors, valid, size))
+        return real(step_fn, drafter, heads, inputs, anchors, valid, *rest)
+
+    monkeypatch.setattr(dflash.train.step, "_drafter_step", counting)
+    for name, layout in {"local": dict(target_devices=None, drafter_devices=None), "threaded": {}}.items():
+        counted.clear()
+        trainer = Trainer(settle(_config(assets, tmp_path / name, **layout)))
+        stats = trainer.engine.run(1, lr=1e-2)
+        trainer.engine.close()
+        assert stats.supervised == sum(counted) > 0, name
+        assert stats.supervised < stats.draft_tokens, name  # slot 0, the anchor, is given
 
 
 def test_replicas_stay_identical_and_resume_is_exact(assets, tmp_path, monkeypatch):
@@ -221,8 +255,8 @@ def test_optimizer_step_divides_by_the_weight_and_clips_in_the_fused_kernel(grad
 
 def _stats(acc) -> StepStats:
     return StepStats(
-        loss=0.0, acc=acc, grad_norm=0.0, tokens=1, row_tokens=1, draft_tokens=1, step_s=1.0, drafter_s=1.0,
-        target_s=0.0, data_wait_frac=0.0, flops=0.0, stop=False,
+        loss=0.0, acc=acc, grad_norm=0.0, tokens=1, row_tokens=1, draft_tokens=1, supervised=1, step_s=1.0,
+        drafter_s=1.0, target_s=0.0, data_wait_frac=0.0, flops=0.0, stop=False,
     )  # fmt: skip
 
 
