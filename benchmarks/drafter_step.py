@@ -216,34 +216,44 @@ def child(args) -> dict:
         name = args.run.replace(":", "_").replace(",", "_").replace("=", "-")
         trace = trace.rename(out / f"{name}.json.gz")
         result["profile"] = top_work(trace, args.top)
-    if args.memory and cuda:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    if args.memory:
+        entries = 1_000_000
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=entries)
         step()
         sync()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        result["memory"] = peak_allocations(snapshot["device_traces"][device.index or 0], args.top)
+        trace = snapshot["device_traces"][torch.cuda.current_device() if device.index is None else device.index]
+        if len(trace) >= entries:
+            raise SystemExit(f"--memory: the step made {entries:,} or more allocator events, past the history kept")
+        result["memory"] = peak_allocations(trace, args.top, roots=PROJECT_ROOTS)
     return result
 
 
-def _site(frames: list[dict]) -> str:
-    """The innermost frame of the project's code (``dflash/`` or ``benchmarks/``), with the
-    innermost frame of all when it is elsewhere (an inductor kernel's buffer, autograd's engine)."""
+#: The project's code, for :func:`_site`: the ``dflash`` package and this folder.
+PROJECT_ROOTS = (Path(__file__).resolve().parents[1] / "dflash", Path(__file__).resolve().parent)
+
+
+def _site(frames: list[dict], roots: tuple[Path, ...]) -> str:
+    """The innermost frame (``frames[0]``) under one of ``roots``, named from the root's parent,
+    followed by the innermost frame of all when that is elsewhere (an inductor kernel's buffer)."""
     inner = f"{Path(frames[0]['filename']).name}:{frames[0]['line']}" if frames else "?"
     for frame in frames:
-        path = frame["filename"].replace("\\", "/")
-        for root in ("/dflash/", "/benchmarks/"):
-            if root in path:
-                own = f"{root.strip('/')}/{path.split(root, 1)[1]}:{frame['line']} {frame['name']}"
+        path = Path(frame["filename"])
+        for root in roots:
+            if path.is_relative_to(root):
+                own = f"{path.relative_to(root.parent).as_posix()}:{frame['line']} {frame['name']}"
                 return own if frame is frames[0] else f"{own} <- {inner}"
     return inner
 
 
-def peak_allocations(trace: list[dict], top: int) -> dict:
+def peak_allocations(trace: list[dict], top: int, roots: tuple[Path, ...]) -> dict:
     """From one device's allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``,
-    recorded with python stacks): the bytes allocated during the trace that were alive at its
-    highest point, by :func:`_site`, largest first, in GiB, with their total. Blocks allocated
-    before the trace began are not in it (the memory that stays between steps)."""
+    recorded with python stacks): the bytes allocated during the trace that were allocated at its
+    highest point (as ``torch.cuda.max_memory_allocated`` counts: a block is free from its
+    ``free_requested``), by :func:`_site` under ``roots``, largest first, in GiB, with their
+    total. Blocks allocated before the trace began are not in it (the memory that stays between
+    steps)."""
     live: dict[int, tuple[int, str]] = {}
     total = highest = highest_at = 0
     for index, event in enumerate(trace):
@@ -252,13 +262,13 @@ def peak_allocations(trace: list[dict], top: int) -> dict:
             total += event["size"]
             if total > highest:
                 highest, highest_at = total, index
-        elif event["action"] == "free_completed" and event["addr"] in live:
+        elif event["action"] == "free_requested" and event["addr"] in live:
             total -= live.pop(event["addr"])[0]
     live.clear()
     for event in trace[: highest_at + 1]:
         if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
-        elif event["action"] == "free_completed":
+            live[event["addr"]] = (event["size"], _site(event.get("frames", []), roots))
+        elif event["action"] == "free_requested":
             live.pop(event["addr"], None)
     sites: dict[str, int] = defaultdict(int)
     for size, site in live.values():
@@ -356,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-timeout", type=float, default=900)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.memory and (args.tiny or not args.device.startswith("cuda")):
+        p.error("--memory reads CUDA's allocator history: it needs a CUDA --device (not --tiny)")
     if args.tiny:
         args.shape, args.device, args.compile = "tiny", "cpu", False
         args.seq_len, args.batch_size, args.max_anchors, args.block_size, args.steps = 128, 2, 8, 8, 2

@@ -81,7 +81,7 @@ def read_step_stats(stats: torch.Tensor, grad_norm: torch.Tensor, layout: StatsL
 
     Returns:
         dict: ``loss``, ``acc``, ``grad_norm``, ``blocks``, ``pairs``, ``supervised``, ``stop``,
-        ``selector_loss``.
+        ``selector_loss`` (counts and sums: of every replica and process).
     """
     values = torch.cat([stats.float(), grad_norm.reshape(1).float().to(stats.device)]).tolist()
     correct, total = values[layout.correct], values[layout.total]

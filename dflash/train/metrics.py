@@ -183,8 +183,9 @@ class MetricsLog:
         process: real tokens and draft tokens (real blocks x block size) per wall second, and the
         target's rate over its busy time per target device (rows, padding included; a target
         thread's busy time also holds the copy of the states to its drafter's device), and supervised
-        draft positions per wall second and per second of a drafter's busy time (per drafter device:
-        what a trainer fed preloaded target states would reach, SpecForge's measure)."""
+        draft positions per wall second and per second of drafter busy time per drafter device (the
+        drafter alone, as a trainer fed preloaded target states runs; with one device the busy time
+        holds the optimizer step, in the threaded layout not)."""
         if not self.main or not throughput.steps:
             return
         t = throughput.totals

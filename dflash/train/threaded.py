@@ -302,7 +302,7 @@ class DrafterWorker(_Worker):
     def _counts(self, stats: torch.Tensor) -> list[float]:
         """This replica's step so far, before the replicas' sum: valid blocks, attention pairs and
         supervised draft positions, in one device-to-host transfer."""
-        supervised = stats[StatsLayout(self.settings.block_size).total][1:].sum()  # slot 0: the anchor
+        supervised = stats[StatsLayout(self.settings.block_size).total].sum()
         return torch.stack([stats[StatsLayout.BLOCKS], stats[StatsLayout.PAIRS], supervised]).tolist()
 
     def _micro_batches(self, step: int, kept: list[Prefetched]) -> StepReport:

@@ -82,18 +82,21 @@ def test_drafter_step_memory_names_what_is_alive_at_the_peak():
     from drafter_step import peak_allocations
 
     frame = lambda path, line: {"filename": path, "line": line, "name": "f"}
-    layer = [frame("/tmp/torchinductor/ab/cab.py", 7), frame("/src/dflash/drafter/model.py", 40)]
-    loss = [frame("/src/dflash/train/loss.py", 90)]
+    # A torch installed in a venv inside a checkout named dflash is not the project's code.
+    venv = frame("/src/dflash/.venv/lib/torch/nn/functional.py", 3)
+    layer = [frame("/tmp/torchinductor/ab/cab.py", 7), venv, frame("/src/dflash/dflash/drafter/model.py", 40)]
+    loss = [frame("/src/dflash/dflash/train/loss.py", 90)]
     gib = 2**30
     trace = [
         {"action": "alloc", "addr": 1, "size": 2 * gib, "frames": layer},
         {"action": "alloc", "addr": 2, "size": 1 * gib, "frames": loss},
         {"action": "free_requested", "addr": 2, "size": 1 * gib, "frames": loss},
-        {"action": "free_completed", "addr": 2, "size": 1 * gib, "frames": loss},
-        {"action": "alloc", "addr": 3, "size": 3 * gib, "frames": loss},  # the peak: 5 GiB
-        {"action": "free_completed", "addr": 3, "size": 3 * gib, "frames": loss},
-        {"action": "alloc", "addr": 4, "size": 1 * gib, "frames": loss},
+        {"action": "alloc", "addr": 3, "size": 3 * gib, "frames": loss},  # the peak: 5 GiB allocated
+        {"action": "free_completed", "addr": 2, "size": 1 * gib, "frames": loss},  # freed when requested
+        {"action": "free_requested", "addr": 3, "size": 3 * gib, "frames": loss},
+        {"action": "alloc", "addr": 4, "size": 1 * gib, "frames": [venv]},
     ]
-    result = peak_allocations(trace, top=5)
+    roots = (Path("/src/dflash/dflash"), Path("/src/dflash/benchmarks"))
+    result = peak_allocations(trace, top=5, roots=roots)
     assert result["peak_gib"] == 5
     assert result["sites"] == [("dflash/train/loss.py:90 f", 3.0), ("dflash/drafter/model.py:40 f <- cab.py:7", 2.0)]
