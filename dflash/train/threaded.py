@@ -302,7 +302,7 @@ class DrafterWorker(_Worker):
     def _counts(self, stats: torch.Tensor) -> list[float]:
         """This replica's step so far, before the replicas' sum: valid blocks, attention pairs and
         supervised draft positions, in one device-to-host transfer."""
-        supervised = stats[StatsLayout(self.settings.block_size).total].sum()
+        supervised = stats[StatsLayout(self.settings.block_size).total].sum()  # as read_step_stats counts
         return torch.stack([stats[StatsLayout.BLOCKS], stats[StatsLayout.PAIRS], supervised]).tolist()
 
     def _micro_batches(self, step: int, kept: list[Prefetched]) -> StepReport:
