@@ -248,6 +248,7 @@ class DrafterWorker(_Worker):
         self.replica, self.inbox, self.settings = replica, inbox, settings
         self.grad_accum, self.recompile_limit = grad_accum, recompile_limit
         self.rows = rows
+        self.layout = StatsLayout(settings.block_size)
         self._commands: list[int] = []
         self._reports: list[StepReport] = []
         self._cond = threading.Condition()
@@ -302,7 +303,7 @@ class DrafterWorker(_Worker):
     def _counts(self, stats: torch.Tensor) -> list[float]:
         """This replica's step so far, before the replicas' sum: valid blocks, attention pairs and
         supervised draft positions, in one device-to-host transfer."""
-        supervised = stats[StatsLayout(self.settings.block_size).total].sum()  # as read_step_stats counts
+        supervised = stats[self.layout.total].sum()  # as read_step_stats counts
         return torch.stack([stats[StatsLayout.BLOCKS], stats[StatsLayout.PAIRS], supervised]).tolist()
 
     def _micro_batches(self, step: int, kept: list[Prefetched]) -> StepReport:
