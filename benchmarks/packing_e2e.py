@@ -10,6 +10,7 @@
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --modes packed --target-dtypes auto,fp8
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --layers 16 --batch-size 4 --drafter-rows 2 --modes packed
     python benchmarks/packing_e2e.py --recipe specforge                    # SpecForge's 27B DFlash2 recipe
+    python benchmarks/packing_e2e.py --recipe specforge --modes unpacked,packed  # ... and on packed rows
     python benchmarks/packing_e2e.py --shape qwen3.6-27b --arch dflash2 --block-size 8 --modes packed \
         --selector-codebooks projected                                    # codebooks from the embeddings
 
@@ -37,6 +38,10 @@ defaults for the target's family).
 ours (:data:`SPECFORGE`: block 8, 512 anchors per conversation of up to 8,192 tokens, mean about
 4.5k, one conversation per row, DFlash2, an FP8 target) and prints its context tok/s and supervised
 draft positions/s per GPU beside SpecForge's published figures (:data:`SPECFORGE_PUBLISHED`).
+``--recipe specforge --modes unpacked,packed`` adds the same recipe on packed rows: the anchors a
+packed row gets are SpecForge's 512 per conversation times the data's mean conversations per packed
+row (:func:`packed_anchors`), shared by the row's conversations, so an epoch trains on as many
+anchors as one conversation per row does, without the padding.
 
 A run whose first step ran out of GPU memory in the drafter and was retried with fewer rows per
 drafter forward (:mod:`dflash.train.drafter_rows`) trains on; its warning line is printed after the
@@ -234,7 +239,30 @@ def token_lengths(target: Path, data: Path, seq_len: int) -> list[int]:
     return [len(e.input_ids) for e in build_examples(tokenizer, read_conversations(data), seq_len=seq_len)]
 
 
-def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool, target_dtype: str = "auto") -> list[str]:
+def conversations_per_row(lengths: list[int], seq_len: int) -> float:
+    """The mean conversations per row of :func:`dflash.data.packing.pack_rows` over ``lengths``
+    (tokens per conversation).
+
+    Raises:
+        ValueError: a length over ``seq_len`` (from ``pack_rows``).
+    """
+    from dflash.data.packing import pack_rows
+
+    return len(lengths) / len(pack_rows(lengths, range(len(lengths)), seq_len=seq_len))
+
+
+def packed_anchors(per_row: float, per_conversation: int) -> int:
+    """The anchors per packed row (``--max-anchors`` of a ``--pack`` run, the row's budget shared by
+    its conversations) that give about ``per_conversation`` anchors per conversation at ``per_row``
+    conversations a row (:func:`conversations_per_row`), rounded to a multiple of 64 (draft tokens
+    per row a multiple of flex_attention's 128-token blocks at block size 2 or more), at least 64."""
+    return max(64, 64 * round(per_conversation * per_row / 64))
+
+
+def train_flags(
+    args, target: Path, data: Path, out: Path, *, pack: bool, target_dtype: str = "auto", max_anchors: int | None = None
+) -> list[str]:
+    """``dflash train``'s flags for one run; ``max_anchors`` (default ``--max-anchors``) its anchors per row."""
     flags = {
         "target": target,
         "data": data,
@@ -242,7 +270,7 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool, target
         "responses": "data",
         "seq-len": args.seq_len,
         "batch-size": args.batch_size,
-        "max-anchors": args.max_anchors,
+        "max-anchors": max_anchors or args.max_anchors,
         "block-size": args.block_size,
         "num-draft-layers": args.draft_layers,
         "num-target-layers": 5,
@@ -280,14 +308,23 @@ def train_flags(args, target: Path, data: Path, out: Path, *, pack: bool, target
     return argv + ["--no-progress", "--no-save", "--random-target-weights", "--pack" if pack else "--no-pack"]
 
 
-def run_train(args, target: Path, data: Path, workdir: Path, *, pack: bool, target_dtype: str = "auto") -> dict:
+def run_train(
+    args,
+    target: Path,
+    data: Path,
+    workdir: Path,
+    *,
+    pack: bool,
+    target_dtype: str = "auto",
+    max_anchors: int | None = None,
+) -> dict:
     """One ``dflash train`` in a fresh interpreter; its parsed summary, seconds from the drafter's
     build to its first step (``first_step_s``: the compiles) and wall time. Its log is written as it
     runs to ``--log-dir`` (default: the work directory), so a run stopped by a time limit still
     leaves what it printed."""
     mode = run_name("packed" if pack else "unpacked", target_dtype, args.target_dtypes)
     out = workdir / mode
-    flags = train_flags(args, target, data, out, pack=pack, target_dtype=target_dtype)
+    flags = train_flags(args, target, data, out, pack=pack, target_dtype=target_dtype, max_anchors=max_anchors)
     command = [sys.executable, "-m", "dflash", "train", *flags]
     logs = args.log_dir or workdir
     run = run_logged(command, logs / f"train_{mode}.log", timeout=args.timeout)
@@ -419,10 +456,19 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         target = write_target(workdir / "target", args.shape, layers=args.layers)
         data = chat_data(args, workdir)
-        describe(args, target, data)
+        lengths = token_lengths(target, data, args.seq_len)
+        describe(args, lengths)
+        anchors = {"packed": args.max_anchors, "unpacked": args.max_anchors}
+        if args.recipe == "specforge":
+            per_row = conversations_per_row(lengths, args.seq_len)
+            anchors["packed"] = packed_anchors(per_row, args.max_anchors)
+            print(
+                f"packed rows: {per_row:.2f} conversations a row, {anchors['packed']} anchors a row "
+                f"(about {anchors['packed'] / per_row:.0f} per conversation; unpacked: {args.max_anchors})"
+            )
         results = {
             run_name(mode, dtype, args.target_dtypes): run_train(
-                args, target, data, workdir, pack=mode == "packed", target_dtype=dtype
+                args, target, data, workdir, pack=mode == "packed", target_dtype=dtype, max_anchors=anchors[mode]
             )
             for dtype in args.target_dtypes
             for mode in modes
@@ -470,11 +516,11 @@ def chat_data(args, workdir: Path) -> Path:
     return Path(args.data)
 
 
-def describe(args, target: Path, data: Path) -> None:
-    """Print the setup and the data's length distribution, as the trainer will tokenize it."""
+def describe(args, lengths: list[int]) -> None:
+    """Print the setup and the data's length distribution (:func:`token_lengths`)."""
     import torch
 
-    lengths = sorted(token_lengths(target, data, args.seq_len))
+    lengths = sorted(lengths)
     shape = SHAPES[args.shape]
     print(
         f"packing_e2e: target {args.shape} ({args.layers or shape['num_hidden_layers']} layers, "

@@ -530,6 +530,16 @@ def _benchmark_module():
     return module
 
 
+def test_specforge_recipe_gives_packed_rows_its_anchors_per_conversation():
+    module = _benchmark_module()
+    assert module.conversations_per_row([4096] * 10, 8192) == 2.0
+    assert module.conversations_per_row([3000] * 9, 8192) == 1.8  # 5 rows: three would not fit
+    assert module.conversations_per_row([8192] * 3, 8192) == 1.0
+    assert module.packed_anchors(2.0, 512) == 1024
+    assert module.packed_anchors(1.8, 512) == 896  # 921.6, to a multiple of 64
+    assert module.packed_anchors(2.3, 16) == 64  # at least 64
+
+
 def test_benchmark_parses_the_agreed_summary_line():
     parse = _benchmark_module().parse_summary
     line = (
