@@ -507,7 +507,7 @@ class GroupedDynamicConv(nn.Module):
         """``sublayer`` (a function of ``[B, Q, H]``) between the two sides; ``x`` ``[B, Q, H]`` with
         Q a whole number of draft blocks (or one block shorter than ``block_size``). Both sides
         compute in the dtype of the coefficients (bf16 under autocast, as the served bf16 drafter
-        computes). Compiled, side 0's gradients come from autograd through its taps (their
+        computes). Compiled, both sides' gradients come from autograd through their taps (their
         products in that dtype, as eager autograd would form them), not from
         :class:`_BlockConvolution`'s float32 sums: the base kernel's gradient of a bf16 layer is
         then as far from float64 as eager's (relative 1.8e-3 against 6.6e-4, H 64, Q 2,048).
@@ -515,19 +515,23 @@ class GroupedDynamicConv(nn.Module):
         Raises:
             ValueError: Q is neither whole blocks nor one shorter block.
         """
-        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, -1))
-        z, length = x.to(dynamic.dtype), self._block_length(x.shape[1])
+        length = self._block_length(x.shape[1])
         if torch.compiler.is_compiling():
-            # The sublayer's first projections would keep side 0's output for their weight gradients;
-            # compiled, the taps are recomputed in backward from the side's inputs, kept anyway (one
-            # [B, Q, H] activation less per side: 2 x 168 MB per layer at the user's shape, 2 rows x
-            # 512 anchors x 16). The taps go in as plain ops: torch 2.11's partitioner keeps the
-            # output of an autograd.Function inside a checkpoint. Eager, the projections would keep
-            # the checkpoint's output all the same.
-            side_0 = (z, dynamic[..., 0, :, :], self.base_kernel[0], length, self.group_size)
-            convolved = checkpoint(_convolve_taps, *side_0, use_reentrant=False)
-        else:
-            convolved = _BlockConvolution.apply(z, dynamic[..., 0, :, :], self.base_kernel[0], length, self.group_size)
+            # Each side in a checkpoint that computes its own coefficients (its half of
+            # kernel_projection): backward recomputes the side's taps and that [Q, H] x [H, k G]
+            # matmul, and the partitioner recomputes x from the residual stream (its RMSNorm), so the
+            # layer keeps for backward neither x's bf16 copy, nor the coefficients, nor side 0's
+            # output: 3.4 [Q, H] less per layer, 2.7 GiB at the user's shape (5 layers, 2 rows x 512
+            # anchors x 16), for about 2 TFLOP of recomputed projections a step. The taps go in as
+            # plain ops: torch 2.11's partitioner keeps the output of an autograd.Function inside a
+            # checkpoint. Eager, the sublayer's projections would keep side 0's output all the same.
+            weights = self.kernel_projection.weight.unflatten(0, (2, -1))
+            side = lambda s: (x, self.kernel_size, weights[s], self.base_kernel[s], length, self.group_size)
+            convolved = checkpoint(_projected_taps, x, *side(0), use_reentrant=False)
+            return checkpoint(_projected_taps, sublayer(convolved), *side(1), use_reentrant=False)
+        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, -1))
+        z = x.to(dynamic.dtype)
+        convolved = _BlockConvolution.apply(z, dynamic[..., 0, :, :], self.base_kernel[0], length, self.group_size)
         inner = sublayer(convolved)
         return self._convolve(inner.to(dynamic.dtype), dynamic[..., 1, :, :], self.base_kernel[1])
 
@@ -564,6 +568,15 @@ def _back(blocks: Tensor, tap: int) -> Tensor:
 def _ahead(blocks: Tensor, tap: int) -> Tensor:
     """``blocks`` read ``tap`` slots ahead within each block, zero past its end (the adjoint of :func:`_back`)."""
     return blocks if tap == 0 else F.pad(blocks[:, :, tap:], (0, 0, 0, 0, 0, tap))
+
+
+def _projected_taps(
+    z: Tensor, x: Tensor, taps: int, weight: Tensor, base: Tensor, length: int, group_size: int
+) -> Tensor:
+    """:func:`_convolve_taps` of ``z`` [B, Q, H] with the coefficients ``x @ weight.T`` (``x`` [B, Q, H],
+    ``weight`` [k G, H], one side's rows of ``kernel_projection``), ``z`` in their dtype."""
+    dynamic = F.linear(x, weight).unflatten(-1, (taps, -1))
+    return _convolve_taps(z.to(dynamic.dtype), dynamic, base, length, group_size)
 
 
 def _convolve_taps(z: Tensor, dynamic: Tensor, base: Tensor, length: int, group_size: int) -> Tensor:
