@@ -518,17 +518,18 @@ class GroupedDynamicConv(nn.Module):
         length = self._block_length(x.shape[1])
         if torch.compiler.is_compiling():
             # Each side in a checkpoint that computes its own coefficients (its half of
-            # kernel_projection): backward recomputes the side's taps and that [Q, H] x [H, k G]
-            # matmul, and the partitioner recomputes x from the residual stream (its RMSNorm), so the
-            # layer keeps for backward neither x's bf16 copy, nor the coefficients, nor side 0's
-            # output: 3.4 [Q, H] less per layer; at the user's shape (5 layers, 2 rows x 512 anchors x
-            # 16) 2.85 GiB off the step's peak for 8 ms of 522 (H100). The taps go in as
-            # plain ops: torch 2.11's partitioner keeps the output of an autograd.Function inside a
-            # checkpoint. Eager, the sublayer's projections would keep side 0's output all the same.
+            # kernel_projection) and keeps only the matmul's output: backward recomputes the side's
+            # taps and the partitioner recomputes x from the residual stream (its RMSNorm), so the
+            # layer keeps for backward neither x's bf16 copy nor side 0's output: 2.9 [Q, H] less
+            # per layer (2.3 GiB at the user's shape: 5 layers, 2 rows x 512 anchors x 16), for
+            # elementwise work only. The taps go in as plain ops: torch 2.11's partitioner keeps the
+            # output of an autograd.Function inside a checkpoint. Eager, the sublayer's projections
+            # would keep side 0's output all the same.
             weights = self.kernel_projection.weight.unflatten(0, (2, -1))
             side = lambda s: (x, self.kernel_size, weights[s], self.base_kernel[s], length, self.group_size)
-            convolved = checkpoint(_projected_taps, x, *side(0), use_reentrant=False)
-            return checkpoint(_projected_taps, sublayer(convolved), *side(1), use_reentrant=False)
+            keep = dict(use_reentrant=False, context_fn=_keep_matmuls)
+            convolved = checkpoint(_projected_taps, x, *side(0), **keep)
+            return checkpoint(_projected_taps, sublayer(convolved), *side(1), **keep)
         dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, -1))
         z = x.to(dynamic.dtype)
         convolved = _BlockConvolution.apply(z, dynamic[..., 0, :, :], self.base_kernel[0], length, self.group_size)
@@ -568,6 +569,19 @@ def _back(blocks: Tensor, tap: int) -> Tensor:
 def _ahead(blocks: Tensor, tap: int) -> Tensor:
     """``blocks`` read ``tap`` slots ahead within each block, zero past its end (the adjoint of :func:`_back`)."""
     return blocks if tap == 0 else F.pad(blocks[:, :, tap:], (0, 0, 0, 0, 0, tap))
+
+
+def _keep_matmuls():
+    """A checkpoint's context that keeps its matmuls' outputs and recomputes the rest in backward."""
+    # Imported here: this file is served on torch releases older than the compiled training path.
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _projected_taps(

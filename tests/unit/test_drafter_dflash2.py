@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tiny import loss_settings, make_target, tiny_target_config, write_chat_data
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash.drafter.files import CheckpointError, check_tensors, read_drafter_config
 from dflash.drafter.model import AnchoredDrafter, create_drafter_config
@@ -639,9 +640,9 @@ def test_the_block_convolution_keeps_only_its_inputs_for_backward():
     assert len(saved) == 3 and saved[0] is z and saved[1] is dynamic
 
 
-def _saved_for_backward_bytes(arch: str, q_len: int) -> int:
-    """Bytes one decoder layer of ``arch``, compiled by inductor as the trainer's regional compile
-    compiles it, keeps for backward, under CPU bf16 autocast."""
+def _compiled_layer(arch: str, q_len: int, *, compiled: bool = True):
+    """One decoder layer of ``arch``, compiled by inductor as the trainer's regional compile compiles
+    it (or eager), and its inputs: a bf16 ``[1, q_len, H]`` hidden state that needs a gradient."""
     from dflash.drafter.modeling_dflash import DFlashDecoderLayer
 
     config = create_drafter_config(tiny_target_config(), 1, block_size=4, mask_token_id=63, arch=arch)
@@ -655,16 +656,51 @@ def _saved_for_backward_bytes(arch: str, q_len: int) -> int:
     context = torch.randn(1, context_len, hidden_size, requires_grad=True)
     cos, sin = drafter.rotary_emb(hidden, torch.arange(context_len + q_len)[None])
     mask = torch.ones(1, 1, q_len, context_len + q_len, dtype=torch.bool)
-    layer = torch.compile(layer_forward, fullgraph=True)
+    layer = torch.compile(layer_forward, fullgraph=True) if compiled else layer_forward
+    args = (drafter.layers[0], hidden, context, (cos[:, context_len:], sin[:, context_len:]), (cos, sin), mask, None)
+    return layer, args
+
+
+def _saved_for_backward_bytes(arch: str, q_len: int) -> int:
+    """Bytes one compiled decoder layer of ``arch`` keeps for backward, under CPU bf16 autocast."""
+    layer, args = _compiled_layer(arch, q_len)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(
         lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
     ):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            layer(
-                drafter.layers[0], hidden, context, (cos[:, context_len:], sin[:, context_len:]), (cos, sin), mask, None
-            )
+            layer(*args)
     return sum(saved)
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """The FLOPs of the matmuls run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm):
+            a, b = [t for t in args if isinstance(t, torch.Tensor)][-2:]  # addmm's bias first
+            self.flops += 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmul_flops(compiled: bool) -> int:
+    layer, args = _compiled_layer("dflash2", 256, compiled=compiled)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(*args)
+    with _MatmulFlops() as count:
+        out.float().sum().backward()
+    return count.flops
+
+
+def test_a_compiled_dflash2_layer_recomputes_no_matmul_in_backward():
+    """The convolutions' checkpoints keep their coefficients' matmuls, so compiled backward runs
+    the matmuls eager autograd runs, no more (each recomputed projection: 2 Q H k G / g FLOPs, 8 ms
+    a step at the user's shape on an H100)."""
+    assert _backward_matmul_flops(compiled=True) == _backward_matmul_flops(compiled=False)
 
 
 def test_a_compiled_dflash2_layer_keeps_no_more_for_backward_than_dflash():
