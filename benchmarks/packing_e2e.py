@@ -40,8 +40,8 @@ ours (:data:`SPECFORGE`: block 8, 512 anchors per conversation of up to 8,192 to
 draft positions/s per GPU beside SpecForge's published figures (:data:`SPECFORGE_PUBLISHED`).
 ``--recipe specforge --modes unpacked,packed`` adds the same recipe on packed rows: the anchors a
 packed row gets are SpecForge's 512 per conversation times the data's mean conversations per packed
-row (:func:`packed_anchors`), shared by the row's conversations, so an epoch trains on as many
-anchors as one conversation per row does, without the padding.
+row (:func:`packed_anchors`), shared by the row's conversations, so an epoch trains on about as
+many anchors as one conversation per row does, without the padding.
 
 A run whose first step ran out of GPU memory in the drafter and was retried with fewer rows per
 drafter forward (:mod:`dflash.train.drafter_rows`) trains on; its warning line is printed after the

@@ -698,16 +698,18 @@ def _backward_matmul_flops(compiled: bool) -> int:
 
 def test_a_compiled_dflash2_layer_recomputes_no_matmul_in_backward():
     """The convolutions' checkpoints keep their coefficients' matmuls, so compiled backward runs
-    the matmuls eager autograd runs, no more (each recomputed projection: 2 Q H k G / g FLOPs, 8 ms
-    a step at the user's shape on an H100)."""
+    the matmuls eager autograd runs, no more (each recomputed projection: 2 Q H k G FLOPs, G = H /
+    g; recomputing them all, with the normed inputs, cost 8.3 ms a step at the user's shape on an
+    H100)."""
     assert _backward_matmul_flops(compiled=True) == _backward_matmul_flops(compiled=False)
 
 
 def test_a_compiled_dflash2_layer_keeps_no_more_for_backward_than_dflash():
     """Compiled, each side of DFlash2's convolutions computes its coefficients inside its
-    checkpoint, so backward recomputes them, the taps and the normed input: the layer keeps neither
-    the coefficients, nor the normed input's bf16 copy, nor side 0's output, and no more than
-    DFlash's layer (2.6 [Q, H] more when the coefficients came from outside the checkpoints)."""
+    checkpoint, so backward recomputes the taps and the normed input: the layer keeps the
+    coefficients (its matmuls' outputs, 0.5 [Q, H]) but neither the normed input's bf16 copy nor
+    side 0's output, 0.3 [Q, H] less than DFlash's layer (2.6 more when the coefficients came from
+    outside the checkpoints)."""
     q_len = 256
     extra = _saved_for_backward_bytes("dflash2", q_len) - _saved_for_backward_bytes("dflash", q_len)
     activation = q_len * tiny_target_config().hidden_size * 2  # one [Q, H] in bf16
@@ -718,20 +720,32 @@ def test_compiled_both_sides_run_as_plain_taps_not_the_autograd_function(monkeyp
     """torch 2.11's partitioner keeps the output of an autograd.Function inside a checkpoint (one
     [Q, H] more per layer), so compiled, both sides must reach their checkpoints as plain taps;
     CI's torch recomputes either form, so the bound above cannot see it. The code path under
-    compilation, run eagerly."""
+    compilation, run eagerly on random weights in float64: eager's output, and its gradients as far
+    as the autograd.Function's float32 sums give them."""
     from dflash.drafter import modeling_dflash
 
     drafter = AnchoredDrafter._from_config(
         create_drafter_config(tiny_target_config(), 1, block_size=4, mask_token_id=63, arch="dflash2"),
         attn_implementation="sdpa",
-    )
+    ).double()
     conv = drafter.layers[0].mlp_conv
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
     calls = []
     apply = modeling_dflash._BlockConvolution.apply
     monkeypatch.setattr(modeling_dflash._BlockConvolution, "apply", lambda *a: calls.append(1) or apply(*a))
-    x = torch.randn(1, 8, drafter.config.hidden_size)
-    eager = conv(x, torch.tanh)
+    x = torch.randn(1, 8, drafter.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    params = (x, conv.base_kernel, conv.kernel_projection.weight)
+
+    def output_and_gradients():
+        y = conv(x, torch.tanh)
+        return y, torch.autograd.grad((y * y.detach().cos()).sum(), params)
+
+    eager = output_and_gradients()
     assert len(calls) == 2  # both sides
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    torch.testing.assert_close(conv(x, torch.tanh), eager)
+    output, gradients = output_and_gradients()
+    torch.testing.assert_close(output, eager[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gradients, eager[1], rtol=1e-5, atol=1e-5)
     assert len(calls) == 2  # neither side
