@@ -68,10 +68,16 @@ def device(request):
 
 @pytest.fixture
 def stress_run(request):
-    """Run a @given property once (default profile) or again and again for --stress-seconds (soak)."""
+    """Run a @given property under the profile's settings, once (default profile) or again and again
+    for --stress-seconds (soak)."""
+    profile = request.config.getoption("--stress-profile")
+    # Applied to the property itself, not left to hypothesis's active profile: whole-suite runs at
+    # -n 2 drew the soak's 50 schedules instead of 8 in some scenarios of one worker.
+    profile_settings = settings.get_profile(f"stress-{profile}")
 
     def run(prop) -> None:
-        if request.config.getoption("--stress-profile") != "soak":
+        prop = profile_settings(prop)
+        if profile != "soak":
             prop()
             return
         deadline = time.monotonic() + request.config.getoption("--stress-seconds")
