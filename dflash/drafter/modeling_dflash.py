@@ -517,16 +517,15 @@ class GroupedDynamicConv(nn.Module):
         """
         length = self._block_length(x.shape[1])
         if torch.compiler.is_compiling() and torch.is_grad_enabled():
-            # Each side in a checkpoint that computes its own coefficients (its half of
-            # kernel_projection) and keeps only that matmul's output: backward recomputes the
-            # side's taps, and the partitioner recomputes x from the residual stream (its RMSNorm),
-            # so the layer keeps for backward neither x's bf16 copy nor side 0's output, which it
-            # would keep for the projection's weight gradient and the taps were the coefficients
-            # computed outside the checkpoints: 2.9 [Q, H] a layer (2.3 GiB at the user's shape:
-            # 5 layers, 2 rows x 512 anchors x 16), for elementwise work only. The taps go in as
-            # plain ops: torch 2.11's partitioner keeps the output of an autograd.Function inside a
-            # checkpoint. Eager, the sublayer's projections would keep side 0's output all the same;
-            # without gradients there is nothing to keep.
+            # Each side runs in a checkpoint that computes its own coefficients (its half of
+            # kernel_projection) and keeps only that matmul's output. Backward recomputes the taps,
+            # and the partitioner recomputes x from the residual stream (its RMSNorm); with the
+            # coefficients computed outside, the layer would keep x's bf16 copy (for the
+            # projection's weight gradient) and side 0's output: 2.9 [Q, H] a layer, 2.3 GiB at the
+            # user's shape (5 layers, 2 rows x 512 anchors x 16), for elementwise work only. The taps
+            # go in as plain ops: torch 2.11's partitioner keeps the output of an autograd.Function
+            # inside a checkpoint. Eager, the sublayer's projections keep side 0's output all the
+            # same; without gradients there is nothing to keep.
             weights = self.kernel_projection.weight.unflatten(0, (2, -1))
             side = lambda s: (x, self.kernel_size, weights[s], self.base_kernel[s], length, self.group_size)
             keep = dict(use_reentrant=False, context_fn=_keep_matmuls)
