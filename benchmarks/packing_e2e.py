@@ -260,9 +260,9 @@ def packed_anchors(per_row: float, per_conversation: int) -> int:
 
 
 def train_flags(
-    args, target: Path, data: Path, out: Path, *, pack: bool, target_dtype: str = "auto", max_anchors: int | None = None
+    args, target: Path, data: Path, out: Path, *, pack: bool, max_anchors: int, target_dtype: str = "auto"
 ) -> list[str]:
-    """``dflash train``'s flags for one run; ``max_anchors`` (default ``--max-anchors``) its anchors per row."""
+    """``dflash train``'s flags for one run; ``max_anchors`` its anchors per row."""
     flags = {
         "target": target,
         "data": data,
@@ -270,7 +270,7 @@ def train_flags(
         "responses": "data",
         "seq-len": args.seq_len,
         "batch-size": args.batch_size,
-        "max-anchors": max_anchors or args.max_anchors,
+        "max-anchors": max_anchors,
         "block-size": args.block_size,
         "num-draft-layers": args.draft_layers,
         "num-target-layers": 5,
@@ -315,8 +315,8 @@ def run_train(
     workdir: Path,
     *,
     pack: bool,
+    max_anchors: int,
     target_dtype: str = "auto",
-    max_anchors: int | None = None,
 ) -> dict:
     """One ``dflash train`` in a fresh interpreter; its parsed summary, seconds from the drafter's
     build to its first step (``first_step_s``: the compiles) and wall time. Its log is written as it
