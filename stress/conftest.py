@@ -71,8 +71,8 @@ def stress_run(request):
     """Run a @given property under the profile's settings, once (default profile) or again and again
     for --stress-seconds (soak)."""
     profile = request.config.getoption("--stress-profile")
-    # Applied to the property itself, not left to hypothesis's active profile: whole-suite runs at
-    # -n 2 drew the soak's 50 schedules instead of 8 in some scenarios of one worker.
+    # Applied to the property itself: hypothesis's active profile is process-wide, and whatever else
+    # ran in this xdist worker may have changed it (its examples per property would change with it).
     profile_settings = settings.get_profile(f"stress-{profile}")
 
     def run(prop) -> None:
