@@ -12,10 +12,12 @@ The wheel is found with ``pip download torch==<installed version> --no-deps --no
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,9 +48,10 @@ CHECKED_CLASSES = ("B", "C")
 
 
 @pytest.fixture(scope="module")
-def torch_wheel(tmp_path_factory) -> Path:
+def torch_wheel(tmp_path_factory) -> Iterator[Path]:
     if os.environ.get("DFLASH_TORCH_WHEEL"):
-        return Path(os.environ["DFLASH_TORCH_WHEEL"])
+        yield Path(os.environ["DFLASH_TORCH_WHEEL"])
+        return
     dest = tmp_path_factory.mktemp("torch-wheel")
     proc = subprocess.run(
         [
@@ -72,7 +75,9 @@ def torch_wheel(tmp_path_factory) -> Path:
             f"no local torch {TORCH_VERSION} wheel (pip's find-links); set DFLASH_TORCH_WHEEL=PATH: "
             f"{proc.stderr[-300:]}"
         )
-    return found[0]
+    yield found[0]
+    # Hundreds of MB: gone once the module is done, not at the session's end (CI's disk is shared).
+    shutil.rmtree(dest, ignore_errors=True)
 
 
 def _series_paths() -> set[str]:
@@ -183,7 +188,8 @@ def installed_venv(torch_wheel, tmp_path_factory):
         timeout=600,
     )
     print(f"\nbuild-wheel {built - start:.0f} s, venv install {time.monotonic() - built:.0f} s")
-    return python, wheel
+    yield python, wheel
+    shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.mark.slow
