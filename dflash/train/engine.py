@@ -93,7 +93,7 @@ def read_step_stats(stats: torch.Tensor, grad_norm: torch.Tensor, layout: StatsL
         "grad_norm": values[-1],
         "blocks": values[StatsLayout.BLOCKS],
         "pairs": values[StatsLayout.PAIRS],
-        "supervised": sum(total),  # slot 0, the given anchor, is never a label
+        "supervised": layout.supervised(values),
         "stop": values[StatsLayout.STOP] > 0,
         "selector_loss": values[StatsLayout.SELECTOR] / weight,
     }

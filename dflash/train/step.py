@@ -50,6 +50,11 @@ class StatsLayout:
         self.correct = slice(6, 6 + block_size)
         self.total = slice(6 + block_size, 6 + 2 * block_size)
 
+    def supervised(self, values: list[float]) -> float:
+        """Supervised draft positions in ``values`` (the vector on the host, ``Tensor.tolist()``): the
+        labelled slots of every block, slot 0 (the given anchor, never a label) among them at 0."""
+        return sum(values[self.total])
+
 
 @dataclass
 class TargetBatch:

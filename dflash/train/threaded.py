@@ -303,8 +303,8 @@ class DrafterWorker(_Worker):
     def _counts(self, stats: torch.Tensor) -> list[float]:
         """This replica's step so far, before the replicas' sum: valid blocks, attention pairs and
         supervised draft positions, in one device-to-host transfer."""
-        supervised = stats[self.layout.total].sum()  # as read_step_stats counts
-        return torch.stack([stats[StatsLayout.BLOCKS], stats[StatsLayout.PAIRS], supervised]).tolist()
+        values = stats.tolist()
+        return [values[StatsLayout.BLOCKS], values[StatsLayout.PAIRS], self.layout.supervised(values)]
 
     def _micro_batches(self, step: int, kept: list[Prefetched]) -> StepReport:
         """The drafter on the step's ``grad_accum`` micro-batches, those in ``kept`` first, then its
