@@ -50,3 +50,16 @@ def collect() -> dict:
         "patches": [o.as_dict() for o in plan.outcomes.values()],
         "cache": cache.describe(),
     }
+
+
+def thread_safety_gap() -> str | None:
+    """Why compiling from several threads of this interpreter at once is unsafe, or None when it is safe.
+
+    Safe when every concern of the series is covered in this torch: patched at import (the startup
+    hook active), fixed upstream, built into a rebuilt wheel, or absent from this release. Otherwise
+    the first uncovered concern with its state and reason (the hook off, torch imported before it,
+    an unverified release: what ``dflash patches status`` reports). Imports the torch modules the
+    series patches.
+    """
+    gap = next((o for o in _settled_plan().outcomes.values() if o.state in (FAILED, DISABLED, PENDING)), None)
+    return None if gap is None else f"{gap.name} {gap.state}: {gap.reason}"

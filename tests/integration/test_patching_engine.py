@@ -256,6 +256,17 @@ def test_status_json_shape():
     assert proc.returncode == 0
 
 
+def test_thread_safety_gap_is_none_only_with_every_concern_covered():
+    """What --compile-ahead asks before two threads compile at once (dflash.train.compile_ahead)."""
+    code = "from dflash.patching.status import thread_safety_gap; print(repr(thread_safety_gap()))"
+    assert _python(code).stdout.splitlines()[-1] == "None"
+    assert "disabled: DFLASH_PATCHES=0 is set" in _python(code, env={"DFLASH_PATCHES": "0"}).stdout
+    site = sysconfig.get_paths()["purelib"]
+    first = f"import sys; sys.path.append({site!r}); import torch; " + code
+    late = _python(first, flags=("-S",), env={"PYTHONPATH": str(Path(__file__).parents[2])}).stdout
+    assert " failed: the startup hook is not active" in late, late
+
+
 def _symlinked_torch(tmp_path: Path) -> Path:
     import torch
 
