@@ -42,7 +42,7 @@ from dflash.drafter.codebooks import project_codebooks, published_state_dict
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.drafter.mask_token import resolve_mask_token_id
 from dflash.drafter.model import AnchoredDrafter, architecture_name, drafter_config, load_drafter_dir
-from dflash.patching.importhook import active_finder
+from dflash.patching.status import thread_safety_gap
 from dflash.progress_logging import log_above_progress_bars
 from dflash.run import checkpoint, compile_cache
 from dflash.run.layout import SAVED_CONFIG_NAME, check_free_space, checkpoint_bytes
@@ -547,11 +547,17 @@ class Trainer:
 
 
 def _warn_if_unpatched(compiled: bool, drafter_threads: int) -> None:
-    """Compiling from several threads of one process is what plain torch gets wrong (bug classes A-H)."""
-    if compiled and drafter_threads > 1 and active_finder() is None:
+    """Compiling from several threads of one process is what plain torch gets wrong (bug classes A-H):
+    warned about when a concern of the series is not covered in this interpreter (the hook off, torch
+    imported before it, a patch that failed, an unverified release), not when a rebuilt wheel or an
+    upstream fix covers it."""
+    if not (compiled and drafter_threads > 1):
+        return
+    gap = thread_safety_gap()
+    if gap is not None:
         logger.warning(
-            "the torch thread-safety patches are not active (DFLASH_PATCHES=0, or torch was imported before the "
-            "hook): %d drafter threads compiling in this process can crash or fall back to eager; "
-            "`dflash patches status` says why",
+            "the torch thread-safety patches do not cover this interpreter (%s): %d drafter threads compiling in "
+            "this process can crash or fall back to eager; `dflash patches status` says why",
+            gap,
             drafter_threads,
         )

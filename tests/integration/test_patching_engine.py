@@ -257,7 +257,7 @@ def test_status_json_shape():
 
 
 def test_thread_safety_gap_is_none_only_with_every_concern_covered():
-    """What --compile-ahead asks before two threads compile at once (dflash.train.compile_ahead)."""
+    """What a threaded compiled run asks before its drafter threads compile (the trainer warns on a gap)."""
     code = "from dflash.patching.status import thread_safety_gap; print(repr(thread_safety_gap()))"
     assert _python(code).stdout.splitlines()[-1] == "None"
     assert "disabled: DFLASH_PATCHES=0 is set" in _python(code, env={"DFLASH_PATCHES": "0"}).stdout
