@@ -102,9 +102,16 @@ def run_side(mode: str, data: Path, out: Path, seq_len: int) -> dict:
 
 
 def main() -> None:
+    from dflash.config import TrainConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chats", type=int, default=60_000, help="conversations in the data file (default 60000)")
-    parser.add_argument("--seq-len", type=int, default=128, help="--seq-len of the run (default: dflash train's 128)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=TrainConfig.seq_len,
+        help=f"--seq-len of the run (default: dflash train's {TrainConfig.seq_len})",
+    )
     parser.add_argument("--measure", choices=("before", "first", "resume"), help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
