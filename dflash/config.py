@@ -116,30 +116,28 @@ class TrainConfig:
     around each layer's attention and MLP and a top-K candidate selector, as z-lab's DFlash2 drafters; z-lab/dflash
     model.py at 07ebd93); empty = dflash, or the --init-from drafter's."""
     block_size: int | None = None
-    """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel; empty = 8, 16 (the published
-    drafters') for Qwen3.5/3.6 targets."""
+    """Draft block size Bs: the anchor plus Bs-1 masked slots predicted in parallel."""
     num_draft_layers: int | None = None
-    """Decoder layers of the drafter; empty = 1, 5 for Qwen3.5/3.6 targets, 8 for their MoE ones (as published)."""
+    """Decoder layers of the drafter."""
     draft_layer_types: str | None = None
-    """Attention of each drafter layer, comma-separated `full`/`sliding` (e.g. sliding,sliding,sliding,sliding,full);
-    empty = all full, all sliding but the last for dense Qwen3.5/3.6 targets."""
+    """Attention of each drafter layer, comma-separated `full`/`sliding` (e.g. sliding,sliding,sliding,sliding,full)."""
     draft_sliding_window: int | None = None
     """Window of the sliding layers in tokens (>= block size; a draft slot sees the window ending at itself, as
-    flash-attention serves it); empty = 2048 where a layer is sliding."""
+    flash-attention serves it)."""
     draft_heads: int | None = None
-    """Attention heads of the drafter; empty = the target's, 32 for Qwen3.5/3.6 targets."""
+    """Attention heads of the drafter."""
     draft_kv_heads: int | None = None
-    """KV heads of the drafter; empty = the target's, 8 for Qwen3.5/3.6 targets, 4 for their MoE ones."""
+    """KV heads of the drafter."""
     draft_head_dim: int | None = None
-    """Head dim of the drafter; empty = the target's, 128 for Qwen3.5/3.6 targets."""
+    """Head dim of the drafter."""
     draft_intermediate_size: int | None = None
-    """MLP width of the drafter; empty = the target's, 6144 for Qwen3.5/3.6 MoE targets (as published)."""
+    """MLP width of the drafter."""
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs feed the drafter (id k = output of layer k); empty = the DFlash default
-    spread."""
+    spread (with --arch dflash2, for a dense Qwen3.5/3.6 target of the published depth, the published taps)."""
     num_target_layers: int | None = None
-    """How many target layers to tap when --target-layer-ids is not given; empty = 3, 5 for Qwen3.5/3.6 targets
-    (published drafters: 5)."""
+    """How many target layers to tap when --target-layer-ids is not given (the rule's count lowered, with a log line,
+    to the target's layers - 3, the most the default spread fits)."""
     mask_token_id: int | None = None
     """Token id of the draft mask slot (an existing row of the target embedding, never resized); empty = the resumed
     drafter's, else the tokenizer's mask token, else the first unused embedding row, else pad/eos/unk (logged)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from dflash.commands import COMMON
 from dflash.config import TrainConfig, field_docs
 from dflash.drafter.files import CheckpointError
+from dflash.run.drafter_shape import rule_help
 from dflash.run.layout import checkpoints_dir, read_saved_config
 from dflash.run.lock import run_lock
 from dflash.run.log_file import RunLog
@@ -77,13 +78,15 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
             convert = lambda text, base=base: None if text == "" else base(text)
             convert.__name__ = base.__name__  # argparse names it in "invalid int value: 'abc'"
     default = f.default if f.default is not dataclasses.MISSING else None
+    rule = rule_help(f.name)
+    shown = default if default is not None else f"empty: {rule}" if rule else "empty"
     parser.add_argument(
         flag,
         type=convert,
         choices=choices,
         metavar=metavar,
         default=argparse.SUPPRESS,
-        help=f"{help_text} (default: {'empty' if default is None else default})",
+        help=f"{help_text} (default: {shown})",
     )
 
 

@@ -130,17 +130,65 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         family = qwen3_5_family(target)
         if config.arch is None:
             config = dataclasses.replace(config, arch="dflash")
-        dense = PUBLISHED_QWEN3_5_DFLASH2 if config.arch == "dflash2" else PUBLISHED_QWEN3_5
-        rule = {"dense": dense, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
-        values = {k: v for k, v in rule.items() if getattr(config, k) is None}
-        sliding = "all" if family == "dense" and config.arch == "dflash2" else family == "dense"
-        values |= _layer_types(config, values, sliding_rule=sliding)
+        values = _rule_values(config, family)
         values |= _default_taps_that_fit(config, values, target)
         values |= _published_dflash2_taps(config, values, target, family)
         _warn_if_far_wider(values, target)
     config = dataclasses.replace(config, **values)
     _refuse_selector_flags_without_a_selector(config)
     return config
+
+
+def _rule_values(config: TrainConfig, family: str | None) -> dict:
+    """The shape fields the rule fills for a target of ``family`` (:func:`qwen3_5_family`), where
+    ``config`` (its ``arch`` set) leaves them empty; before the taps are fitted to the target's depth."""
+    dense = PUBLISHED_QWEN3_5_DFLASH2 if config.arch == "dflash2" else PUBLISHED_QWEN3_5
+    rule = {"dense": dense, "moe": PUBLISHED_QWEN3_5_MOE, None: STANDARD}[family]
+    values = {k: v for k, v in rule.items() if getattr(config, k) is None}
+    sliding = "all" if family == "dense" and config.arch == "dflash2" else family == "dense"
+    return values | _layer_types(config, values, sliding_rule=sliding)
+
+
+#: The kinds of target the rule tells apart, as --help names them: (name, family, arch).
+_RULE_KINDS = (
+    ("other targets", None, "dflash"),
+    ("Qwen3.5/3.6", "dense", "dflash"),
+    ("Qwen3.5/3.6 with --arch dflash2", "dense", "dflash2"),
+    ("Qwen3.5/3.6 MoE", "moe", "dflash"),
+)
+#: What an empty field left by the rule means (else: the target's own, copied by the drafter config).
+_LEFT_EMPTY = {"draft_layer_types": "all full", "draft_sliding_window": "none (no sliding layer)"}
+
+
+def rule_help(field: str) -> str | None:
+    """What the rule gives an empty ``field`` for each kind of target, for ``dflash train --help``
+    (computed by the rule itself, so the help cannot drift from it); None for a field it does not fill
+    by kind of target."""
+    if field not in SHAPE_FIELDS or field in ("arch", "target_layer_ids", "mask_token_id"):
+        return None
+    entries = []
+    for name, family, arch in _RULE_KINDS:
+        value = _rule_values(TrainConfig(arch=arch), family).get(field)
+        if value is None:
+            text = _LEFT_EMPTY.get(field, "the target's")
+        elif field == "draft_layer_types":
+            text = _runs_of(value.split(","))
+        else:
+            text = str(value)
+        entries.append(f"{name} {text}")
+    return "the --init-from drafter's, else " + "; ".join(entries)
+
+
+def _runs_of(types: list[str]) -> str:
+    """``sliding x4, full`` for four sliding layers and then a full one."""
+    runs: list[list] = []
+    for kind in types:
+        short = kind.removesuffix("_attention")
+        if runs and runs[-1][0] == short:
+            runs[-1][1] += 1
+        else:
+            runs.append([short, 1])
+    return ", ".join(kind if count == 1 else f"{kind} x{count}" for kind, count in runs)
 
 
 #: The drafter's attention width (heads x head dim) past which a warning says it is far wider than

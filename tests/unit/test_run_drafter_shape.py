@@ -392,3 +392,39 @@ def test_the_start_line_names_the_drafters_heads_and_width(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dflash.train"):
         Trainer(settle(config))
     assert re.search(r"drafter: DFlash, 1 layer\(s\) of \d+ heads x \d+ \(\d+ KV heads\), hidden 32, ", caplog.text)
+
+
+def test_train_help_names_what_the_rule_resolves_for_each_kind_of_target(tmp_path):
+    """``dflash train --help`` says, per kind of target, what an empty shape flag becomes: the values
+    :func:`resolve_drafter_shape` gives a real target of each kind (the help is computed, not copied)."""
+    from dflash.assets import default_target_dir
+    from dflash.run.drafter_shape import SHAPE_FIELDS, rule_help
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for directory, config in ((dense, _qwen3_6_27b_config()), (moe, _qwen3_5_35b_a3b_config())):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    kinds = {
+        "other targets": TrainConfig(target=str(default_target_dir())),
+        "Qwen3.5/3.6": TrainConfig(target=str(dense)),
+        "Qwen3.5/3.6 with --arch dflash2": TrainConfig(target=str(dense), arch="dflash2"),
+        "Qwen3.5/3.6 MoE": TrainConfig(target=str(moe)),
+    }
+    checked = 0
+    for field in SHAPE_FIELDS:
+        text = rule_help(field)
+        if text is None:
+            continue
+        for kind, config in kinds.items():
+            value = getattr(resolve_drafter_shape(config), field)
+            if field == "draft_layer_types" and value is not None:
+                value = value.replace("_attention", "").split(",")
+                value = value[0] if len(set(value)) == 1 else None  # the runs are named: only all-alike is checked here
+            if value is not None:
+                assert f"{kind} {value}" in text or f"{kind} {value} x" in text, (field, kind, value, text)
+                checked += 1
+    assert checked >= 20
+    from dflash.cli import build_parser
+
+    train = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
+    assert "Qwen3.5/3.6 with --arch dflash2 8" in " ".join(train.format_help().split())  # --block-size's
