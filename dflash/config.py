@@ -55,7 +55,7 @@ SaveDtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 def paper_gamma(block_size: int) -> float:
-    """The decay gamma the DFlash paper uses for ``block_size`` (Sec. 3.3: 7 for 16, 5 for 10, 4 for 8).
+    """The decay gamma the DFlash paper uses for ``block_size`` (Sec. 3.3; :data:`PAPER_GAMMA`).
 
     Raises:
         ValueError: a block size the paper gives no gamma for (pass ``--gamma`` then).
@@ -176,8 +176,7 @@ class TrainConfig:
 
     # ---- loss -----------------------------------------------------------------------------
     gamma: float | None = None
-    """Decay of the position weights w_k = exp(-(k-1)/gamma); empty = the paper's value (7 for Bs=16, 5 for 10, 4
-    for 8)."""
+    """Decay of the position weights w_k = exp(-(k-1)/gamma) (arXiv 2602.06036 Sec. 3.3)."""
     soft_label_weight: float = 0.0
     """Weight of the KL to the target's distribution (0 = hard labels only, 1 = soft only)."""
     loss_chunk_blocks: int = 16

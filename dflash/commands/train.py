@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 
 from dflash.commands import COMMON
-from dflash.config import TrainConfig, field_docs
+from dflash.config import PAPER_GAMMA, TrainConfig, field_docs
 from dflash.drafter.files import CheckpointError
 from dflash.run.drafter_shape import rule_help
 from dflash.run.layout import checkpoints_dir, read_saved_config
@@ -78,8 +78,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
             convert = lambda text, base=base: None if text == "" else base(text)
             convert.__name__ = base.__name__  # argparse names it in "invalid int value: 'abc'"
     default = f.default if f.default is not dataclasses.MISSING else None
-    rule = rule_help(f.name)
-    shown = default if default is not None else f"empty: {rule}" if rule else "empty"
+    shown = default if default is not None else _empty_means(f.name)
     parser.add_argument(
         flag,
         type=convert,
@@ -88,6 +87,16 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hints: dic
         default=argparse.SUPPRESS,
         help=f"{help_text} (default: {shown})",
     )
+
+
+def _empty_means(name: str) -> str:
+    """What an empty field becomes, for --help, from the values the run itself reads."""
+    if name == "gamma":
+        return "empty: the DFlash paper's for the block size, " + ", ".join(
+            f"{gamma:g} for {block}" for block, gamma in PAPER_GAMMA.items()
+        )
+    rule = rule_help(name)
+    return f"empty: {rule}" if rule else "empty"
 
 
 def _saved_config(out: str) -> dict:
