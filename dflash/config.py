@@ -219,14 +219,14 @@ class TrainConfig:
     after the last step only. Training waits while it runs (its seconds are logged)."""
     eval_prompts: int = 20
     """Held-out prompts decoded for that acceptance: a random sample of the usable ones (as dflash eval
-    --num-prompts --seed 0 draws it)."""
+    --num-prompts draws it at its default --seed)."""
     eval_max_new_tokens: int = 64
     """Tokens generated per held-out prompt."""
     # GREEDY's temperature, written again: this module may not import dflash.evaluation (a test keeps them equal).
     eval_temperature: float = 0.0
     """Temperature of that acceptance: 0 decodes greedily (each output checked against the target's); above 0 both
-    methods sample at it and drafts are verified by speculative sampling, as dflash eval --temperature measures (seed
-    0, every token: no top-p or top-k)."""
+    methods sample at it and drafts are verified by speculative sampling, as dflash eval --temperature measures (its
+    default --seed, every token: no top-p or top-k)."""
 
     # ---- schedule -------------------------------------------------------------------------
     steps: int | None = 300

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.commands import COMMON, positive
+from dflash.config import TrainConfig
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations, require_data_file
 from dflash.devices import check_cpu_threads, compute_dtype, resolve_device, set_cpu_threads
 from dflash.drafter.files import DRAFTER_FILES, CheckpointError, check_drafter_fits_target
-from dflash.evaluation.sampling_settings import GREEDY, Sampling
+from dflash.evaluation.sampling_settings import GREEDY, SEED, Sampling
 from dflash.files import check_weight_files
 from dflash.run import acceptance_log
 from dflash.run.layout import SAVED_CONFIG_NAME, read_saved_config, run_of, saved_steps
@@ -69,8 +70,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="seed of the --num-prompts sample and, with --temperature, of the sampling (default: 0)",
+        default=SEED,
+        help="seed of the --num-prompts sample and, with --temperature, of the sampling (default: %(default)s, as "
+        "dflash train's held-out acceptance draws)",
     )
     parser.add_argument(
         "--temperature",
@@ -103,9 +105,12 @@ def register(subparsers) -> None:
         "of a model's shape: the acceptance then fits no real model) (default: off)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=positive(int), default=64, help="tokens to generate per prompt (default: 64)"
+        "--max-new-tokens",
+        type=positive(int),
+        default=TrainConfig.eval_max_new_tokens,
+        help="tokens to generate per prompt (default: %(default)s, dflash train's --eval-max-new-tokens)",
     )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    parser.add_argument("--device", default=TrainConfig.device, help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     parser.add_argument(
         "--cpu-threads",
         type=positive(int),

@@ -11,6 +11,7 @@ import torch
 
 from dflash.data.chats import DatasetError, prompt_messages, read_conversations
 from dflash.data.tokenize import TemplateRejected, cut_to_budget, encode, render_chat
+from dflash.evaluation.sampling_settings import SEED
 
 
 @dataclass
@@ -63,7 +64,7 @@ class HeldOutPrompts:
 
 
 def load_prompts(
-    tokenizer, path: str | Path, *, num_prompts: int | None, context: int, max_new_tokens: int, seed: int = 0
+    tokenizer, path: str | Path, *, num_prompts: int | None, context: int, max_new_tokens: int, seed: int = SEED
 ) -> HeldOutPrompts:
     """The usable prompts of held-out conversations, all of them or a random sample of
     ``num_prompts`` (drawn with ``seed``, kept in file order): the messages before the first

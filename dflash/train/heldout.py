@@ -23,7 +23,7 @@ from dflash.drafter.model import AnchoredDrafter
 from dflash.evaluation.decoding import stop_token_ids
 from dflash.evaluation.measure import evaluate
 from dflash.evaluation.prompts import load_prompts
-from dflash.evaluation.sampling_settings import GREEDY
+from dflash.evaluation.sampling_settings import GREEDY, SEED
 from dflash.run import acceptance_log
 from dflash.run.layout import step_dir_name
 from dflash.target_model.files import context_length
@@ -55,6 +55,7 @@ class HeldOutAcceptance:
             num_prompts=config.eval_prompts,
             context=context_length(target_dir),
             max_new_tokens=config.eval_max_new_tokens,
+            seed=SEED,
         )
         #: tau per prompt (z-lab's convention) by when it was measured ("before step 1", ...).
         self.measured: dict[str, float] = {}
@@ -79,7 +80,7 @@ class HeldOutAcceptance:
             max_new_tokens=self.prompts.max_new_tokens,
             eos_ids=stop_token_ids(self.tokenizer, target.config),
             sampling=dataclasses.replace(GREEDY, temperature=self.config.eval_temperature),
-            seed=0,
+            seed=SEED,
             progress=False,
             sample=False,
         )
