@@ -36,8 +36,8 @@ def create_drafter_config(
     target_config: PretrainedConfig,
     num_draft_layers: int,
     *,
-    block_size: int = 16,
-    num_captured_layers: int = 5,
+    block_size: int = modeling_dflash.DEFAULT_BLOCK_SIZE,
+    num_captured_layers: int = modeling_dflash.DEFAULT_TAPS,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int,
     num_attention_heads: int | None = None,
@@ -61,7 +61,8 @@ def create_drafter_config(
     Args:
         target_config (PretrainedConfig): the target's (text) config.
         num_draft_layers (int): drafter decoder layers (``num_hidden_layers`` of the result).
-        block_size (int): Bs (16 in published drafters).
+        block_size (int): Bs (a config's default, :data:`~dflash.drafter.modeling_dflash.DEFAULT_BLOCK_SIZE`:
+            the published drafters'; ``dflash train``'s rule picks its own, :mod:`dflash.run.drafter_shape`).
         num_captured_layers (int): layers to tap when ``target_layer_ids`` is None; clipped (with
             a warning) to what a small target allows, see :func:`max_captured_layers`.
         target_layer_ids (list[int], optional): explicit tapped layers, overriding the formula.

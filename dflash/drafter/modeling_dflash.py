@@ -88,6 +88,9 @@ SUPPORTED_ATTENTION = ("flex_attention", "sdpa")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
+#: Block size and tapped layers of a config that does not say (z-lab/dflash's defaults, the published drafters').
+DEFAULT_BLOCK_SIZE, DEFAULT_TAPS = 16, 5
+
 #: Mask token of Qwen3 tokenizers (the first embedding row past the tokenizer); the config default.
 QWEN3_MASK_TOKEN_ID = 151669
 
@@ -218,7 +221,7 @@ class DFlashDraftConfig(Qwen3Config):
             # "DFlashDraftModel" over a DFlash2 config must not turn it into DFlash for vLLM and z-lab.
             kwargs["architectures"] = [DFLASH2 if dflash2 else DFLASH]
         if dflash_config is None:
-            captured = min(5, max_captured_layers(num_target_layers))
+            captured = min(DEFAULT_TAPS, max_captured_layers(num_target_layers))
             dflash_config = {
                 "mask_token_id": QWEN3_MASK_TOKEN_ID,
                 "target_layer_ids": default_target_layer_ids(num_target_layers, captured),
@@ -372,11 +375,11 @@ class DFlashDraftConfig(Qwen3Config):
 
 def _block_size(top_level: int | None, nested: int | None) -> int:
     """The one block size of a config that may give it at the top level (DFlash configs) and in
-    ``dflash_config`` (DFlash2 configs); 16, the DFlash default, when neither does."""
+    ``dflash_config`` (DFlash2 configs); :data:`DEFAULT_BLOCK_SIZE` when neither does."""
     if top_level is not None and nested is not None and top_level != nested:
         raise ValueError(f"block_size {top_level} and dflash_config.block_size {nested} disagree; make them equal")
     found = top_level if top_level is not None else nested
-    return 16 if found is None else found
+    return DEFAULT_BLOCK_SIZE if found is None else found
 
 
 def _positive_finite(value) -> bool:
