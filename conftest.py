@@ -19,7 +19,7 @@ def pytest_addoption(parser):
         type=float,
         default=1200.0,
         help="a test (setup, call and teardown) that runs longer prints every thread's stack and fails the run "
-        "(default 1200; a stress soak needs its --stress-seconds and more)",
+        "(default %(default)s; a stress soak needs its --stress-seconds and more)",
     )
 
 

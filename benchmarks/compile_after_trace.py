@@ -124,11 +124,11 @@ def sample(patched: bool, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="plain/patched interpreter pairs (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="plain/patched interpreter pairs (default %(default)s)")
     parser.add_argument("--blocks", type=int, default=30, help="blocks of the module whose compile is counted")
     parser.add_argument("--wall-blocks", type=int, default=150, help="blocks of the module whose compile is timed")
-    parser.add_argument("--modules", type=int, default=20, help="modules of the eager model (default 20)")
-    parser.add_argument("--calls", type=int, default=300, help="eager forwards per timing (default 300)")
+    parser.add_argument("--modules", type=int, default=20, help="modules of the eager model (default %(default)s)")
+    parser.add_argument("--calls", type=int, default=300, help="eager forwards per timing (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="eager timings per interpreter, best kept")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)

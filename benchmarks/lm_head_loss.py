@@ -68,7 +68,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU smoke test)")
-    parser.add_argument("--chunk-blocks", type=int, default=16)
+    parser.add_argument(
+        "--chunk-blocks",
+        type=int,
+        default=TrainConfig.loss_chunk_blocks,
+        help="draft blocks per chunk (default: dflash train's --loss-chunk-blocks, %(default)s)",
+    )
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     device = torch.device(args.device)

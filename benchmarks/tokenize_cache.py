@@ -105,7 +105,9 @@ def main() -> None:
     from dflash.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chats", type=int, default=60_000, help="conversations in the data file (default 60000)")
+    parser.add_argument(
+        "--chats", type=int, default=60_000, help="conversations in the data file (default %(default)s)"
+    )
     parser.add_argument(
         "--seq-len",
         type=int,

@@ -35,7 +35,10 @@ def pytest_addoption(parser):
     group = parser.getgroup("stress")
     group.addoption("--stress-profile", choices=("default", "soak"), default="default")
     group.addoption(
-        "--stress-seconds", type=float, default=300.0, help="soak: seconds each property keeps drawing (default 300)"
+        "--stress-seconds",
+        type=float,
+        default=300.0,
+        help="soak: seconds each property keeps drawing (default %(default)s)",
     )
 
 

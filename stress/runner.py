@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m stress.runner", description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
-    parser.add_argument("--examples", type=int, default=8, help="schedules to run (default 8)")
+    parser.add_argument("--examples", type=int, default=8, help="schedules to run (default %(default)s)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON line")
     args = parser.parse_args(argv)

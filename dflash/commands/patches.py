@@ -14,7 +14,7 @@ import sys
 
 from dflash.commands import COMMON, positive
 from dflash.patchtools import MissingExtra
-from dflash.patchtools.verify.catalogue import BUG_CLASSES
+from dflash.patchtools.verify.catalogue import BUG_CLASSES, CHECK_SECONDS
 
 
 def _status(args) -> int:
@@ -284,8 +284,10 @@ def register(subparsers) -> None:
     verify.add_argument(
         "classes", nargs="*", metavar="CLASS", help=f"bug classes to check (default: all, {', '.join(BUG_CLASSES)})"
     )
-    verify.add_argument("--seconds", type=positive(float), default=1.5, help="race duration per check (default 1.5)")
-    verify.add_argument("--jobs", type=positive(int), default=2, help="checks run at once (default 2)")
+    verify.add_argument(
+        "--seconds", type=positive(float), default=CHECK_SECONDS, help="race duration per check (default %(default)s)"
+    )
+    verify.add_argument("--jobs", type=positive(int), default=2, help="checks run at once (default %(default)s)")
     verify.add_argument(
         "--record",
         action="store_true",
@@ -376,7 +378,7 @@ def register(subparsers) -> None:
         "--file", action="append", metavar="PATH", help="a test file under test/ instead of a selection (repeatable)"
     )
     tests.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression for the --file entries")
-    tests.add_argument("--jobs", type=positive(int), default=1, help="pytest processes at once (default 1)")
+    tests.add_argument("--jobs", type=positive(int), default=1, help="pytest processes at once (default %(default)s)")
     tests.add_argument(
         "--cache",
         metavar="DIR",
@@ -384,10 +386,13 @@ def register(subparsers) -> None:
     )
     tests.add_argument("--mirror", help="another mirror of the tag's archive (default: the archive trees.py names)")
     tests.add_argument(
-        "--test-timeout", type=positive(float), default=600, help="seconds a test may take: a hang (default 600)"
+        "--test-timeout",
+        type=positive(float),
+        default=600,
+        help="seconds a test may take: a hang (default %(default)s)",
     )
     tests.add_argument(
-        "--file-timeout", type=positive(float), default=7200, help="seconds a file's run may take (default 7200)"
+        "--file-timeout", type=positive(float), default=7200, help="seconds a file's run may take (default %(default)s)"
     )
     tests.add_argument(
         "--out",

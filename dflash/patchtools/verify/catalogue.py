@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import re
 
+#: Race seconds per check of ``dflash patches verify`` (the records of patches/records/ were made with it)
+#: and of one check run alone (``python -m dflash.patchtools.verify.runner``).
+CHECK_SECONDS = 1.5
+
 BUG_CLASSES: dict[str, str] = {
     "A": "a warm compiled function called in one thread while another thread compiles new functions "
     "raises 'Detected that you are using FX to symbolically trace a dynamo-optimized function' "

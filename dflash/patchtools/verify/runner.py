@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from dflash.patchtools.verify.catalogue import BUG_CLASSES, require_class
+from dflash.patchtools.verify.catalogue import BUG_CLASSES, CHECK_SECONDS, require_class
 from dflash.patchtools.verify.checks import JOIN_TIMEOUT_S, CheckResult, run_check
 from dflash.patchtools.verify.cold_start import CHILD_TIMEOUT_S, MIN_RACES
 from dflash.patchtools.verify.workloads import install_fake_cuda_device_guard
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m dflash.patchtools.verify.runner", description="Run one two-thread bug-class check."
     )
     parser.add_argument("bug_class", choices=list(BUG_CLASSES))
-    parser.add_argument("--seconds", type=float, default=2.0, help="race duration (default 2)")
+    parser.add_argument("--seconds", type=float, default=CHECK_SECONDS, help="race duration (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
     install_fake_cuda_device_guard()
