@@ -399,11 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=2000, help="synthetic conversations")
     parser.add_argument("--median-tokens", type=int, default=800, help="median tokens of a synthetic chat")
     parser.add_argument("--sigma", type=float, default=0.9, help="log-normal sigma of synthetic chat lengths")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-anchors", type=int, default=512)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--draft-layers", type=int, default=5)
+    # A GPU run's shape on purpose, not dflash train's defaults (sized for a 2-core CPU).
+    gpu_shape = "dflash train's %s (default %%(default)s: a GPU run's shape, not dflash train's CPU default)"
+    parser.add_argument("--seq-len", type=int, default=2048, help=gpu_shape % "--seq-len")
+    parser.add_argument("--batch-size", type=int, default=4, help=gpu_shape % "--batch-size")
+    parser.add_argument("--max-anchors", type=int, default=512, help=gpu_shape % "--max-anchors")
+    parser.add_argument("--block-size", type=int, default=16, help=gpu_shape % "--block-size")
+    parser.add_argument("--draft-layers", type=int, default=5, help=gpu_shape % "--num-draft-layers")
     parser.add_argument("--steps", type=int, default=40, help="steps per run; the first is warm-up")
     parser.add_argument(
         "--drafter-rows", type=int, default=None, help="dflash train --drafter-rows (empty: the trainer's default)"
