@@ -35,7 +35,7 @@ from pathlib import Path
 from dflash.assets import default_target_dir
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, parse_layer_types
 from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError, check_tensors, read_drafter_config
-from dflash.run.step_dirs import find_checkpoint
+from dflash.run.step_dirs import find_checkpoint, verify_checkpoint
 from dflash.target_model.files import read_target_config
 from dflash.target_model.taps import max_captured_layers
 
@@ -117,7 +117,8 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
     Raises:
         TargetLoadError: the target directory has no readable ``config.json``.
         CheckpointError: the ``--init-from`` directory is not a complete drafter (its config, or
-            weights that are cut short or that the config does not describe).
+            weights that are cut short, that differ from its ``manifest.json``, or that the config does
+            not describe).
         ValueError: flags that contradict each other or the ``--init-from`` drafter, or an
             ``--init-from`` drafter that does not fit the target (the message names the field).
     """
@@ -364,5 +365,8 @@ def _from_drafter(config: TrainConfig, target: dict, target_dir: Path) -> dict:
             f"--arch {config.arch} disagrees with the --init-from drafter {config.init_from} (a {arch} drafter); drop "
             "--arch: the drafter's own architecture is kept"
         )
-    check_tensors(config.init_from, drafter)  # from the file's header: weights that cannot load, before the target
+    # Before the target loads: a checkpoint's manifest catches a same-size change the header cannot (as
+    # --resume and dflash eval check it); a drafter as published has none, and its header is all there is.
+    verify_checkpoint(Path(config.init_from), files=DRAFTER_FILES, picked=False)
+    check_tensors(config.init_from, drafter)
     return values | {"arch": arch}

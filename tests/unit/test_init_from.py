@@ -220,6 +220,24 @@ def test_drafter_weights_that_cannot_load_are_refused_before_the_target_loads(
     assert named in caplog.text and str(drafter) in caplog.text
 
 
+def test_a_checkpoint_changed_since_its_save_is_refused_before_the_target_loads(assets, tmp_path, caplog, monkeypatch):
+    """A same-size change passes the header's checks; the step directory's manifest catches it, as
+    --resume, dflash eval and dflash export do."""
+    run = tmp_path / "first"
+    assert main(_flags(assets, run, init_from=assets["drafter"])) == 0
+    weights = find_checkpoint(run) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # a weight's last byte: the header and the size stay as they were
+    weights.write_bytes(bytes(data))
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
+    assert main(_flags(assets, tmp_path / "second", init_from=run)) == 2
+    assert f"{weights}: its content does not match the sha256" in caplog.text
+
+
 def test_a_flag_that_contradicts_the_drafter_is_named(assets, tmp_path, caplog):
     flags = _flags(assets, tmp_path / "run", init_from=assets["drafter"], draft_sliding_window=16)
     assert main(flags) == 2
