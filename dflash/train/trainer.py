@@ -362,7 +362,14 @@ class Trainer:
         stop = StopRequest(f"finishing this step, {saving}, then exiting")
         started = time.perf_counter()
         if self.compiled:
-            compile_cache.load(self.out)
+            warm = compile_cache.load(self.out)
+            # The bar stands still meanwhile: say why before it does.
+            logger.info(
+                "step %d compiles the drafter step (--compile-scope %s)%s",
+                first_step,
+                cfg.compile_scope,
+                ": seconds, from this run's compile artifacts" if warm else ": up to minutes on a cold compile cache",
+            )
         if self.heldout is not None and self.step == 0:
             self._measure_acceptance("before step 1", log, started, saved=False)
         try:

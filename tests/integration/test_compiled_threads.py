@@ -46,10 +46,13 @@ def _config(assets, out, scope="step", **values):
     # chunk once (its shape is the anchors').
     [("step", 2), ("regional", 3)],
 )
-def test_each_thread_compiles_once_per_length_and_no_more(assets, tmp_path, monkeypatch, scope, compiles):
+def test_each_thread_compiles_once_per_length_and_no_more(assets, tmp_path, monkeypatch, caplog, scope, compiles):
     monkeypatch.setattr(dflash.train.trainer, "build_replicas", functools.partial(build_replicas, backend="aot_eager"))
     healthy = Trainer(settle(_config(assets, tmp_path / "ok", scope)))
-    healthy.train()
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        healthy.train()
+    # Said before step 1, whose compiles keep the progress bar still.
+    assert f"step 1 compiles the drafter step (--compile-scope {scope}): up to minutes on a cold" in caplog.text
     assert healthy.engine.compile_summary() == {
         f"drafter{i} (cpu:{i})": {
             "compiles": compiles,
