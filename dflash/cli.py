@@ -18,24 +18,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash",
         description="Train and evaluate DFlash speculative-decoding drafters on thread-safe torch.compile.",
+        allow_abbrev=False,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--version", action="version", version=f"dflash {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(f"dflash.commands.{name}").register(subparsers)
-    _name_each_command(parser)
+    _set_up_each_command(parser)
     return parser
 
 
-def _name_each_command(parser: argparse.ArgumentParser) -> None:
+def _set_up_each_command(parser: argparse.ArgumentParser) -> None:
     """Every (sub)command parser under ``parser`` puts itself into the namespace it parses (the
-    innermost one is last, so it wins)."""
+    innermost one is last, so it wins) and takes whole flags only (a prefix is unknown and named with
+    the flag it likely meant, never bound to whichever flag it begins)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
                 command.set_defaults(command_parser=command)
-                _name_each_command(command)
+                command.allow_abbrev = False
+                _set_up_each_command(command)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -47,6 +47,9 @@ def test_verbose_turns_on_dflash_debug_lines(tmp_path):
         (["train", "--stepz", "3"], "dflash train", "--stepz 3", "--steps"),
         (["eval", "--drafter", "d", "--num-promts=3"], "dflash eval", "--num-promts=3", "--num-prompts"),
         (["patches", "status", "--jsn"], "dflash patches status", "--jsn", "--json"),
+        # A prefix is no flag: argparse would take it for --max-anchors, and for another flag once one
+        # sharing the prefix is added.
+        (["train", "--max-anchor", "8"], "dflash train", "--max-anchor 8", "--max-anchors"),
     ],
 )
 def test_a_misspelled_flag_is_named_by_its_command_with_the_flag_it_meant(argv, usage, unknown, meant, capsys):
