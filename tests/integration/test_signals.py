@@ -25,8 +25,6 @@ def assets(tmp_path_factory):
 
 
 STEPS = 40
-# The module's tests on one xdist worker (pyproject's --dist loadgroup): one reference run for both.
-pytestmark = pytest.mark.xdist_group("signals")
 
 
 def _train(assets, out, *extra, progress: bool = False):
