@@ -24,7 +24,7 @@ from dflash.config import PAPER_GAMMA, TrainConfig, field_docs
 from dflash.drafter.files import CheckpointError
 from dflash.run.drafter_shape import rule_help
 from dflash.run.layout import checkpoints_dir, read_saved_config
-from dflash.run.lock import run_lock
+from dflash.run.lock import check_free, run_lock
 from dflash.run.log_file import RunLog
 from dflash.run.preflight import refuse_existing_run
 from dflash.run.resume import resumed_values
@@ -204,14 +204,16 @@ def _train(args: argparse.Namespace, run_log: RunLog) -> int:
         values["steps"] = None  # --epochs alone means "train by epochs"
     trainer = None
     try:
+        if int(os.environ.get("RANK", 0)) == 0:  # another training in --out: said first, in a second
+            check_free(values.get("out", TrainConfig.out))
         if values.get("resume"):
             values = _resumed_values(values)
         config = settle(_config_from_flags(values))  # once, before torch-heavy imports
         if config.resume and _already_done(config):
             return 0
-        from dflash.train.trainer import Trainer  # torch, transformers: seconds
-
         with _out_lock(config, run_log):
+            from dflash.train.trainer import Trainer  # torch, transformers: seconds, under the lock
+
             trainer = Trainer(config)
             metrics = trainer.train()
         trainer.close()  # not after a failure: the other ranks may be inside a collective

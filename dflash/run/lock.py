@@ -103,11 +103,7 @@ def _open_locked(path: Path) -> int:
                     f"cannot lock {path} ({error}): the filesystem of --out does not support file locks; "
                     "train into a directory on another filesystem"
                 ) from None
-            who = holder.describe() if holder else "another process"
-            raise RunLockError(
-                f"{path.parent} is in use by another training: {who}; lock file {path}. "
-                "Wait for it to finish or stop it, or train into another --out"
-            ) from None
+            raise _in_use(path, holder) from None
         try:
             same_file = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -132,10 +128,7 @@ def acquire(out: str | os.PathLike) -> tuple[int, Path]:
     previous, me = _read_holder(fd), Holder.me()
     if previous is not None and previous.host != me.host:
         os.close(fd)
-        raise RunLockError(
-            f"{out} has a lock from another host: {previous.describe()}; it cannot be checked from "
-            f"{me.host}. If that training is no longer running, delete {path}; else train into another --out"
-        )
+        raise _in_use(path, previous)
     if previous is not None:
         state = "still running: a reused pid" if _pid_running(previous.pid) else "no longer running"
         logger.warning("%s: taking over a stale lock of %s (%s)", path, previous.describe(), state)
@@ -169,6 +162,36 @@ def training_holder(out: str | os.PathLike) -> Holder | None:
         return None
     finally:
         os.close(fd)
+
+
+def check_free(out: str | os.PathLike) -> None:
+    """Refuse ``out`` while a training holds its lock (:func:`training_holder`), without taking it:
+    ``dflash train`` asks before it checks its other inputs and imports torch and transformers, so a
+    second run into a busy ``--out`` is refused in a second, not after seconds of imports (the lock
+    itself is taken later, when the run first writes into ``out``; it makes the final decision).
+
+    Raises:
+        RunLockError: the message of :func:`acquire`, naming the holder and the fix.
+    """
+    holder = training_holder(out)
+    if holder is not None:
+        raise _in_use(Path(out) / LOCK_NAME, holder)
+
+
+def _in_use(path: Path, holder: Holder | None) -> RunLockError:
+    """The refusal of the lock file ``path``, held by ``holder`` (None, or :func:`training_holder`'s pid 0:
+    a file without a readable holder)."""
+    here = socket.gethostname()
+    if holder is not None and holder.host not in (here, "?"):
+        return RunLockError(
+            f"{path.parent} has a lock from another host: {holder.describe()}; it cannot be checked from "
+            f"{here}. If that training is no longer running, delete {path}; else train into another --out"
+        )
+    who = holder.describe() if holder is not None and holder.pid else "another process"
+    return RunLockError(
+        f"{path.parent} is in use by another training: {who}; lock file {path}. "
+        "Wait for it to finish or stop it, or train into another --out"
+    )
 
 
 def release(fd: int, path: Path) -> None:

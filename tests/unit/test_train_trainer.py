@@ -516,6 +516,37 @@ def test_a_second_training_into_the_same_out_is_refused_naming_the_first(assets,
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "train_config.json").exists()
 
 
+def test_a_resume_of_a_run_still_running_before_its_first_checkpoint_names_it(tmp_path, caplog):
+    """It said the run had stopped and to start it again, while that run held the lock."""
+    from dflash.run.lock import run_lock
+
+    run = tmp_path / "run"
+    (run / "tokenized").mkdir(parents=True)
+    (run / "train_config.json").write_text("{}")
+    with run_lock(run):  # the run, still before its first save
+        assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == 2
+    assert f"{run} is in use by another training: pid {os.getpid()}" in caplog.text
+    assert "no checkpoint yet" not in caplog.text
+
+
+def test_a_second_training_into_the_same_out_is_refused_before_torch_is_imported(tmp_path):
+    """It was refused once the trainer's imports (torch, transformers: 15.9 s) were done."""
+    import subprocess
+    import sys
+
+    from dflash.run.lock import run_lock
+
+    code = (
+        "import sys; from dflash.cli import main; "
+        f"code = main(['train', '--out', {str(tmp_path)!r}, '--no-progress']); "
+        "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    with run_lock(tmp_path):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split("\n")[-2] == "2 []", proc.stdout + proc.stderr
+    assert f"{tmp_path} is in use by another training: pid {os.getpid()}" in proc.stderr
+
+
 def test_metrics_log_of_a_resumed_run_continues_from_its_checkpoint(assets, tmp_path):
     crashed = record_losses(Trainer(settle(_config(assets, tmp_path / "run", save_every=2))), crash_after=3)
     with pytest.raises(KeyboardInterrupt):
