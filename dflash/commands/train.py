@@ -27,7 +27,7 @@ from dflash.run.layout import checkpoints_dir, read_saved_config
 from dflash.run.lock import check_free, run_lock
 from dflash.run.log_file import RunLog
 from dflash.run.preflight import refuse_existing_run
-from dflash.run.resume import resumed_values
+from dflash.run.resume import check_given_flags, resumed_values
 from dflash.run.settle import settle
 from dflash.run.step_dirs import find_checkpoint
 from dflash.signals import Stopped
@@ -136,8 +136,17 @@ def _already_done(config) -> bool:
 
 
 def _resumed_values(given: dict) -> dict:
-    """The flags of a resumed run (:func:`dflash.run.resume.resumed_values`)."""
-    return resumed_values(_saved_config(given.get("out", TrainConfig.out)), given)
+    """The flags of a resumed run (:func:`dflash.run.resume.resumed_values`), those ``given`` checked
+    first against the saved run's (:func:`dflash.run.resume.check_given_flags`).
+
+    Raises:
+        CheckpointError: a flag given now changes the math of the saved run.
+    """
+    out = given.get("out", TrainConfig.out)
+    saved = _saved_config(out)
+    if saved:
+        check_given_flags(saved, given, Path(out))
+    return resumed_values(saved, given)
 
 
 @contextlib.contextmanager

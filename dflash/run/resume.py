@@ -150,16 +150,9 @@ def check_resume_config(saved: dict, current: TrainConfig, where: Path, *, warn:
         # existed can have left a shape field empty: it is filled by the rule, as the current one was.
         saved |= {k: getattr(resolve_drafter_shape(dataclasses.replace(current, **shape)), k) for k in SHAPE_FIELDS}
     values = current.to_dict()
-    exempt = RESUMABLE_CHANGES | set(INPUT_PATHS) | set(LAYOUT_FIELDS)
-    changed = sorted(k for k, v in values.items() if k not in exempt and saved.get(k) != v)
+    changed = [k for k in _changed(saved, values) if k not in INPUT_PATHS]
     changed += [k for k in INPUT_PATHS if not same_input(saved.get(k), getattr(current, k), warn=warn)]
-    if changed:
-        details = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(current, k)!r}" for k in changed)
-        raise CheckpointError(
-            f"{where} was trained with a different config ({details}); resume with the same flags "
-            "(train_config.json in --out holds them; flags you do not repeat are taken from it) "
-            "or train into a new --out"
-        )
+    _refuse_changes(saved, values, changed, where)
     _check_layout(saved, values, where, warn=warn)
     if warn and (saved.get("steps"), saved.get("epochs")) != (current.steps, current.epochs):
         logger.warning(
@@ -171,6 +164,39 @@ def check_resume_config(saved: dict, current: TrainConfig, where: Path, *, warn:
             current.steps,
             saved.get("epochs"),
             current.epochs,
+        )
+
+
+def check_given_flags(saved: dict, given: dict, where: Path) -> None:
+    """The flags ``given`` on ``--resume`` keep the math of the run saved with the flags ``saved``,
+    compared as given, before they are merged and built into a config: a config's own checks would
+    otherwise refuse a changed flag first with a fix that does not help (another ``--block-size``
+    asks for a ``--gamma``). :func:`check_resume_config` compares the settled config, input paths
+    included, afterwards.
+
+    Raises:
+        CheckpointError: see :func:`check_resume_config`.
+    """
+    saved = {**TrainConfig.defaults(), **saved}
+    # A shape field left empty (given now, or by a run saved before the rule) is filled by the rule
+    # when the config settles, and compared then; input paths are compared as files, once absolute.
+    unknown = set(INPUT_PATHS) | {k for k in SHAPE_FIELDS if saved.get(k) is None or given.get(k) is None}
+    _refuse_changes(saved, given, [k for k in _changed(saved, given) if k not in unknown], where)
+
+
+def _changed(saved: dict, values: dict) -> list[str]:
+    """The fields of ``values`` that change the math and differ from ``saved`` (sorted)."""
+    exempt = RESUMABLE_CHANGES | set(LAYOUT_FIELDS)
+    return sorted(k for k, v in values.items() if k not in exempt and saved.get(k) != v)
+
+
+def _refuse_changes(saved: dict, values: dict, changed: list[str], where: Path) -> None:
+    if changed:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {values[k]!r}" for k in changed)
+        raise CheckpointError(
+            f"{where} was trained with a different config ({details}); resume with the same flags "
+            "(train_config.json in --out holds them; flags you do not repeat are taken from it) "
+            "or train into a new --out"
         )
 
 

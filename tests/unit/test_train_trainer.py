@@ -650,6 +650,18 @@ def test_resume_with_flags_that_change_the_math_is_refused_before_the_target_loa
     assert "different config (lr: 0.003 -> 0.001)" in caplog.text
 
 
+def test_resume_with_another_block_size_is_refused_as_a_different_config_not_for_its_gamma(assets, tmp_path, caplog):
+    """It asked for a --gamma (block size 6 has no paper gamma); given one, it refused the block size."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    (run / "train_config.json").write_text(json.dumps(_config(assets, run, block_size=8, gamma=None).to_dict()))
+    assert main(["train", "--resume", "--out", str(run), "--block-size", "6", "--no-progress"]) == 2
+    assert "different config (block_size: 8 -> 6)" in caplog.text
+    assert "gamma" not in caplog.text
+
+
 def test_config_errors_name_flags_not_fields(tmp_path, caplog):
     assert main(["train", "--keep-last", "0", "--out", str(tmp_path / "a")]) == 2
     assert "--keep-last must be >= 1, got 0" in caplog.text
