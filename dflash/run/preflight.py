@@ -5,7 +5,8 @@ error found after them costs all of that. :func:`validate_inputs` reads only sma
 target's ``config.json`` and file names, the first records of the data, the output directory's
 listing), never imports transformers and never loads weights, so every error below arrives in
 well under a second; torch is imported only by its last checks, which ask it which devices this host
-has. It changes nothing on disk.
+has. The one larger read is on ``--resume``: the checkpoint it continues is hashed against its
+manifest here, once (the trainer then loads it without hashing it again). It changes nothing on disk.
 
 Numbers (``--lr nan``, ``--steps 0``, ...) are checked earlier still, when the
 :class:`~dflash.config.TrainConfig` is built.
@@ -60,7 +61,8 @@ def validate_inputs(config: TrainConfig) -> None:
 
     - ``--out``: a directory (or creatable), writable, not inside another run and holding only a run's
       files (:mod:`dflash.run.layout`); without ``--resume`` it must not hold a run, with it it must hold a
-      checkpoint and the flags must be ones it can continue with (:mod:`dflash.run.resume`);
+      checkpoint whose files match its manifest, and the flags must be ones it can continue with
+      (:mod:`dflash.run.resume`);
     - ``--max-anchors`` (new runs): at most ``--seq-len - 1``;
     - ``--data`` (or the embedded corpus) and ``--eval-data``: readable files whose first records parse;
     - ``--target`` (or the embedded target): a directory with ``config.json``, tokenizer files and
@@ -177,7 +179,8 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
     Raises:
         ValueError: ``out`` is a file, or cannot be written; it holds a run and ``resume`` is off; it is
             inside another run, or holds other files without ``allow_nonempty``.
-        CheckpointError: ``resume`` without a checkpoint in ``out``.
+        CheckpointError: ``resume`` without a checkpoint in ``out``, or with one whose files are missing,
+            truncated or altered (:func:`dflash.run.step_dirs.verify_checkpoint`).
     """
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
@@ -197,7 +200,7 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
     check_out_location(out, allow_nonempty=allow_nonempty)
     if resume:
         _refuse_a_resume_before_the_first_checkpoint(out)
-        find_checkpoint(out, verify=False)  # loading verifies the files
+        find_checkpoint(out)  # its files' sizes and sha256, once: the trainer loads them unhashed
 
 
 def _refuse_a_resume_before_the_first_checkpoint(out: Path) -> None:

@@ -55,7 +55,8 @@ def find_checkpoint(path: str | Path, *, verify: bool = True, files: Sequence[st
     only once it is whole; one damaged since is reported by the manifest check, not skipped).
 
     Args:
-        verify: check the files (off: a cheap look before loading, which checks them anyway).
+        verify: check the files (off: a cheap look, or the load of a checkpoint verified already:
+            ``dflash train --resume`` verifies it with its inputs, before the target loads).
         files: the files the caller reads. None (``dflash train --resume``): every file the
             manifest lists, and the manifest must be there. Given (``dflash eval``:
             :data:`DRAFTER_FILES`): each must exist and only they are checked against the

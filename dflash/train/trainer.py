@@ -504,7 +504,9 @@ class Trainer:
             CheckpointError: no/corrupt checkpoint, a different config, a different number of
                 processes, or a training state from an older dflash.
         """
-        step_dir = find_checkpoint(self.out)
+        # Verified when the config was settled (dflash.run.preflight.check_out_dir), before the target loaded:
+        # hashing a large checkpoint takes seconds, so not again.
+        step_dir = find_checkpoint(self.out, verify=False)
         state = checkpoint.load_training_state(step_dir)
         check_resume_config(state["config"], self.config, step_dir)
         data_sha256 = self.corpus.data_sha256

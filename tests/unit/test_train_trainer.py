@@ -16,7 +16,7 @@ from dflash.config import TrainConfig
 from dflash.data.chats import DatasetError
 from dflash.drafter.files import CheckpointError
 from dflash.run.settle import settle
-from dflash.run.step_dirs import find_checkpoint
+from dflash.run.step_dirs import find_checkpoint, write_manifest
 from dflash.signals import Stopped
 from dflash.train.trainer import Trainer
 
@@ -353,6 +353,31 @@ def test_missing_inputs_fail_before_the_target_loads(assets, tmp_path, monkeypat
     assert not (tmp_path / "nothing").exists() and not (tmp_path / "run").exists()
 
 
+def test_a_damaged_checkpoint_is_refused_before_the_target_loads_and_hashed_once(assets, tmp_path, monkeypatch):
+    """It was refused once the target's weights had loaded (the check ran when the trainer loaded it)."""
+    import dflash.run.step_dirs
+
+    Trainer(settle(_config(assets, tmp_path / "run", steps=1))).train()
+    weights = find_checkpoint(tmp_path / "run") / "model.safetensors"
+    hashed = []
+    original = dflash.run.step_dirs.sha256_file
+    monkeypatch.setattr(dflash.run.step_dirs, "sha256_file", lambda path: hashed.append(path.name) or original(path))
+    Trainer(settle(_config(assets, tmp_path / "run", steps=2, resume=True)))
+    assert sorted(hashed) == sorted(json.loads((weights.parent / "manifest.json").read_text()))  # each once
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the checkpoint was checked")
+
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: its content does not match the sha256"):
+        Trainer(settle(_config(assets, tmp_path / "run", steps=2, resume=True)))
+    weights.write_bytes(data[:1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: 1000 bytes, but .*manifest\.json lists"):
+        Trainer(settle(_config(assets, tmp_path / "run", steps=2, resume=True)))
+
+
 @pytest.mark.parametrize(
     ("responses", "named"),
     [("data", "no conversation left to train on"), ("target", "none of its 2 conversations has a prompt")],
@@ -673,6 +698,7 @@ def test_resuming_a_finished_run_says_so_before_anything_loads(assets, tmp_path,
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000003").mkdir(parents=True)
     (run / "checkpoints" / "step_00000003" / "config.json").write_text("{}")
+    write_manifest(run / "checkpoints" / "step_00000003", ["config.json"])  # its files are verified first
     (run / "checkpoints" / "latest").write_text("step_00000003\n")
     (run / "train_config.json").write_text(json.dumps(_config(assets, run, steps=3).to_dict()))
     monkeypatch.setattr("dflash.train.trainer.Trainer", _Stops(AssertionError("the trainer was built")))
