@@ -5,7 +5,8 @@ vocabulary, and packed into rows (:func:`dflash.data.batches.build_loader`).
 
 Two steps, because the target loads between them: :class:`Corpus` reads and checks everything it
 can without the target (every line of the file, or the prompts a regeneration needs; a resume reads
-its cached tokens instead), and :meth:`Corpus.loader` finishes with the targets.
+its cached tokens instead) and packs the rows of data it has, so too little data for one batch is
+named before the target loads, and :meth:`Corpus.loader` finishes with the targets.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from dflash.assets import default_data_dir, default_target_dir
 from dflash.config import TrainConfig
-from dflash.data.batches import build_loader
+from dflash.data.batches import BatchLoader, build_loader
 from dflash.data.chats import read_conversations
 from dflash.data.regenerate import regenerated_corpus, regeneration_key, require_a_prompt
 from dflash.data.token_cache import TokenCache, cache_key, usable_workers
@@ -38,6 +39,7 @@ class Corpus:
 
     Raises:
         DatasetError: a bad line (named), or no conversation to train on (or to regenerate from).
+        ValueError: the data packs into fewer rows than one global batch (the data's, not regenerated).
     """
 
     def __init__(self, config: TrainConfig, tokenizer, tokenizer_dir: Path, process: ProcessInfo) -> None:
@@ -52,10 +54,12 @@ class Corpus:
         progress = config.progress and process.is_main
         self._conversations = read_conversations(data, progress=progress) if tokens is None else None
         self._examples: list[Example] | None = None
+        self._loader: BatchLoader | None = None
         if self.regenerates:
             require_a_prompt(tokenizer, self._conversations, source=str(self.source), **self._regeneration_lengths)
         else:
             self._examples = self._tokenized(self._conversations, tokens, self.source, self.data_sha256)
+            self._loader = self._batches(self._examples)  # its rows counted before the target loads
 
     @property
     def regenerates(self) -> bool:
@@ -69,12 +73,22 @@ class Corpus:
 
         Raises:
             DatasetError: no usable conversation, or a token id past the target's vocabulary.
+            ValueError: regenerated replies that pack into fewer rows than one global batch.
         """
-        cfg, source, examples = self.config, self.source, self._examples
+        source, examples, loader = self.source, self._examples, self._loader
         if self.regenerates:
             source = self.out / REGENERATED_NAME
             examples = self._tokenized(self._regenerated(targets), None, source, sha256_file(source))
         check_token_ids(examples, vocab_size=targets[0].embed_tokens.num_embeddings, source=str(source))
+        return self._batches(examples) if loader is None else loader
+
+    def _batches(self, examples: list[Example]) -> BatchLoader:
+        """The loader of ``examples`` (:func:`dflash.data.batches.build_loader`).
+
+        Raises:
+            ValueError: fewer rows than one global batch.
+        """
+        cfg = self.config
         return build_loader(
             examples,
             seq_len=cfg.seq_len,

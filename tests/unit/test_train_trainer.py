@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from tiny import make_target, record_losses, train_config, write_chat_data, write_jsonl
+from tiny import CONVERSATIONS, make_target, record_losses, train_config, write_chat_data, write_jsonl
 
 from dflash.cli import main
 from dflash.config import TrainConfig
@@ -396,6 +396,18 @@ def test_data_without_a_usable_conversation_fails_before_the_target_loads(
     data = write_jsonl(tmp_path / "unusable.jsonl", unusable)
     with pytest.raises(DatasetError, match=named):
         Trainer(settle(_config(assets, tmp_path / "run", data=data, responses=responses)))
+
+
+def test_too_little_data_for_one_batch_fails_before_the_target_loads(assets, tmp_path, monkeypatch):
+    """It was refused once the target's weights had loaded."""
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was found too little")
+
+    monkeypatch.setattr("dflash.train.targets.load_target", no_target)
+    data = write_jsonl(tmp_path / "few.jsonl", [{"messages": m} for m in CONVERSATIONS[:3]])
+    with pytest.raises(ValueError, match=r"3 examples pack into \d rows, which are fewer than one global batch"):
+        Trainer(settle(_config(assets, tmp_path / "run", data=data, batch_size=4)))
 
 
 def test_input_paths_are_saved_absolute_and_resume_from_another_directory(assets, tmp_path, monkeypatch):
