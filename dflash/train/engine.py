@@ -41,6 +41,10 @@ class StepStats:
         step_s (float): wall seconds of the step.
         drafter_s (float): drafter busy seconds, summed over this process's replicas.
         target_s (float): target busy seconds, summed over this process's target replicas.
+        target_row_tokens (int): tokens of the rows (padding included) the target replicas forwarded
+            in ``target_s``, this process: ``row_tokens`` with one device; with target threads the
+            rows they finished in the step's time, which run ahead of the drafters' by the prefetch
+            buffers (0 when the buffers held every row of the step).
         data_wait_frac (float): share of the step the drafters waited for target states.
         flops (float): drafter model FLOPs of the step, this process
             (:func:`dflash.train.flops.drafter_step_flops`).
@@ -59,6 +63,7 @@ class StepStats:
     step_s: float
     drafter_s: float
     target_s: float
+    target_row_tokens: int
     data_wait_frac: float
     flops: float
     stop: bool

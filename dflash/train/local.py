@@ -127,6 +127,7 @@ class LocalEngine:
             step_s=step_s,
             drafter_s=drafter_s,
             target_s=target_s,
+            target_row_tokens=row_tokens,
             data_wait_frac=data_s / step_s,
             flops=flops,
             stop=host["stop"],

@@ -38,7 +38,18 @@ class Throughput:
     steps: int = 0
     totals: dict = field(
         default_factory=lambda: dict.fromkeys(
-            ("tokens", "row_tokens", "draft_tokens", "supervised", "step_s", "drafter_s", "target_s", "flops"), 0.0
+            (
+                "tokens",
+                "row_tokens",
+                "draft_tokens",
+                "supervised",
+                "step_s",
+                "drafter_s",
+                "target_s",
+                "target_row_tokens",
+                "flops",
+            ),
+            0.0,
         )
     )
 
@@ -181,8 +192,7 @@ class MetricsLog:
     def log_throughput(self, throughput: Throughput) -> None:
         """The steady-state summary line (benchmarks parse it: keep its shape). Rates are of this
         process: real tokens and draft tokens (real blocks x block size) per wall second, and the
-        target's rate over its busy time per target device (rows, padding included; a target
-        thread's busy time also holds the copy of the states to its drafter's device), and supervised
+        target's rate over its busy time per target device (:func:`target_forward`), and supervised
         draft positions per wall second and per second of drafter busy time per drafter device (the
         drafter alone, as a trainer fed preloaded target states runs; with one device the busy time
         holds the optimizer step, in the threaded layout not)."""
@@ -193,7 +203,7 @@ class MetricsLog:
             f"steady state over {throughput.steps} steps: {t['tokens'] / t['step_s']:.0f} tok/s end to end",
             # Comparable across recipes: draft tokens depend on anchors x block size, the target's on row length.
             f"{t['draft_tokens'] / t['step_s']:.0f} draft tok/s",
-            f"target forward {t['row_tokens'] / max(t['target_s'], 1e-9):.0f} tok/s",
+            target_forward(t, throughput.steps),
             f"drafter step {t['tokens'] / t['drafter_s']:.0f} tok/s",
             f"{t['flops'] / t['drafter_s'] / 1e12:.3g} TFLOP/s",
             (
@@ -203,7 +213,11 @@ class MetricsLog:
                 else "drafter MFU n/a (pass --peak-tflops)"
             ),
             f"row fill {100 * t['tokens'] / max(t['row_tokens'], 1):.1f}%",
-            f"target share {100 * t['target_s'] / len(self.layout.targets) / t['step_s']:.1f}%",
+            (
+                f"target share {100 * t['target_s'] / len(self.layout.targets) / t['step_s']:.1f}%"
+                if t["target_row_tokens"]
+                else "target share not measured"
+            ),
             f"supervised draft positions {t['supervised'] / t['step_s']:.0f}/s end to end, "
             f"{t['supervised'] / max(t['drafter_s'], 1e-9):.0f}/s per drafter busy second",
         ]
@@ -229,6 +243,19 @@ class MetricsLog:
             except (ValueError, KeyError, TypeError):  # a row cut short by a kill
                 continue
         path.write_text("".join(kept))
+
+
+def target_forward(totals: dict, steps: int) -> str:
+    """The summary's target rate: the rows (padding included) the target forwarded in the measured
+    steps over its busy time (a target thread's busy time also holds the copy of the states to its
+    drafter's device). Not measured when no forward finished in those steps: target threads run ahead
+    of the drafters, so a short run's rows can all come out of the first step's prefetch."""
+    if not totals["target_row_tokens"]:
+        return (
+            f"target forward not measured (no target forward finished in the {steps} measured step(s): "
+            "the first step prefetched their rows; train more steps)"
+        )
+    return f"target forward {totals['target_row_tokens'] / totals['target_s']:.0f} tok/s"
 
 
 def bottleneck(side: dict[str, float]) -> str:

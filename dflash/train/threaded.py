@@ -135,6 +135,7 @@ class _Worker(threading.Thread):
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self._current: tuple[str | None, float] = (None, 0.0)
         self.tokens = 0
+        self.row_tokens = 0
         self.draft_tokens = 0
         self.supervised = 0
         self.flops = 0.0
@@ -148,13 +149,18 @@ class _Worker(threading.Thread):
         self._current = (phase, now)
 
     def counters(self) -> dict[str, float]:
-        """Seconds per phase including the running one (so interval deltas are exact), tokens, draft
-        tokens, supervised draft positions, flops."""
+        """Seconds per phase including the running one (so interval deltas are exact), tokens, row
+        tokens (padding included; targets only), draft tokens, supervised draft positions, flops."""
         current, since = self._current
         seconds = dict(self.seconds)
         if current is not None:
             seconds[current] += time.perf_counter() - since
-        counts = {"tokens": self.tokens, "draft_tokens": self.draft_tokens, "supervised": self.supervised}
+        counts = {
+            "tokens": self.tokens,
+            "row_tokens": self.row_tokens,
+            "draft_tokens": self.draft_tokens,
+            "supervised": self.supervised,
+        }
         return {**seconds, **counts, "flops": self.flops}
 
     def run(self) -> None:
@@ -210,6 +216,7 @@ class TargetWorker(_Worker):
             if cuda:  # the copies are done and the busy time is GPU time, not launch time
                 torch.cuda.current_stream(self.target.device).synchronize()
             self.tokens += states.num_tokens
+            self.row_tokens += job.batch.input_ids.numel()
             self._enter("blocked_s")
             self.inboxes[job.drafter].put(job.slot, item)
 
@@ -474,6 +481,7 @@ class ThreadedEngine:
             step_s=step_s,
             drafter_s=sum(delta(self.drafter_workers, "busy_s")),
             target_s=sum(delta(self.target_workers, "busy_s")),
+            target_row_tokens=sum(delta(self.target_workers, "row_tokens")),
             data_wait_frac=sum(waits) / len(waits) / max(step_s, 1e-9),
             flops=sum(delta(self.drafter_workers, "flops")),
             stop=host["stop"],

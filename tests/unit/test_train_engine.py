@@ -256,7 +256,7 @@ def test_optimizer_step_divides_by_the_weight_and_clips_in_the_fused_kernel(grad
 def _stats(acc) -> StepStats:
     return StepStats(
         loss=0.0, acc=acc, grad_norm=0.0, tokens=1, row_tokens=1, draft_tokens=1, supervised=1, step_s=1.0,
-        drafter_s=1.0, target_s=0.0, data_wait_frac=0.0, flops=0.0, stop=False,
+        drafter_s=1.0, target_s=0.0, target_row_tokens=0, data_wait_frac=0.0, flops=0.0, stop=False,
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 
 import pytest
@@ -205,6 +206,21 @@ def test_cli_trains_and_reports_bad_input(assets, tmp_path, capsys, caplog):
     missing = "cuda:99" if torch.cuda.is_available() else "cuda:7"
     assert main(["train", "--device", missing, "--out", str(tmp_path / "c")]) == 2
     assert "--device cuda" in caplog.text
+
+
+def test_a_target_rate_not_measured_is_not_printed_as_a_number(assets, tmp_path, caplog):
+    """A target thread runs ahead of the drafter: in a 2-step run it forwards step 2's rows during step 1
+    (the warm-up, not measured), and the summary printed step 2's rows over a 1e-9 s floor of busy time:
+    `target forward 1024000000000 tok/s ... target share 0.0%`."""
+    caplog.set_level(logging.INFO, logger="dflash.train")
+    layout = dict(target_devices="cpu", drafter_devices="cpu")
+    Trainer(settle(_config(assets, tmp_path / "run", steps=2, **layout))).train()
+    summary = next(line for line in caplog.text.splitlines() if "steady state over 1 steps" in line)
+    rate = re.search(r"target forward ([0-9.e+]+) tok/s", summary)
+    if rate is None:  # no target forward finished in step 2
+        assert "target forward not measured" in summary and "target share not measured" in summary, summary
+    else:  # step 2 had forwards of its own: their rows over their busy time, well below 1e9 tok/s on a CPU
+        assert float(rate.group(1)) < 1e9 and "target share 0.0%" not in summary, summary
 
 
 def test_every_run_directory_keeps_its_log(assets, tmp_path, capsys, caplog):
