@@ -4,7 +4,8 @@ so the hook and the modules it arms (:mod:`dflash.watchdog`) read them from one 
 importing each other.
 """
 
-#: 0/false/no/off: the hook patches nothing (``dflash patches status`` says so).
+#: 0/false/no/off: the hook patches nothing (``dflash patches status`` says so); 1/true/yes/on or
+#: empty: it patches, as unset; any other value: it patches and warns (:func:`dflash.patching.startup.env_problem`).
 DISABLE_ENV = "DFLASH_PATCHES"
 #: Seconds: the hook arms this process's watchdog (:func:`dflash.watchdog.arm_from_environment`).
 WATCHDOG_ENV = "DFLASH_WATCHDOG_S"

@@ -18,6 +18,7 @@ from dflash.patchtools.verify.catalogue import BUG_CLASSES, CHECK_SECONDS
 
 
 def _status(args) -> int:
+    from dflash.patching.startup import env_problem
     from dflash.patching.status import collect
 
     report = collect()
@@ -25,6 +26,8 @@ def _status(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(f"torch {report['torch_version']}; startup hook {'active' if report['hook_active'] else 'NOT active'}")
+        if env_problem():
+            print(f"  {env_problem()}")
         width = max(len(p["name"]) for p in report["patches"])
         reasons = [p["reason"] for p in report["patches"]]
         # A long reason shared by several patches (torch imported first, hook disabled) is printed once.

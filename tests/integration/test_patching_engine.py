@@ -210,6 +210,25 @@ def test_installed_hook_patches_torch_in_a_fresh_interpreter():
     assert json.loads(plain.stdout.splitlines()[-1]) == [False, False]
 
 
+def test_an_unrecognised_dflash_patches_value_is_reported_and_leaves_the_patches_on():
+    """Only 0/false/no/off turned the hook off; DFLASH_PATCHES=disable patched torch without a word."""
+    code = "import torch.fx._symbolic_trace as st; print([c.__name__ for c in type(st).__mro__])"
+    proc = _python(code, env={"DFLASH_PATCHES": "disable"})
+    assert "_FxTracingFlagModule" in proc.stdout, proc.stderr  # patched, as unset
+    warning = "DFLASH_PATCHES='disable' is not recognised: the thread-safety patches stay ON. Set DFLASH_PATCHES=0"
+    assert proc.stderr.count(warning) == 1, proc.stderr
+    for value in ("0", "off", "1", "Yes", ""):
+        assert "not recognised" not in _python("pass", env={"DFLASH_PATCHES": value}).stderr
+    status = subprocess.run(
+        [sys.executable, "-m", "dflash", "patches", "status"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DFLASH_PATCHES": "maybe"},
+    )
+    assert "DFLASH_PATCHES='maybe' is not recognised" in status.stdout, status.stdout + status.stderr
+
+
 def test_traceback_shows_patched_lines():
     code = textwrap.dedent("""\
         import traceback, torch.fx._symbolic_trace as st
