@@ -72,6 +72,24 @@ def absolute_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def check_block_fits_row(block_size: int, seq_len: int, *, origin: str | None = None) -> None:
+    """A draft block (the anchor and the ``block_size - 1`` tokens after it) fits in a row of ``seq_len`` tokens.
+
+    Args:
+        origin: where ``block_size`` came from when the user did not give it (the message says so).
+
+    Raises:
+        ValueError: ``block_size > seq_len``, naming both flags and the fix.
+    """
+    if block_size <= seq_len:
+        return
+    given = f"--block-size {block_size} ({origin})" if origin else f"block_size {block_size}"
+    raise ValueError(
+        f"{given} is longer than --seq-len {seq_len}: a draft block (the anchor and the {block_size - 1} tokens "
+        f"after it) must fit in a row; pass --block-size {seq_len} or less, or --seq-len {block_size} or more"
+    )
+
+
 def parse_layer_types(text: str) -> list[str]:
     """``--draft-layer-types`` as a list of ``full_attention``/``sliding_attention``.
 
@@ -374,12 +392,8 @@ class TrainConfig:
                     )
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor plus at least one draft slot), got {self.block_size}")
-        if self.block_size is not None and self.block_size > self.seq_len:
-            raise ValueError(
-                f"block_size {self.block_size} is longer than --seq-len {self.seq_len}: a draft block (the anchor and "
-                f"the {self.block_size - 1} tokens after it) must fit in a row; pass --block-size {self.seq_len} or "
-                f"less, or --seq-len {self.block_size} or more"
-            )
+        if self.block_size is not None:
+            check_block_fits_row(self.block_size, self.seq_len)
         if (self.steps is None) == (self.epochs is None):
             raise ValueError(
                 "steps/epochs: give --steps or --epochs"

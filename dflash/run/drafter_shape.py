@@ -33,7 +33,7 @@ import logging
 from pathlib import Path
 
 from dflash.assets import default_target_dir
-from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, parse_layer_types
+from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, TrainConfig, check_block_fits_row, parse_layer_types
 from dflash.drafter.files import CONFIG_NAME, DRAFTER_FILES, CheckpointError, check_tensors, read_drafter_config
 from dflash.run.step_dirs import find_checkpoint, verify_checkpoint
 from dflash.target_model.files import read_target_config
@@ -135,6 +135,9 @@ def resolve_drafter_shape(config: TrainConfig) -> TrainConfig:
         values |= _default_taps_that_fit(config, values, target)
         values |= _published_dflash2_taps(config, values, target, family)
         _warn_if_far_wider(values, target)
+    if config.block_size is None:  # before replace() checks it as if --block-size had been given
+        origin = "the --init-from drafter's" if config.init_from else "the default for this target: not given"
+        check_block_fits_row(values["block_size"], config.seq_len, origin=origin)
     config = dataclasses.replace(config, **values)
     _refuse_selector_flags_without_a_selector(config)
     return config

@@ -351,6 +351,18 @@ def test_a_shallow_target_taps_what_fits_unless_the_flag_asks_for_more(tmp_path,
         validate_inputs(resolve_drafter_shape(TrainConfig(**run, num_target_layers=5)))
 
 
+def test_a_default_block_longer_than_a_row_names_the_flags_and_says_it_is_the_default(tmp_path):
+    """`--seq-len 4` alone said `block_size 8 is longer than --seq-len 4`: no flag the user gave, or could find."""
+    target_dir = make_target(tmp_path / "target")
+    with pytest.raises(
+        ValueError,
+        match=r"^--block-size 8 \(the default for this target: not given\) is longer than --seq-len 4: "
+        r".*pass --block-size 4 or less, or --seq-len 8 or more$",
+    ):
+        resolve_drafter_shape(TrainConfig(target=str(target_dir), seq_len=4))
+    assert resolve_drafter_shape(TrainConfig(target=str(target_dir), seq_len=8)).block_size == 8
+
+
 def test_contradicting_flags_are_named(tmp_path):
     target_dir = make_target(tmp_path / "target")
     with pytest.raises(ValueError, match="--draft-layer-types names 2 layers, --num-draft-layers is 3"):
