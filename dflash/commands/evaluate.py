@@ -232,8 +232,9 @@ def _evaluate(args: argparse.Namespace):
     command's arguments. Every flag and path is checked before torch and transformers load (seconds)."""
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if not Path(args.drafter).is_dir():
+        what = "a file, not a directory" if Path(args.drafter).exists() else "does not exist"
         raise CheckpointError(
-            f"--drafter {args.drafter}: does not exist; pass a run directory (--out of dflash "
+            f"--drafter {args.drafter}: {what}; pass a run directory (--out of dflash "
             "train), a step_N directory or a drafter directory (config.json + model.safetensors)"
         )
     check_cpu_threads(args.cpu_threads)

@@ -33,6 +33,9 @@ def test_path_mistakes_are_refused_before_the_heavy_imports_naming_their_flag(tm
             ["train", "--eval-data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "c"), "--responses", "data"]
         ],
         "--drafter nope: does not exist": [["eval", "--drafter", "nope"]],
+        f"--drafter {not_a_dir}: a file, not a directory; pass a run directory": [
+            ["eval", "--drafter", str(not_a_dir)]
+        ],
         "nope: does not exist; pass a run directory": [["export", "nope", "--out", str(tmp_path / "x-dflash")]],
         "vLLM recognises a DFlash drafter by 'dflash' in its path": [["export", "nope", "--out", str(tmp_path / "x")]],
     }
