@@ -31,6 +31,8 @@ from dflash.devices import check_cpu_threads, parse_layout, resolve_device
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.files import check_weight_files
 from dflash.run.layout import (
+    CHECKPOINTS_DIR,
+    SAVED_CONFIG_NAME,
     check_out_location,
     checkpoints_dir,
     is_run_file,
@@ -197,21 +199,31 @@ def check_out_dir(out: Path, *, resume: bool, allow_nonempty: bool = False) -> N
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write in {existing} ({e.strerror}); choose a writable --out") from None
     refuse_existing_run(out, resume=resume)
+    if resume:  # before the look at other files: a --resume of a directory that holds no run says so
+        _refuse_a_resume_without_a_checkpoint(out)
     check_out_location(out, allow_nonempty=allow_nonempty)
     if resume:
-        _refuse_a_resume_before_the_first_checkpoint(out)
         find_checkpoint(out)  # its files' sizes and sha256, once: the trainer loads them unhashed
 
 
-def _refuse_a_resume_before_the_first_checkpoint(out: Path) -> None:
-    """A run stopped before its first checkpoint has nothing ``--resume`` can continue: say so, and
-    that the fix is to start the same run again (what it kept is reused).
+def _refuse_a_resume_without_a_checkpoint(out: Path) -> None:
+    """``--resume`` continues the run of ``--out`` from its newest checkpoint: say so when ``out`` holds
+    none (a step directory is refused by :func:`check_out_dir`), and, for a run stopped before its first
+    checkpoint, that the fix is to start the same run again (what it kept is reused).
 
     Raises:
-        CheckpointError: ``out`` holds a run's files but no complete step directory.
+        CheckpointError: ``out`` does not exist, holds no run, or holds a run's files but no complete
+            step directory.
     """
-    if saved_steps(out) or not out.is_dir():
+    if saved_steps(out):
         return
+    flag = f"--out {out}" + (" (the default)" if out == Path(TrainConfig.out) else "")
+    no_run = (
+        "--resume continues the run trained into --out: pass that run's --out (the directory that holds its "
+        f"{CHECKPOINTS_DIR}/), or leave --resume out to start a new run"
+    )
+    if not out.is_dir():
+        raise CheckpointError(f"{flag}: does not exist; {no_run}")
     kept = sorted(p.name for p in out.iterdir() if is_run_file(p.name) and not p.name.startswith("."))
     journals = [name for name in kept if name.endswith(".partial")]
     if journals:  # dflash.data.regenerate's journals
@@ -225,6 +237,7 @@ def _refuse_a_resume_before_the_first_checkpoint(out: Path) -> None:
             f"and at its end), so --resume has nothing to continue; start the same run again without --resume "
             f"(it reuses what it kept: {', '.join(kept)})"
         )
+    raise CheckpointError(f"{flag}: holds no run (no {SAVED_CONFIG_NAME}, no {CHECKPOINTS_DIR}/); {no_run}")
 
 
 def refuse_existing_run(out: Path, *, resume: bool) -> None:

@@ -82,7 +82,7 @@ def _cases(inputs, tmp_path):
         (dict(mask_token_id=10**6), ValueError, "--mask-token-id 1000000 is not a token of the target"),
         (dict(seq_len=4096), ValueError, "--seq-len 4096 is longer than the target's max_position_embeddings 512"),
         (dict(out=str(run)), ValueError, "already holds a training run .*step_00000010.*--resume"),
-        (dict(out=str(tmp_path / "empty"), resume=True), CheckpointError, "empty: does not exist"),
+        (dict(out=str(tmp_path / "empty"), resume=True), CheckpointError, "--out .*empty: does not exist; --resume"),
         (dict(out=str(a_file)), ValueError, f"--out {a_file} is a file"),
         (dict(device=cuda), ValueError, "--device cuda"),
         (dict(target_devices="cpu", drafter_devices="cpu,cpu"), DeviceSpecError, "write --drafter-devices cpu:0-1"),
@@ -192,6 +192,25 @@ def test_a_step_directory_as_out_is_named_before_any_work(tmp_path):
     (step / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=f"is a checkpoint .*not a run directory.*probably {tmp_path / 'run'}"):
         validate_inputs(TrainConfig(out=str(step), resume=True))
+
+
+def test_a_resume_of_an_out_without_a_run_names_the_flag_and_advice_that_works(tmp_path, monkeypatch):
+    """`--resume` alone said `runs/dflash: does not exist; pass a run directory ... or a step_N directory`:
+    no flag named, and a step_N directory as --out is what --resume refuses (the test above)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("")
+    cases = {
+        "runs/dflash": r"--out runs/dflash \(the default\): does not exist",
+        "empty": r"--out empty: holds no run \(no train_config.json, no checkpoints/\)",
+        "other": r"--out other: holds no run \(no train_config.json, no checkpoints/\)",
+    }
+    for out, problem in cases.items():
+        with pytest.raises(CheckpointError, match=f"^{problem}; --resume continues the run trained into --out: ") as e:
+            validate_inputs(TrainConfig(out=out, resume=True))
+        assert "pass that run's --out (the directory that holds its checkpoints/)" in str(e.value)
+        assert "step_N" not in str(e.value)
 
 
 def test_a_target_file_or_a_hub_id_is_named(inputs, tmp_path):
