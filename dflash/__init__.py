@@ -18,7 +18,8 @@ variables), :mod:`~dflash.masks` (anchors, labels, the DFlash mask), :mod:`~dfla
 :mod:`~dflash.signals` (a clean stop), :mod:`~dflash.export` (a serving directory),
 :mod:`~dflash.compile_watch` (what torch.compile did),
 :mod:`~dflash.profiling` (a step under the profiler), :mod:`~dflash.progress_logging` (log lines
-above progress bars) and :mod:`~dflash.watchdog` (every thread's stack on a hang).
+above progress bars), :mod:`~dflash.log_once` (warnings said once per process) and
+:mod:`~dflash.watchdog` (every thread's stack on a hang).
 """
 
 __version__ = "0.1.0"

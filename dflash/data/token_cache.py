@@ -31,9 +31,10 @@ import torch
 from dflash.data.tokenize import Example, Tokenized, tokenize_conversations, tokenizing_bar
 from dflash.devices import usable_cores
 from dflash.files import atomic_write_bytes, sha256_file
+from dflash.log_once import once_per_process
 from dflash.signals import Stopped, StopRequest
 
-logger = logging.getLogger(__name__)
+logger = once_per_process(logging.getLogger(__name__))
 
 #: Conversations per part (one worker task, one file): a few seconds of work on one core.
 PART_SIZE = 2048

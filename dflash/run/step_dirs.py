@@ -33,9 +33,10 @@ from pathlib import Path
 
 from dflash.drafter.files import CONFIG_NAME, CheckpointError
 from dflash.files import sha256_file
+from dflash.log_once import once_per_process
 from dflash.run.layout import CHECKPOINTS_DIR, LATEST_NAME, MANIFEST_NAME, checkpoints_dir, step_dirs
 
-logger = logging.getLogger(__name__)
+logger = once_per_process(logging.getLogger(__name__))
 
 
 def write_manifest(step_dir: Path, names: Sequence[str]) -> None:

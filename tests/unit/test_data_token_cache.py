@@ -55,6 +55,18 @@ def test_a_resume_reads_the_tokens_instead_of_the_chats(assets, tmp_path, monkey
     assert "16 conversations, 8 longer than seq_len=48 (truncated)" in caplog.text  # as on the first start
 
 
+def test_an_unreadable_part_is_reported_once(tmp_path, caplog):
+    """A resume read the damaged part three times before tokenizing it again, and warned three times."""
+    cache = TokenCache(tmp_path, {"seq_len": 48})
+    cache.dir.mkdir()
+    (cache.dir / "complete.json").write_text(json.dumps({"parts": 1}))
+    (cache.dir / "part_00000.safetensors").write_text("garbage\n")
+    with caplog.at_level(logging.WARNING, logger="dflash.data.token_cache"):
+        assert cache.complete() is None and cache.complete() is None
+    assert caplog.text.count("part_00000.safetensors: unreadable (") == 1, caplog.text
+    assert "tokenizing its conversations again" in caplog.text
+
+
 def test_the_key_follows_the_data_tokenizer_and_settings(assets, tmp_path):
     target = shutil.copytree(assets["target"], tmp_path / "target")
     base = dict(data_sha256="a" * 64, tokenizer_dir=target, seq_len=48, overflow="truncate")
