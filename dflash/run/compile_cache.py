@@ -71,7 +71,7 @@ def load(out: Path) -> bool:
 
 def save(out: Path) -> None:
     """Write this process's compile artifacts so far to ``out/compile_cache.bin`` (atomically;
-    nothing when there are none, e.g. an eager run), and Triton's autotune results
+    nothing when there are none, e.g. an eager run, or when the file already holds them), and Triton's autotune results
     (:func:`save_autotune`). A failure is logged, never raised: the run goes on, and a resume
     compiles again."""
     save_autotune(out)
@@ -84,6 +84,8 @@ def save(out: Path) -> None:
         if artifacts is None:
             return
         data, info = artifacts
+        if path.is_file() and path.read_bytes() == data:  # nothing compiled since the last save, or the load
+            return
         atomic_write_bytes(path, data)
     except Exception as e:  # a cache must never stop training; the warning names what failed
         logger.warning("%s: not written (%s: %s); a resume compiles the drafter step again", path, type(e).__name__, e)

@@ -7,8 +7,10 @@ import base64
 import hashlib
 import json
 import logging
+import types
 
 import pytest
+import torch
 
 from dflash.run import compile_cache
 from dflash.run.layout import AUTOTUNE_NAME, is_run_file
@@ -79,3 +81,16 @@ def test_without_triton_nothing_is_written_or_read(tmp_path, monkeypatch):
     assert compile_cache.save_autotune(tmp_path) == 0 and not (tmp_path / AUTOTUNE_NAME).exists()
     (tmp_path / AUTOTUNE_NAME).write_text(json.dumps({f"{KEY}/k.autotune.json": "{}"}))
     assert compile_cache.load_autotune(tmp_path) == 0
+
+
+def test_artifacts_saved_again_unchanged_are_not_written_or_logged_again(tmp_path, monkeypatch, caplog):
+    """Saved after step 1 and with each checkpoint: `compile artifacts saved` was logged again for the same ones."""
+    _host(monkeypatch, None)
+    info = types.SimpleNamespace(artifacts={"inductor": ["a", "b"]})
+    artifacts = [b"step 1", b"step 1", b"step 1 and a recompile"]
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (artifacts.pop(0), info))
+    with caplog.at_level(logging.INFO, logger="dflash.run.compile_cache"):
+        for _ in range(3):
+            compile_cache.save(tmp_path)
+    assert caplog.text.count("compile artifacts saved to") == 2, caplog.text  # the first, then the changed
+    assert (tmp_path / compile_cache.CACHE_NAME).read_bytes() == b"step 1 and a recompile"
