@@ -148,7 +148,8 @@ def check_resume_config(saved: dict, current: TrainConfig, where: Path, *, warn:
     if shape != {k: getattr(current, k) for k in SHAPE_FIELDS}:
         # A run saves its settled config, so only one saved before the rule of dflash.run.drafter_shape
         # existed can have left a shape field empty: it is filled by the rule, as the current one was.
-        saved |= {k: getattr(resolve_drafter_shape(dataclasses.replace(current, **shape)), k) for k in SHAPE_FIELDS}
+        resolved = resolve_drafter_shape(dataclasses.replace(current, **shape))  # once: it reads (and verifies) files
+        saved |= {k: getattr(resolved, k) for k in SHAPE_FIELDS}
     values = current.to_dict()
     changed = [k for k in _changed(saved, values) if k not in INPUT_PATHS]
     changed += [k for k in INPUT_PATHS if not same_input(saved.get(k), getattr(current, k), warn=warn)]
