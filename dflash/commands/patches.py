@@ -26,8 +26,9 @@ def _status(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(f"torch {report['torch_version']}; startup hook {'active' if report['hook_active'] else 'NOT active'}")
-        if env_problem():
-            print(f"  {env_problem()}")
+        problem = env_problem()
+        if problem:
+            print(f"  {problem}")
         width = max(len(p["name"]) for p in report["patches"])
         reasons = [p["reason"] for p in report["patches"]]
         # A long reason shared by several patches (torch imported first, hook disabled) is printed once.
